@@ -1,0 +1,161 @@
+"""``ds4x`` command line: generate, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ds4x import __version__
+from ds4x.config import ConfigError
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text (or token ids) from a prompt")
+    p.add_argument("-m", "--model", default="tiny",
+                   help="checkpoint directory or preset (default: tiny, the embedded default model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text")
+    src.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids, e.g. 1,2,3")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top probability")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size of the session (default 4096)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache", default="native", choices=["float", "native"],
+                   help="attention history semantics: native (official FP8/MXFP4, default) or float")
+    p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to a text prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument("--dump-logits", metavar="FILE.json", default=None,
+                   help="write prompt ids, generated ids and the full logits of every generated token")
+    p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="print a model's config, parameter counts and weight bytes")
+    p.add_argument("model", help="checkpoint directory or preset (tiny, flash)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4x", description="DeepSeek-V4 inference runtime")
+    parser.add_argument("--version", action="version", version=f"ds4x {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_inspect(sub)
+    return parser
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ds4x.runtime.engine import Engine, GenerationStats
+    from ds4x.runtime.sampling import SamplingParams
+    from ds4x.runtime.tokenizer import TextStream
+
+    if args.max_tokens < 0:
+        raise ValueError(f"-n/--max-tokens must be >= 0, got {args.max_tokens}")
+    if args.ctx <= 0:
+        raise ValueError(f"--ctx must be positive, got {args.ctx}")
+    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed)
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    tok = engine.tokenizer
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids)
+    else:
+        if tok is None:
+            raise ValueError(f"model {args.model} has no tokenizer (no tokenizer.json); use --prompt-ids")
+        prompt = tok.encode(args.prompt if args.prompt is not None else "")
+        if tok.bos_id is not None and not args.no_bos:
+            prompt = [tok.bos_id, *prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; give -p TEXT or --prompt-ids")
+    session = engine.new_session(ctx=args.ctx, cache=args.cache, prefill_chunk=args.prefill_chunk)
+    stats = GenerationStats()
+    stream = TextStream(tok) if tok is not None and args.prompt_ids is None else None
+    generated: list[int] = []
+    logits_rows: list[list[float]] = []
+    stop = () if args.ignore_eos else None
+    out = sys.stdout
+    for token, logits in session.generate(prompt, args.max_tokens, params, stop_ids=stop, stats=stats):
+        generated.append(token)
+        if args.dump_logits:
+            logits_rows.append(logits.float().cpu().tolist())
+        if stream is not None:
+            out.write(stream.push(token))
+        else:
+            out.write(f"{token} ")
+        out.flush()
+    if stream is not None:
+        out.write(stream.flush())
+    out.write("\n")
+    out.flush()
+    if args.dump_logits:
+        Path(args.dump_logits).write_text(json.dumps(
+            {"prompt_ids": prompt, "generated_ids": generated, "logits": logits_rows}))
+    if not args.quiet:
+        pf = stats.prompt_tokens / stats.prefill_s if stats.prefill_s else 0.0
+        dec = (stats.generated - 1) / stats.decode_s if stats.decode_s and stats.generated > 1 else 0.0
+        print(f"[ds4x] prompt {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({pf:.1f} tok/s); "
+              f"generated {stats.generated} tok ({dec:.1f} tok/s decode); stop: {stats.stop_reason}; "
+              f"cache {args.cache}, device {engine.model.device}, dtype {args.dtype}", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ds4x.runtime.inspect import describe_model
+
+    report = describe_model(args.model)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    cfg = report["config"]
+    print(f"model: {args.model}")
+    print(f"layers: {cfg['num_layers']} ({report['schedule']}), hidden {cfg['hidden_size']}, "
+          f"heads {cfg['num_heads']} x {cfg['head_dim']}, vocab {cfg['vocab_size']}")
+    print(f"experts: {cfg['n_routed_experts']} routed (top-{cfg['n_experts_per_tok']}) + "
+          f"{cfg['n_shared_experts']} shared, intermediate {cfg['moe_intermediate_size']}, "
+          f"hash layers {cfg['num_hash_layers']}")
+    print(f"parameters: {report['params_total']:,} total, {report['params_active']:,} active per token")
+    print("weights by tensor type:")
+    for dtype, row in report["bytes_by_dtype"].items():
+        print(f"  {dtype:>14}: {row['tensors']:6d} tensors, {row['params']:>16,} params, "
+              f"{row['bytes'] / 2**30:10.3f} GiB")
+    print(f"  {'total':>14}: {report['bytes_total'] / 2**30:.3f} GiB")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="[ds4x] %(message)s", stream=sys.stderr)
+    try:
+        return cmd_generate(args) if args.command == "generate" else cmd_inspect(args)
+    except (ValueError, FileNotFoundError, ConfigError, OSError) as exc:
+        print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Triton kernels for the packed KV / indexer rows (GPU fast path of rows.py).
+
+Bit-identical to :mod:`ds4x.formats.rows` (the torch reference) and to
+:mod:`ds4x.formats.scalar_reference`. ``ds4x.formats`` imports this module only when a
+``*_triton`` name is first accessed, and this module imports without triton too (the
+functions then raise a clear error when called), so ``ds4x`` never needs triton.
+
+How they stay bit-exact on any backend (GPU or ``TRITON_INTERPRET=1``):
+
+* Scales come from float bits (official ``fast_log2_ceil``), never from log2/exp2.
+* ``x / 2**e`` is computed as ``x * 2**-e`` with ``2**-e`` built from bits: the same
+  real number, so the same correctly rounded float32, and it avoids Triton's default
+  fp32 division (``div.full.f32``, not correctly rounded).
+* Rounding to E4M3 / E2M1 is integer arithmetic on the float32 bits (round half to
+  even), not a float8 conversion instruction, so it needs no fp8 hardware and runs
+  in the interpreter.
+* Decoding builds float32 bit patterns directly; the dequantizing product is a
+  power-of-two multiply, exact (subnormal results included; Triton does not flush
+  denormals for a plain fp32 multiply).
+
+Each program handles ``BLOCK_ROWS`` rows. Inputs are made contiguous float32
+``[N, width]`` / uint8 ``[N, bytes]``; any leading shape is accepted and restored.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+
+from .rows import (
+    INDEXER_DIM,
+    INDEXER_ROW_BYTES,
+    KV_DIM,
+    KV_ROW_BYTES,
+    _check_byte_rows,
+    _check_float_rows,
+    check_indexer_input,
+    check_kv_input,
+)
+
+__all__ = [
+    "pack_kv_rows_triton",
+    "unpack_kv_rows_triton",
+    "pack_indexer_rows_triton",
+    "unpack_indexer_rows_triton",
+]
+
+BLOCK_ROWS = 16
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+# triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported.
+# Remember the mode; a call made in the other mode loads a private copy of this file
+# (see _kernels), so interpreter and compiled kernels can coexist in one process.
+def _interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_DEFINED_INTERPRETED = _interpret_mode()
+_MODULES: dict[bool, Any] = {}
+
+
+if HAVE_TRITON:
+    # The kernels live at module level because Triton (compiler and interpreter alike)
+    # resolves the helper functions a kernel calls through the module's globals.
+
+    @triton.jit
+    def _pow2(e):
+        # 2**e from bits; e int32 in [-126, 127].
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _ue8m0_decode(b):
+        # UE8M0 byte (int32 0..255) -> float32: 0 -> 2**-127 (subnormal), 255 -> NaN.
+        bits = b << 23
+        bits = tl.where(b == 0, 0x00400000, bits)
+        bits = tl.where(b == 255, 0x7FC00000, bits)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _block_exponent(v, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
+        # v [R, B] float32 -> (e [R] int32, bad [R] bool). e = ceil(log2(fp32(max(amax, FLOOR)
+        # * fp32(INV_MAX)))) from the bits; bad blocks (NaN/Inf) get e = 128.
+        a = tl.abs(v)
+        nonfinite = (v != v) | (a == float("inf"))
+        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
+        amax = tl.max(tl.where(nonfinite, 0.0, a), axis=1)
+        t = tl.maximum(amax, FLOOR) * INV_MAX
+        tb = t.to(tl.int32, bitcast=True)
+        e = ((tb >> 23) & 0xFF) - 127 + ((tb & 0x7FFFFF) != 0).to(tl.int32)
+        e = tl.where(bad, 128, e)
+        return e, bad
+
+    @triton.jit
+    def _round_code(a, MB: tl.constexpr, BIAS: tl.constexpr):
+        # Magnitude code of float32 a (0 <= a <= format max) in a minifloat with MB mantissa
+        # bits and exponent bias BIAS, round half to even. Normal range: round the float32
+        # bits at mantissa bit (23 - MB); a carry moves into the exponent naturally.
+        # Subnormal range (a < 2**(1 - BIAS)): code = RNE(a / 2**(1 - BIAS - MB)) done on
+        # the integer significand.
+        u = a.to(tl.int32, bitcast=True)
+        ef = u >> 23
+        lsb = (u >> (23 - MB)) & 1
+        code_n = ((u + ((1 << (22 - MB)) - 1) + lsb) >> (23 - MB)) - ((127 - BIAS) << MB)
+        m = (u & 0x7FFFFF) | tl.where(ef > 0, 0x800000, 0)
+        sh = (151 - BIAS - MB) - tl.maximum(ef, 1)
+        sh = tl.minimum(tl.maximum(sh, 1), 30)  # >= 26 already rounds to 0; keeps shifts defined
+        one = tl.full(sh.shape, 1, tl.int32)
+        qi = m >> sh
+        rem = m & ((one << sh) - 1)
+        half = one << (sh - 1)
+        up = (rem > half) | ((rem == half) & ((qi & 1) == 1))
+        code_s = qi + up.to(tl.int32)
+        return tl.where(ef >= 128 - BIAS, code_n, code_s)
+
+    @triton.jit
+    def _sign(v):
+        return (v.to(tl.int32, bitcast=True) >> 31) & 1
+
+    @triton.jit
+    def _e4m3_value(c):
+        # E4M3FN byte (int32 0..255) -> float32 (NaN for 0x7F/0xFF, -0.0 for 0x80).
+        s = (c >> 7) & 1
+        ef = (c >> 3) & 0xF
+        mf = c & 0x7
+        sub_bits = (mf.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2**-9, exact
+        bits = tl.where(ef == 0, sub_bits, ((ef + 120) << 23) | (mf << 20))
+        bits = tl.where((ef == 15) & (mf == 7), 0x7FC00000, bits)
+        return (bits | (s << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1_value(c):
+        # E2M1 code (int32 0..15) -> float32 (code 8 -> -0.0).
+        s = (c >> 3) & 1
+        ef = (c >> 1) & 0x3
+        mf = c & 0x1
+        bits = tl.where(ef == 0, tl.where(mf == 1, 0x3F000000, 0), ((ef + 126) << 23) | (mf << 22))
+        return (bits | (s << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def pack_kv_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        m2 = rmask[:, None]
+        cols = tl.arange(0, 64)
+        rows64 = rows.to(tl.int64)
+        x_row = x_ptr + rows64[:, None] * 512
+        o_row = out_ptr + rows64[:, None] * 583
+        for b in tl.static_range(7):
+            v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0)
+            e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)
+            inv = _pow2(tl.where(bad, 0, -e))
+            a = tl.minimum(tl.abs(v) * inv[:, None], 448.0)
+            code = _round_code(a, 3, 7) | (_sign(v) << 7)
+            code = tl.where(bad[:, None], 0, code)
+            tl.store(o_row + b * 64 + cols[None, :], code.to(tl.uint8), mask=m2)
+            tl.store(out_ptr + rows64 * 583 + 576 + b, (e + 127).to(tl.uint8), mask=rmask)
+        r = tl.load(x_row + 448 + cols[None, :], mask=m2, other=0.0)
+        h = r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        tl.store(o_row + 448 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
+        tl.store(o_row + 449 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
+
+    @triton.jit
+    def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        m2 = rmask[:, None]
+        cols = tl.arange(0, 64)
+        rows64 = rows.to(tl.int64)
+        i_row = in_ptr + rows64[:, None] * 583
+        o_row = out_ptr + rows64[:, None] * 512
+        for b in tl.static_range(7):
+            c = tl.load(i_row + b * 64 + cols[None, :], mask=m2, other=0).to(tl.int32)
+            sb = tl.load(in_ptr + rows64 * 583 + 576 + b, mask=rmask, other=127).to(tl.int32)
+            val = _e4m3_value(c) * _ue8m0_decode(sb)[:, None]
+            tl.store(o_row + b * 64 + cols[None, :], val, mask=m2)
+        lo = tl.load(i_row + 448 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
+        hi = tl.load(i_row + 449 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
+        h = (lo | (hi << 8)).to(tl.int16)
+        tl.store(o_row + 448 + cols[None, :], h.to(tl.float16, bitcast=True).to(tl.float32), mask=m2)
+
+    @triton.jit
+    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        # Even and odd elements are loaded as separate [R, 16] tiles per 32-value block, so
+        # element 2i (low nibble) and 2i+1 (high nibble) meet in one byte without shuffles.
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        m2 = rmask[:, None]
+        j = tl.arange(0, 16)
+        rows64 = rows.to(tl.int64)
+        x_row = x_ptr + rows64[:, None] * 128
+        o_row = out_ptr + rows64[:, None] * 68
+        for b in tl.static_range(4):
+            ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0)
+            vo = tl.load(x_row + b * 32 + 2 * j[None, :] + 1, mask=m2, other=0.0)
+            e0, bad0 = _block_exponent(ve, 6.0 * 2.0**-126, 1.0 / 6.0)
+            e1, bad1 = _block_exponent(vo, 6.0 * 2.0**-126, 1.0 / 6.0)
+            # block exponent = exponent of the larger half (ceil-log2 is monotone in amax)
+            bad = bad0 | bad1
+            e = tl.where(bad, 128, tl.maximum(e0, e1))
+            inv = _pow2(tl.where(bad, 0, -e))
+            ae = tl.minimum(tl.abs(ve) * inv[:, None], 6.0)
+            ao = tl.minimum(tl.abs(vo) * inv[:, None], 6.0)
+            ce = _round_code(ae, 1, 1) | (_sign(ve) << 3)
+            co = _round_code(ao, 1, 1) | (_sign(vo) << 3)
+            byte = tl.where(bad[:, None], 0, ce | (co << 4))
+            tl.store(o_row + b * 16 + j[None, :], byte.to(tl.uint8), mask=m2)
+            tl.store(out_ptr + rows64 * 68 + 64 + b, (e + 127).to(tl.uint8), mask=rmask)
+
+    @triton.jit
+    def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < n_rows
+        m2 = rmask[:, None]
+        j = tl.arange(0, 16)
+        rows64 = rows.to(tl.int64)
+        i_row = in_ptr + rows64[:, None] * 68
+        o_row = out_ptr + rows64[:, None] * 128
+        for b in tl.static_range(4):
+            byte = tl.load(i_row + b * 16 + j[None, :], mask=m2, other=0).to(tl.int32)
+            sb = tl.load(in_ptr + rows64 * 68 + 64 + b, mask=rmask, other=127).to(tl.int32)
+            scale = _ue8m0_decode(sb)[:, None]
+            tl.store(o_row + b * 32 + 2 * j[None, :], _e2m1_value(byte & 0xF) * scale, mask=m2)
+            tl.store(o_row + b * 32 + 2 * j[None, :] + 1, _e2m1_value(byte >> 4) * scale, mask=m2)
+
+
+def _kernels() -> Any:
+    """The module whose kernels match the current TRITON_INTERPRET mode."""
+    if not HAVE_TRITON:
+        raise RuntimeError("ds4x.formats.rows_triton needs the 'triton' package (pip install triton)")
+    mode = _interpret_mode()
+    if mode == _DEFINED_INTERPRETED:
+        return sys.modules[__name__]
+    mod = _MODULES.get(mode)
+    if mod is None:
+        name = f"{__name__}_{'interp' if mode else 'jit'}"
+        spec = importlib.util.spec_from_file_location(name, __file__)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # inspect (used by Triton to read kernel source) looks modules up here
+        spec.loader.exec_module(mod)
+        _MODULES[mode] = mod
+    return mod
+
+
+def _check_device(t: torch.Tensor, fn: str) -> None:
+    if t.device.type != "cuda" and not _interpret_mode():
+        raise ValueError(
+            f"{fn}: Triton kernels need a CUDA tensor (got {t.device}); use the torch version in "
+            f"ds4x.formats.rows, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"
+        )
+
+
+def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int) -> None:
+    mod = _kernels()
+    if n_rows == 0:
+        return
+    grid = ((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)
+    getattr(mod, name)[grid](src, out, n_rows, BLOCK_R=BLOCK_ROWS)
+
+
+def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.pack_kv_rows`: ``[..., 512]`` float -> ``uint8 [..., 583]``."""
+    fn = "pack_kv_rows_triton"
+    x32 = check_kv_input(x, fn) if validate else _check_float_rows(x, KV_DIM, fn)
+    _check_device(x32, fn)
+    lead = x32.shape[:-1]
+    src = x32.reshape(-1, KV_DIM).contiguous()
+    out = torch.empty((src.shape[0], KV_ROW_BYTES), dtype=torch.uint8, device=src.device)
+    _launch("pack_kv_kernel", src, out, src.shape[0])
+    return out.reshape(*lead, KV_ROW_BYTES)
+
+
+def unpack_kv_rows_triton(rows: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.unpack_kv_rows`: ``uint8 [..., 583]`` -> float32 ``[..., 512]``."""
+    fn = "unpack_kv_rows_triton"
+    _check_byte_rows(rows, KV_ROW_BYTES, fn)
+    _check_device(rows, fn)
+    lead = rows.shape[:-1]
+    src = rows.reshape(-1, KV_ROW_BYTES).contiguous()
+    out = torch.empty((src.shape[0], KV_DIM), dtype=torch.float32, device=src.device)
+    _launch("unpack_kv_kernel", src, out, src.shape[0])
+    return out.reshape(*lead, KV_DIM)
+
+
+def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.pack_indexer_rows`: ``[..., 128]`` float -> ``uint8 [..., 68]``."""
+    fn = "pack_indexer_rows_triton"
+    x32 = check_indexer_input(x, fn) if validate else _check_float_rows(x, INDEXER_DIM, fn)
+    _check_device(x32, fn)
+    lead = x32.shape[:-1]
+    src = x32.reshape(-1, INDEXER_DIM).contiguous()
+    out = torch.empty((src.shape[0], INDEXER_ROW_BYTES), dtype=torch.uint8, device=src.device)
+    _launch("pack_indexer_kernel", src, out, src.shape[0])
+    return out.reshape(*lead, INDEXER_ROW_BYTES)
+
+
+def unpack_indexer_rows_triton(rows: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.unpack_indexer_rows`: ``uint8 [..., 68]`` -> float32 ``[..., 128]``."""
+    fn = "unpack_indexer_rows_triton"
+    _check_byte_rows(rows, INDEXER_ROW_BYTES, fn)
+    _check_device(rows, fn)
+    lead = rows.shape[:-1]
+    src = rows.reshape(-1, INDEXER_ROW_BYTES).contiguous()
+    out = torch.empty((src.shape[0], INDEXER_DIM), dtype=torch.float32, device=src.device)
+    _launch("unpack_indexer_kernel", src, out, src.shape[0])
+    return out.reshape(*lead, INDEXER_DIM)

@@ -1,0 +1,48 @@
+"""Manifold-constrained hyper-connections (mHC): n residual streams mixed around every block.
+
+Before a block, a one-layer perceptron over the normalised streams gives three things: ``pre``
+(collapse weights, n), ``post`` (expand weights, n) and ``comb`` (n x n stream mixing, projected
+onto doubly-stochastic matrices by Sinkhorn-Knopp). All of it runs in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4x.config import ModelConfig
+from ds4x.model.norms import rms_norm
+
+
+def hc_pre(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n])."""
+    n = cfg.hc_mult
+    flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
+    mixes = flat @ fn.float().t()
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + cfg.hc_eps
+    eps = cfg.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            cfg: ModelConfig) -> torch.Tensor:
+    """Final collapse of the n streams [T, n, H] -> [T, H]."""
+    flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
+    pre = torch.sigmoid((flat @ fn.float().t()) * scale.float() + base.float()) + cfg.hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,180 @@
+"""Engine (a model loaded once) and Session (one conversation: prefill, decode, sample, rewind)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds4x.config import PRESETS, ModelConfig
+from ds4x.model.transformer import Transformer
+from ds4x.runtime.sampling import SamplingParams, sample
+from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from ds4x.weights.checkpoint import load_checkpoint
+from ds4x.weights.synthetic import synthetic_weights
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MODEL = "tiny"
+# Presets that are synthesized in memory; Flash's 284B parameters cannot be (use a checkpoint).
+_SYNTHESIZABLE = {"tiny"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+@dataclass
+class Engine:
+    cfg: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer | None
+    name: str
+
+    @classmethod
+    def load(cls, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "float32",
+             seed: int = 0) -> Engine:
+        """A preset name (synthetic weights from ``seed``) or a checkpoint directory."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dev, dt = resolve_device(device), DTYPES[dtype]
+        tokenizer: Tokenizer | None
+        if model in PRESETS:
+            if model not in _SYNTHESIZABLE:
+                raise ValueError(
+                    f"preset {model!r} is too large to synthesize here; load a checkpoint directory "
+                    f"(`ds4x inspect {model}` shows its plan)"
+                )
+            cfg = PRESETS[model](ByteTokenizer.vocab_size)
+            weights = synthetic_weights(cfg, seed=seed, dtype=dt, device=dev)
+            tokenizer = ByteTokenizer()
+        else:
+            path = Path(model)
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path"
+                )
+            cfg, weights = load_checkpoint(path, dtype=dt, device=dev)
+            tokenizer = None
+            if (path / "tokenizer.json").is_file():
+                tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
+        log.info("model %s: %s layers (%s), device %s, dtype %s, kernels: torch reference",
+                 model, cfg.num_layers, cfg.layer_summary(), dev, dtype)
+        return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
+
+    def new_session(self, ctx: int = 4096, cache: str = "native", prefill_chunk: int = 512) -> Session:
+        if ctx > self.cfg.max_position_embeddings:
+            raise ValueError(f"context {ctx} exceeds the model's max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        return Session(self, self.model.new_cache(ctx, cache), prefill_chunk)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    stop_reason: str = ""
+
+
+@dataclass
+class Session:
+    engine: Engine
+    cache: object
+    prefill_chunk: int = 512
+    tokens: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # next-token logits after the last evaluated token
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk <= 0:
+            raise ValueError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+
+    @property
+    def ctx(self) -> int:
+        return self.cache.ctx  # type: ignore[attr-defined]
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(self.tokens) + len(ids) > self.ctx:
+            raise ValueError(f"context overflow: {len(self.tokens)} held + {len(ids)} new tokens > "
+                             f"context size {self.ctx}")
+
+    def prefill(self, ids: list[int], chunk: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """Evaluate ``ids`` after what the session holds, ``chunk`` tokens at a time; return next logits."""
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        self._check_ids(ids)
+        step = chunk or self.prefill_chunk
+        for start in range(0, len(ids), step):
+            part = ids[start : start + step]
+            self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache)
+            self.tokens.extend(part)
+            if progress:
+                progress(start + len(part), len(ids))
+        assert self.logits is not None
+        return self.logits
+
+    def step(self, token: int) -> torch.Tensor:
+        """Decode one token; return the next logits."""
+        return self.prefill([token], chunk=1)
+
+    def rewind(self, length: int) -> None:
+        """Forget everything after the first ``length`` tokens (the next logits are recomputed)."""
+        if not 0 <= length <= len(self.tokens):
+            raise ValueError(f"cannot rewind to {length}: the session holds {len(self.tokens)} tokens")
+        if length == len(self.tokens):
+            return
+        keep = self.tokens[:length]
+        self.cache.rewind(max(length - 1, 0))  # type: ignore[attr-defined]
+        self.tokens = keep[:-1]
+        self.logits = None
+        if keep:
+            self.step(keep[-1])
+
+    def generate(self, prompt: list[int], max_new: int, params: SamplingParams | None = None,
+                 stop_ids: tuple[int, ...] | None = None, stats: GenerationStats | None = None,
+                 ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Prefill ``prompt`` then yield (token, logits it was drawn from) until EOS or ``max_new``."""
+        if max_new < 0:
+            raise ValueError(f"token budget must be >= 0, got {max_new}")
+        params = params if params is not None else SamplingParams()
+        stop = self.engine.cfg.eos_token_ids if stop_ids is None else stop_ids
+        stats = stats if stats is not None else GenerationStats()
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        if gen is None and not params.greedy:
+            gen = torch.Generator().manual_seed(torch.seed())
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt) if prompt else self.logits
+        if logits is None:
+            raise ValueError("nothing to continue from: give a prompt")
+        stats.prompt_tokens, stats.prefill_s = len(prompt), time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stats.stop_reason = "length"
+        for i in range(max_new):
+            token = sample(logits, params, gen)
+            yield token, logits
+            stats.generated = i + 1
+            if token in stop:
+                stats.stop_reason = "eos"
+                break
+            if len(self.tokens) >= self.ctx:
+                stats.stop_reason = "context"
+                break
+            if i + 1 < max_new:
+                logits = self.step(token)
+        stats.decode_s = time.perf_counter() - t0
