@@ -21,6 +21,7 @@ def test_official_and_transformers_spellings_agree():
     official = cfg.to_hf_dict()
     official.pop("layer_types")
     official.pop("compress_rates")
+    official.pop("mlp_layer_types")
     assert config_from_dict(official) == cfg
     hf = dict(official)
     hf.pop("compress_ratios")
@@ -64,6 +65,9 @@ def test_transformers_config_json_round_trip(tmp_path):
         ({"rope_scaling": {"type": "yarn", "factor": 4}}, "original_max_position_embeddings"),
         ({"eos_token_id": 10**6}, "eos_token_id"),
         ({"scoring_func": "relu"}, "scoring_func"),
+        ({"n_shared_experts": 2}, "n_shared_experts"),
+        ({"mlp_layer_types": ["moe"] * 5}, "mlp_layer_types"),
+        ({"mlp_layer_types": ["dense"] * 6}, "mlp_layer_types"),
     ],
 )
 def test_bad_config_names_the_field(change, field):
@@ -87,6 +91,13 @@ def test_missing_field_and_bad_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match="JSON object"):
         load_config(tmp_path)
+
+
+def test_hash_layers_anywhere_in_the_schedule():
+    d = tiny_config().to_hf_dict()
+    d["mlp_layer_types"] = ["moe", "hash_moe", "moe", "hash_moe", "moe", "moe"]
+    cfg = config_from_dict(d)
+    assert [cfg.is_hash_layer(i) for i in range(6)] == [False, True, False, True, False, False]
 
 
 def test_native_cache_refused_for_odd_widths():

@@ -60,7 +60,7 @@ class ModelConfig:
     # per layer: attention kind (sliding/csa/hca) and compression ratio (0 for sliding)
     attn_kinds: tuple[str, ...]
     compress_ratios: tuple[int, ...]
-    num_hash_layers: int
+    mlp_hash: tuple[bool, ...]  # per layer: routed by the fixed tid2eid table (hash) instead of scores
     sliding_window: int = 128
     index_n_heads: int = 64
     index_head_dim: int = 128
@@ -71,7 +71,6 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     swiglu_limit: float = 10.0
     scoring_func: str = "sqrtsoftplus"
-    norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
@@ -90,8 +89,12 @@ class ModelConfig:
     def nope_head_dim(self) -> int:
         return self.head_dim - self.rope_head_dim
 
+    @property
+    def num_hash_layers(self) -> int:
+        return sum(self.mlp_hash)
+
     def is_hash_layer(self, layer: int) -> bool:
-        return layer < self.num_hash_layers
+        return self.mlp_hash[layer]
 
     def layer_summary(self) -> str:
         """Compact schedule, e.g. 'sliding x2, csa/4 x21, hca/128 x20'."""
@@ -126,8 +129,10 @@ class ModelConfig:
                 f"config field 'num_experts_per_tok' ({self.n_experts_per_tok}) exceeds "
                 f"n_routed_experts ({self.n_routed_experts})"
             )
-        if self.n_shared_experts not in (0, 1):
-            raise ConfigError(f"config field 'n_shared_experts' must be 0 or 1, got {self.n_shared_experts}")
+        # transformers and the official model both build exactly one shared expert of width
+        # moe_intermediate_size; a config that says otherwise describes another architecture.
+        if self.n_shared_experts != 1:
+            raise ConfigError(f"config field 'n_shared_experts' must be 1 for DeepSeek-V4, got {self.n_shared_experts}")
         if len(self.attn_kinds) != self.num_layers:
             raise ConfigError(
                 f"config field 'layer_types'/'compress_ratios' has {len(self.attn_kinds)} entries, "
@@ -143,9 +148,9 @@ class ModelConfig:
                 raise ConfigError(f"config field 'layer_types[{i}]' has unknown kind {kind!r}")
             if (kind == SLIDING) != (ratio == 0) or ratio < 0:
                 raise ConfigError(f"config field 'compress_ratios[{i}]' = {ratio} does not fit layer kind {kind}")
-        if not 0 <= self.num_hash_layers <= self.num_layers:
+        if len(self.mlp_hash) != self.num_layers:
             raise ConfigError(
-                f"config field 'num_hash_layers' must be in [0, {self.num_layers}], got {self.num_hash_layers}"
+                f"config field 'mlp_layer_types' has {len(self.mlp_hash)} entries for {self.num_layers} layers"
             )
         if CSA in self.attn_kinds:
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
@@ -210,6 +215,7 @@ class ModelConfig:
             "layer_types": [_TO_HF_LAYER_TYPES[k] for k in self.attn_kinds],
             **({"compress_rates": rates} if (rates := self._uniform_rates()) is not None else {}),
             "num_hash_layers": self.num_hash_layers,
+            "mlp_layer_types": ["hash_moe" if h else "moe" for h in self.mlp_hash],
             "sliding_window": self.sliding_window,
             "index_n_heads": self.index_n_heads,
             "index_head_dim": self.index_head_dim,
@@ -220,7 +226,6 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "swiglu_limit": self.swiglu_limit,
             "scoring_func": self.scoring_func,
-            "norm_topk_prob": self.norm_topk_prob,
             "routed_scaling_factor": self.routed_scaling_factor,
             "rope_theta": self.rope_theta,
             "compress_rope_theta": self.compress_rope_theta,
@@ -358,12 +363,12 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
         for i, t in enumerate(mlp[:n_layers]):
             if t not in _HF_MLP_TYPES:
                 raise ConfigError(f"config field 'mlp_layer_types[{i}]' = {t!r} is not one of {_HF_MLP_TYPES}")
-        n_hash = sum(1 for t in mlp[:n_layers] if t == "hash_moe")
-        if any(t == "hash_moe" for t in mlp[n_hash:n_layers]):
-            raise ConfigError("config field 'mlp_layer_types': hash_moe layers must come first")
+        mlp_hash = tuple(t == "hash_moe" for t in mlp[:n_layers])
     else:
         n_hash = _as_int(d.get("num_hash_layers", 3), "num_hash_layers")
-        n_hash = min(n_hash, n_layers)
+        if n_hash < 0:
+            raise ConfigError(f"config field 'num_hash_layers' must be >= 0, got {n_hash}")
+        mlp_hash = tuple(i < n_hash for i in range(n_layers))
 
     # rope
     compress_scaling: YarnScaling | None
@@ -400,7 +405,7 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
                                           "moe_intermediate_size"),
             attn_kinds=tuple(kinds),
             compress_ratios=tuple(ratios),
-            num_hash_layers=n_hash,
+            mlp_hash=mlp_hash,
             sliding_window=_as_int(d.get("sliding_window", 128), "sliding_window"),
             index_n_heads=_as_int(d.get("index_n_heads", 64), "index_n_heads"),
             index_head_dim=_as_int(d.get("index_head_dim", 128), "index_head_dim"),
@@ -411,7 +416,6 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             swiglu_limit=float(d.get("swiglu_limit", 10.0)),
             scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
             rope_theta=rope_theta,
             compress_rope_theta=compress_theta,
@@ -454,7 +458,7 @@ def flash_config() -> ModelConfig:
         q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256, n_shared_experts=1,
         n_experts_per_tok=6, moe_intermediate_size=2048,
         attn_kinds=tuple(SLIDING if r == 0 else CSA if r == 4 else HCA for r in _FLASH_RATIOS),
-        compress_ratios=_FLASH_RATIOS, num_hash_layers=3, sliding_window=128, index_n_heads=64,
+        compress_ratios=_FLASH_RATIOS, mlp_hash=(True,) * 3 + (False,) * 40, sliding_window=128, index_n_heads=64,
         index_head_dim=128, index_topk=512, compress_rope_scaling=YarnScaling(16.0, 65536, 32.0, 1.0),
         num_mtp_layers=1,
     )
@@ -468,8 +472,9 @@ def tiny_config(vocab_size: int = 512) -> ModelConfig:
         rope_head_dim=64, q_lora_rank=64, o_groups=4, o_lora_rank=32, n_routed_experts=8, n_shared_experts=1,
         n_experts_per_tok=2, moe_intermediate_size=64,
         attn_kinds=tuple(SLIDING if r == 0 else CSA if r == 4 else HCA for r in ratios),
-        compress_ratios=ratios, num_hash_layers=2, sliding_window=16, index_n_heads=16, index_head_dim=128,
-        index_topk=6, compress_rope_scaling=YarnScaling(4.0, 256, 32.0, 1.0), max_position_embeddings=8192,
+        compress_ratios=ratios, mlp_hash=(True, True) + (False,) * 4, sliding_window=16, index_n_heads=16,
+        index_head_dim=128, index_topk=6, compress_rope_scaling=YarnScaling(4.0, 256, 32.0, 1.0),
+        max_position_embeddings=8192,
     )
 
 

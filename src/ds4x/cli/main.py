@@ -25,7 +25,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top probability")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size of the session (default 4096)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context size of the session (default: 4096, or the model's maximum if smaller)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -71,7 +72,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 0:
         raise ValueError(f"-n/--max-tokens must be >= 0, got {args.max_tokens}")
-    if args.ctx <= 0:
+    if args.ctx is not None and args.ctx <= 0:
         raise ValueError(f"--ctx must be positive, got {args.ctx}")
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             seed=args.seed)
@@ -132,7 +133,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"heads {cfg['num_heads']} x {cfg['head_dim']}, vocab {cfg['vocab_size']}")
     print(f"experts: {cfg['n_routed_experts']} routed (top-{cfg['n_experts_per_tok']}) + "
           f"{cfg['n_shared_experts']} shared, intermediate {cfg['moe_intermediate_size']}, "
-          f"hash layers {cfg['num_hash_layers']}")
+          f"hash layers {sum(cfg['mlp_hash'])}")
     print(f"parameters: {report['params_total']:,} total, {report['params_active']:,} active per token")
     print("weights by tensor type:")
     for dtype, row in report["bytes_by_dtype"].items():

@@ -260,6 +260,8 @@ def _kernels() -> Any:
 
 
 def _check_device(t: torch.Tensor, fn: str) -> None:
+    if not HAVE_TRITON:
+        raise RuntimeError(f"{fn}: needs the 'triton' package (pip install triton)")
     if t.device.type != "cuda" and not _interpret_mode():
         raise ValueError(
             f"{fn}: Triton kernels need a CUDA tensor (got {t.device}); use the torch version in "

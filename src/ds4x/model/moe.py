@@ -27,9 +27,10 @@ def route(
     else:
         biased = scores + w[prefix + "gate.bias"].to(scores.dtype)
         ids = torch.topk(biased, cfg.n_experts_per_tok, dim=-1).indices
+    # the selected scores are always renormalised (the official model and transformers ignore
+    # norm_topk_prob for V4), then scaled
     weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights * cfg.routed_scaling_factor
 
 
@@ -47,8 +48,6 @@ def moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.
         tok, slot = torch.where(ids == e)
         h = swiglu(linear(x[tok], w1[e]), linear(x[tok], w3[e]), cfg.swiglu_limit)
         out.index_add_(0, tok, (linear(h, w2[e]) * weights[tok, slot, None]).to(out.dtype))
-    if cfg.n_shared_experts:
-        s = prefix + "shared_experts."
-        h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)
-        out = out + linear(h, w[s + "w2.weight"])
-    return out
+    s = prefix + "shared_experts."
+    h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)
+    return out + linear(h, w[s + "w2.weight"])

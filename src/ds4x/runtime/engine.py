@@ -72,7 +72,9 @@ class Engine:
                  model, cfg.num_layers, cfg.layer_summary(), dev, dtype)
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
-    def new_session(self, ctx: int = 4096, cache: str = "native", prefill_chunk: int = 512) -> Session:
+    def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512) -> Session:
+        """A fresh conversation; ``ctx`` defaults to 4096 tokens or the model's maximum if smaller."""
+        ctx = ctx if ctx is not None else min(4096, self.cfg.max_position_embeddings)
         if ctx > self.cfg.max_position_embeddings:
             raise ValueError(f"context {ctx} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")

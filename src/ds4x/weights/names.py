@@ -70,11 +70,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}ffn.experts.w1"] = (E, I, H)
         shapes[f"{p}ffn.experts.w3"] = (E, I, H)
         shapes[f"{p}ffn.experts.w2"] = (E, H, I)
-        if cfg.n_shared_experts:
-            S = I * cfg.n_shared_experts
-            shapes[f"{p}ffn.shared_experts.w1.weight"] = (S, H)
-            shapes[f"{p}ffn.shared_experts.w3.weight"] = (S, H)
-            shapes[f"{p}ffn.shared_experts.w2.weight"] = (H, S)
+        shapes[f"{p}ffn.shared_experts.w1.weight"] = (I, H)
+        shapes[f"{p}ffn.shared_experts.w3.weight"] = (I, H)
+        shapes[f"{p}ffn.shared_experts.w2.weight"] = (H, I)
     return shapes
 
 

@@ -1,0 +1,102 @@
+"""The ds4x command line end to end, and its errors (a message, exit code 2, no traceback)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ds4x.cli.main import main
+from ds4x.config import tiny_config
+from ds4x.runtime.engine import Engine
+from ds4x.weights.checkpoint import save_checkpoint
+from ds4x.weights.synthetic import synthetic_weights
+
+
+def test_generate_tiny_default_streams_text(capsys):
+    assert main(["generate", "-p", "def main():", "-n", "8", "--seed", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and len(out) > 1
+    assert "generated 8 tok" in err and "cache native" in err
+
+
+def test_dump_logits_matches_a_session(tmp_path, capsys):
+    dump = tmp_path / "l.json"
+    assert main(["generate", "--prompt-ids", "5,6,7,8", "-n", "6", "--temp", "0", "--cache", "float",
+                 "--dump-logits", str(dump), "-q"]) == 0
+    data = json.loads(dump.read_text())
+    assert data["prompt_ids"] == [5, 6, 7, 8]
+    assert len(data["generated_ids"]) == 6 and len(data["logits"]) == 6
+    assert all(len(row) == 259 for row in data["logits"])
+    assert [int(torch.tensor(r).argmax()) for r in data["logits"]] == data["generated_ids"]
+    ids = capsys.readouterr().out.split()
+    assert [int(i) for i in ids] == data["generated_ids"]
+    s = Engine.load("tiny", device="cpu").new_session(ctx=64, cache="float")
+    logits = s.prefill([5, 6, 7, 8])
+    assert torch.allclose(logits, torch.tensor(data["logits"][0]), atol=1e-5)
+
+
+def test_checkpoint_without_tokenizer_runs_with_prompt_ids(tmp_path, capsys):
+    cfg = tiny_config(vocab_size=300)
+    save_checkpoint(cfg, synthetic_weights(cfg, seed=2), tmp_path, naming="hf")
+    assert main(["generate", "-m", str(tmp_path), "--prompt-ids", "1,2,3", "-n", "3", "-q"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3
+    assert main(["generate", "-m", str(tmp_path), "-p", "hello", "-n", "3"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_inspect_presets_and_checkpoint(tmp_path, capsys):
+    assert main(["inspect", "flash"]) == 0
+    out = capsys.readouterr().out
+    assert "43 (sliding x2, csa/4 x21, hca/128 x20)" in out
+    assert "284," in out  # ~284B parameters
+    cfg = tiny_config()
+    save_checkpoint(cfg, synthetic_weights(cfg), tmp_path)
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bytes_by_dtype"]["F32"]["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "-m", "/no/such/model", "-p", "x"], "neither a preset"),
+        (["generate", "-m", "flash", "-p", "x"], "too large to synthesize"),
+        (["generate", "-p", "x", "--temp", "-1"], "temperature"),
+        (["generate", "-p", "x", "--top-p", "0"], "top_p"),
+        (["generate", "-p", "x", "-n", "-3"], "max-tokens"),
+        (["generate", "-p", "x", "--ctx", "0"], "--ctx"),
+        (["generate", "-p", "x" * 40, "--ctx", "16"], "context overflow"),
+        (["generate", "--prompt-ids", "1,a"], "comma-separated"),
+        (["generate", "--prompt-ids", "100000"], "outside the vocabulary"),
+        (["generate", "-p", "x", "--device", "cuda:7"] if not torch.cuda.is_available() else
+         ["generate", "-p", "x", "--device", "bogus"], "device"),
+        (["inspect", "/no/such"], "neither a preset"),
+    ],
+)
+def test_bad_options_give_clear_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):
+    cfg = tiny_config()
+    save_checkpoint(cfg, synthetic_weights(cfg), tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    assert main(["generate", "-m", str(tmp_path), "--prompt-ids", "1", "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "Traceback" not in err
+    (tmp_path / "config.json").write_text("{")
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    exe = shutil.which("ds4x") or f"{sys.executable} -m ds4x.cli.main"
+    r = subprocess.run([*exe.split(), "generate", "-p", "hi", "-n", "4", "-q"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,151 @@
+"""Triton row kernels vs the torch reference, bit for bit.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1). The variable is
+set by a fixture, not at import, so it does not leak into other test modules;
+rows_triton builds a separate interpreter copy of its kernels when the mode differs
+from the one it was imported under. The ``gpu`` tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tests.test_formats import (  # noqa: E402 - after the importorskip on purpose
+    adversarial_indexer_rows,
+    adversarial_kv_rows,
+    assert_bits_equal,
+    random_kv_rows,
+    random_rows,
+)
+
+from ds4x import formats as F  # noqa: E402
+from ds4x.formats import rows_triton as RT  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def interp():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()
+
+
+def kv_inputs() -> torch.Tensor:
+    # 37 random rows + the adversarial ones: not a multiple of BLOCK_ROWS, so masking is exercised
+    return torch.cat((random_kv_rows(37, seed=21), adversarial_kv_rows()))
+
+
+def indexer_inputs() -> torch.Tensor:
+    return torch.cat((random_rows(37, 128, seed=22), adversarial_indexer_rows()))
+
+
+def test_pack_kv_rows_interpreter(interp):
+    x = kv_inputs()
+    assert x.shape[0] % RT.BLOCK_ROWS != 0
+    assert torch.equal(F.pack_kv_rows_triton(x), F.pack_kv_rows(x))
+
+
+def test_unpack_kv_rows_interpreter(interp):
+    x = kv_inputs()
+    rows = F.pack_kv_rows(x)
+    # also every possible byte in the E4M3 and scale positions (NaN codes, scale 0 and 255)
+    junk = torch.randint(0, 256, (19, 583), generator=torch.Generator().manual_seed(23), dtype=torch.int32)
+    junk[:, 448:576] = rows[:19, 448:576].to(torch.int32)  # keep the FP16 part meaningful
+    junk[0, :256] = torch.arange(256)
+    junk[1, 576:583] = torch.tensor([0, 1, 2, 127, 253, 254, 255])
+    rows = torch.cat((rows, junk.to(torch.uint8)))
+    assert_bits_equal(F.unpack_kv_rows_triton(rows), F.unpack_kv_rows(rows))
+
+
+def test_pack_indexer_rows_interpreter(interp):
+    x = indexer_inputs()
+    assert torch.equal(F.pack_indexer_rows_triton(x), F.pack_indexer_rows(x))
+
+
+def test_unpack_indexer_rows_interpreter(interp):
+    rows = F.pack_indexer_rows(indexer_inputs())
+    junk = torch.randint(0, 256, (21, 68), generator=torch.Generator().manual_seed(24), dtype=torch.int32)
+    junk[0, :64] = torch.arange(0, 256, 4)
+    junk[1, 64:68] = torch.tensor([0, 1, 254, 255])
+    rows = torch.cat((rows, junk.to(torch.uint8)))
+    assert_bits_equal(F.unpack_indexer_rows_triton(rows), F.unpack_indexer_rows(rows))
+
+
+def test_shapes_validation_and_nonfinite_interpreter(interp):
+    x = random_kv_rows(6, seed=25).view(2, 3, 512)
+    assert torch.equal(F.pack_kv_rows_triton(x), F.pack_kv_rows(x))
+    assert F.pack_kv_rows_triton(torch.zeros(0, 512)).shape == (0, 583)
+    assert F.unpack_indexer_rows_triton(torch.zeros(0, 68, dtype=torch.uint8)).shape == (0, 128)
+    bad = torch.ones(2, 512)
+    bad[1, 3] = math.nan
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        F.pack_kv_rows_triton(bad)
+    bad[0, 200] = math.inf
+    bad[0, 460] = -math.inf
+    assert torch.equal(F.pack_kv_rows_triton(bad, validate=False), F.pack_kv_rows(bad, validate=False))
+    bi = torch.ones(3, 128)
+    bi[2, 77] = -math.inf
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        F.pack_indexer_rows_triton(bi)
+    bi[0, 1] = math.nan
+    assert torch.equal(F.pack_indexer_rows_triton(bi, validate=False), F.pack_indexer_rows(bi, validate=False))
+    with pytest.raises(ValueError, match="last dim 512"):
+        F.pack_kv_rows_triton(torch.zeros(2, 500))
+
+
+def test_cpu_tensor_needs_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("only meaningful without a GPU")
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        F.pack_kv_rows_triton(torch.zeros(1, 512))
+
+
+# ---------------------------------------------------------------------------
+# GPU: compiled kernels at real sizes, and the torch path on the device
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.gpu
+def test_triton_kv_rows_on_gpu(compiled):
+    x = torch.cat((random_kv_rows(8191, seed=31), adversarial_kv_rows()))
+    ref = F.pack_kv_rows(x)
+    got = F.pack_kv_rows_triton(x.cuda())
+    assert torch.equal(got.cpu(), ref)
+    assert_bits_equal(F.unpack_kv_rows_triton(got).cpu(), F.unpack_kv_rows(ref))
+    junk = torch.randint(0, 256, (4096, 583), dtype=torch.int32).to(torch.uint8)
+    assert_bits_equal(F.unpack_kv_rows_triton(junk.cuda()).cpu(), F.unpack_kv_rows(junk))
+
+
+@pytest.mark.gpu
+def test_triton_indexer_rows_on_gpu(compiled):
+    x = torch.cat((random_rows(8191, 128, seed=32), adversarial_indexer_rows()))
+    ref = F.pack_indexer_rows(x)
+    got = F.pack_indexer_rows_triton(x.cuda())
+    assert torch.equal(got.cpu(), ref)
+    assert_bits_equal(F.unpack_indexer_rows_triton(got).cpu(), F.unpack_indexer_rows(ref))
+    junk = torch.randint(0, 256, (4096, 68), dtype=torch.int32).to(torch.uint8)
+    assert_bits_equal(F.unpack_indexer_rows_triton(junk.cuda()).cpu(), F.unpack_indexer_rows(junk))
+
+
+@pytest.mark.gpu
+def test_torch_path_on_gpu_matches_cpu():
+    x = torch.cat((random_kv_rows(4096, seed=33), adversarial_kv_rows()))
+    assert torch.equal(F.pack_kv_rows(x.cuda()).cpu(), F.pack_kv_rows(x))
+    rows = F.pack_kv_rows(x)
+    assert_bits_equal(F.unpack_kv_rows(rows.cuda()).cpu(), F.unpack_kv_rows(rows))
+    y = torch.cat((random_rows(4096, 128, seed=34), adversarial_indexer_rows()))
+    assert torch.equal(F.pack_indexer_rows(y.cuda()).cpu(), F.pack_indexer_rows(y))
+    assert_bits_equal(F.hadamard128(y.cuda()).cpu(), F.hadamard128(y))
+    assert_bits_equal(F.e4m3_block_roundtrip(x[:, :448].cuda()).cpu(), F.e4m3_block_roundtrip(x[:, :448]))
+    assert_bits_equal(F.mxfp4_roundtrip(y.cuda()).cpu(), F.mxfp4_roundtrip(y))
