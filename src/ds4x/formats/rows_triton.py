@@ -90,13 +90,24 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _row_max(v):
+        # tl.reduce with our own combine instead of tl.max: tl.max is a Triton stdlib @jit
+        # function, which the interpreter cannot call when triton was imported without
+        # TRITON_INTERPRET=1; tl.reduce itself is patched by the interpreter.
+        return tl.reduce(v, 1, _max_combine)
+
+    @triton.jit
     def _block_exponent(v, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
         # v [R, B] float32 -> (e [R] int32, bad [R] bool). e = ceil(log2(fp32(max(amax, FLOOR)
         # * fp32(INV_MAX)))) from the bits; bad blocks (NaN/Inf) get e = 128.
         a = tl.abs(v)
         nonfinite = (v != v) | (a == float("inf"))
-        bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
-        amax = tl.max(tl.where(nonfinite, 0.0, a), axis=1)
+        bad = _row_max(nonfinite.to(tl.int32)) > 0
+        amax = _row_max(tl.where(nonfinite, 0.0, a))
         t = tl.maximum(amax, FLOOR) * INV_MAX
         tb = t.to(tl.int32, bitcast=True)
         e = ((tb >> 23) & 0xFF) - 127 + ((tb & 0x7FFFFF) != 0).to(tl.int32)
