@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from ds4x import formats as F  # noqa: E402
+from ds4x.formats import rows_triton as RT  # noqa: E402
 from tests.test_formats import (  # noqa: E402 - after the importorskip on purpose
     adversarial_indexer_rows,
     adversarial_kv_rows,
@@ -22,9 +24,6 @@ from tests.test_formats import (  # noqa: E402 - after the importorskip on purpo
     random_kv_rows,
     random_rows,
 )
-
-from ds4x import formats as F  # noqa: E402
-from ds4x.formats import rows_triton as RT  # noqa: E402
 
 
 @pytest.fixture(scope="module")
