@@ -47,7 +47,7 @@ def test_tokenizer_json_round_trip_and_checkpoint_generation(tmp_path, capsys):
     assert tok.decode(tok.encode(TEXT)) == TEXT
     cfg = tiny_config(vocab_size=300)
     save_checkpoint(cfg, synthetic_weights(cfg, seed=4), tmp_path)
-    assert main(["generate", "-m", str(tmp_path), "-p", "hello world", "-n", "12", "--seed", "0"]) == 0
+    assert main(["generate", "-m", str(tmp_path), "-p", "hello world", "-n", "12", "--seed", "0", "--ignore-eos"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "generated 12 tok" in err
 

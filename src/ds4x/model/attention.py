@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
-from ds4x.kernels.linear import linear
+from ds4x.kernels.linear import grouped_linear, linear
 from ds4x.model.cache import LayerState, ModelCache
 from ds4x.model.norms import rms_norm
 from ds4x.model.rope import apply_rope, cos_sin
@@ -144,7 +144,5 @@ def attention(
     out = torch.einsum("thk,kd->thd", probs, k)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
 
-    G = cfg.o_groups
-    wo_a = w[p + "wo_a.weight"].view(G, cfg.o_lora_rank, -1)
-    grouped = torch.einsum("tgi,goi->tgo", out.reshape(T, G, -1), wo_a.to(x.dtype))
+    grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
     return linear(grouped.reshape(T, -1), w[p + "wo_b.weight"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import linear
+from ds4x.kernels.linear import embedding, linear
 from ds4x.model.attention import attention
 from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
@@ -19,8 +19,7 @@ class Transformer:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         self.cfg, self.w, self.dtype = cfg, weights, dtype
-        device = weights["embed.weight"].device
-        self.device = device
+        self.device = device = weights["embed.weight"].device
         self.rope = {k: (inv.to(device), mag) for k, (inv, mag) in rope_tables(cfg).items()}
 
     def new_cache(self, ctx: int, mode: str = "float") -> ModelCache:
@@ -39,7 +38,7 @@ class Transformer:
         cache.check_room(T)
         tokens = tokens.to(self.device)
         positions = torch.arange(cache.length, cache.length + T, device=self.device)
-        x = w["embed.weight"][tokens].to(self.dtype)
+        x = embedding(w["embed.weight"], tokens, self.dtype)
         streams = x.unsqueeze(1).expand(T, cfg.hc_mult, cfg.hidden_size).contiguous()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
