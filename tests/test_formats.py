@@ -562,8 +562,10 @@ def test_rows_shapes_dtypes_and_errors():
     assert torch.equal(F.pack_kv_rows(xb), F.pack_kv_rows(xb.float()))
     xh = random_rows(3, 128, seed=12).clamp(-60000, 60000).half()
     assert torch.equal(F.pack_indexer_rows(xh), F.pack_indexer_rows(xh.float()))
-    with pytest.raises(ValueError, match="last dim 512"):
+    with pytest.raises(ValueError, match="multiple of 64 non-RoPE"):
         F.pack_kv_rows(torch.zeros(4, 511))
+    with pytest.raises(ValueError, match="not a packed KV row"):
+        F.unpack_kv_rows(torch.zeros(4, 582, dtype=torch.uint8))
     with pytest.raises(ValueError, match="floating-point"):
         F.pack_kv_rows(torch.zeros(4, 512, dtype=torch.int64))
     with pytest.raises(ValueError, match="uint8"):
@@ -700,3 +702,15 @@ def test_package_imports_without_triton():
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+def test_kv_rows_of_other_widths_keep_the_layout():
+    # a smaller model: 64 non-RoPE + 64 RoPE values -> 64 + 128 + 1 bytes, same field order
+    assert F.kv_row_bytes(512, 64) == 583 and F.kv_row_bytes(128, 64) == 193 and F.kv_row_bytes(192, 64) == 258
+    x = random_rows(9, 128, seed=21)
+    rows = F.pack_kv_rows(x)
+    assert rows.shape == (9, 193)
+    expected = torch.cat([F.e4m3_block_roundtrip(x[:, :64]), x[:, 64:].half().float()], dim=-1)
+    assert torch.equal(F.unpack_kv_rows(rows), expected)
+    wide = torch.cat([x[:, :64], torch.zeros(9, 384), x[:, 64:]], dim=-1)  # same values inside a 512 row
+    assert torch.equal(F.pack_kv_rows(wide)[:, 576], rows[:, 192])  # first block's scale byte

@@ -18,6 +18,10 @@ bytes 0 .. 63         E2M1 codes: byte ``i`` holds element ``2i`` in its LOW
 bytes 64 .. 67        UE8M0 scale byte of the 32-value blocks 0..3
 ====================  =====================================================
 
+Other model sizes use the same layout with their own widths (``kv_row_bytes``): a row of
+``n`` non-RoPE values (a multiple of 64) and ``r`` RoPE values takes ``n + 2r + n/64`` bytes;
+the Flash row above is the case n = 448, r = 64.
+
 Packing is lossless relative to the native simulation: ``unpack_kv_rows(pack_kv_rows(x))``
 equals ``cat(e4m3_block_roundtrip(x[..., :448]), x[..., 448:].half().float())`` and
 ``unpack_indexer_rows(pack_indexer_rows(x))`` equals ``mxfp4_roundtrip(x)``, bit for bit.
@@ -76,6 +80,7 @@ __all__ = [
     "INDEXER_NUM_BLOCKS",
     "INDEXER_SCALE_OFFSET",
     "INDEXER_ROW_BYTES",
+    "kv_row_bytes",
     "check_kv_input",
     "check_indexer_input",
     "pack_kv_rows",
@@ -83,6 +88,23 @@ __all__ = [
     "pack_indexer_rows",
     "unpack_indexer_rows",
 ]
+
+
+def kv_row_bytes(dim: int = KV_DIM, rope_dim: int = KV_ROPE_DIM) -> int:
+    """Bytes of one packed KV row of ``dim`` values whose last ``rope_dim`` are RoPE dims."""
+    nope = dim - rope_dim
+    if nope <= 0 or nope % KV_BLOCK or rope_dim < 0:
+        raise ValueError(f"a packed KV row needs a positive multiple of {KV_BLOCK} non-RoPE values; "
+                         f"got dim {dim} with {rope_dim} RoPE dims")
+    return nope + 2 * rope_dim + nope // KV_BLOCK
+
+
+def _kv_dims(row_bytes: int, rope_dim: int) -> tuple[int, int]:
+    """(dim, nope) of a packed KV row of ``row_bytes`` bytes."""
+    nope, rem = divmod((row_bytes - 2 * rope_dim) * KV_BLOCK, KV_BLOCK + 1)
+    if rem or nope <= 0 or nope % KV_BLOCK:
+        raise ValueError(f"{row_bytes} bytes is not a packed KV row with {rope_dim} RoPE dims")
+    return nope + rope_dim, nope
 
 
 def _check_float_rows(x: torch.Tensor, width: int, fn: str) -> torch.Tensor:
@@ -101,15 +123,16 @@ def _check_finite(x32: torch.Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: input has {n} NaN/Inf value(s); non-finite values are never stored")
 
 
-def check_kv_input(x: torch.Tensor, fn: str = "pack_kv_rows") -> torch.Tensor:
+def check_kv_input(x: torch.Tensor, fn: str = "pack_kv_rows", dim: int = KV_DIM,
+                   rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
     """Validate KV rows (shape, dtype, finite, RoPE within FP16); return them as float32."""
-    x32 = _check_float_rows(x, KV_DIM, fn)
+    x32 = _check_float_rows(x, dim, fn)
     _check_finite(x32, fn)
-    rope = x32[..., KV_ROPE_OFFSET:]
+    rope = x32[..., dim - rope_dim :]
     over = torch.isinf(rope.to(torch.float16))
     if bool(over.any()):
         raise ValueError(
-            f"{fn}: {int(over.sum())} RoPE value(s) (dims {KV_ROPE_OFFSET}..{KV_DIM - 1}) overflow FP16 "
+            f"{fn}: {int(over.sum())} RoPE value(s) (dims {dim - rope_dim}..{dim - 1}) overflow FP16 "
             f"(|x| >= 65520); they would be stored as Inf"
         )
     return x32
@@ -130,26 +153,35 @@ def _check_byte_rows(rows: torch.Tensor, width: int, fn: str) -> None:
         raise ValueError(f"{fn}: expected last dim {width}, got shape {tuple(rows.shape)}")
 
 
-def pack_kv_rows(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-    """``x [..., 512]`` float -> ``uint8 [..., 583]`` KV rows (layout in the module doc)."""
+def pack_kv_rows(x: torch.Tensor, *, validate: bool = True, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
+    """``x [..., 512]`` float -> ``uint8 [..., 583]`` KV rows (layout in the module doc).
+
+    Other widths: the last ``rope_dim`` values are the RoPE dims (see ``kv_row_bytes``).
+    """
+    dim = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else KV_DIM
+    kv_row_bytes(dim, rope_dim)  # validates the split
+    nope = dim - rope_dim
     if validate:
-        x32 = check_kv_input(x, "pack_kv_rows")
+        x32 = check_kv_input(x, "pack_kv_rows", dim, rope_dim)
     else:
-        x32 = _check_float_rows(x, KV_DIM, "pack_kv_rows")
-    codes, e = e4m3_block_quantize(x32[..., :KV_NOPE_DIM], KV_BLOCK)
+        x32 = _check_float_rows(x, dim, "pack_kv_rows")
+    codes, e = e4m3_block_quantize(x32[..., :nope], KV_BLOCK)
     # FP16 bits split into bytes by arithmetic, so the layout is little-endian on any host.
-    h = x32[..., KV_ROPE_OFFSET:].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    h = x32[..., nope:].to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
     rope = torch.stack((h & 0xFF, h >> 8), dim=-1).flatten(-2).to(torch.uint8)
     return torch.cat((codes, rope, ue8m0_encode(e)), dim=-1)
 
 
-def unpack_kv_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``uint8 [..., 583]`` KV rows -> float32 ``[..., 512]``."""
-    _check_byte_rows(rows, KV_ROW_BYTES, "unpack_kv_rows")
-    vals = e4m3_decode(rows[..., :KV_NOPE_DIM]).unflatten(-1, (KV_NUM_BLOCKS, KV_BLOCK))
-    scale = ue8m0_decode(rows[..., KV_SCALE_OFFSET:KV_ROW_BYTES])
+def unpack_kv_rows(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
+    """``uint8 [..., 583]`` KV rows -> float32 ``[..., 512]`` (other widths: see ``kv_row_bytes``)."""
+    width = rows.shape[-1] if isinstance(rows, torch.Tensor) and rows.dim() else KV_ROW_BYTES
+    _, n = _kv_dims(width, rope_dim)
+    _check_byte_rows(rows, width, "unpack_kv_rows")
+    scale_at = n + 2 * rope_dim
+    vals = e4m3_decode(rows[..., :n]).unflatten(-1, (n // KV_BLOCK, KV_BLOCK))
+    scale = ue8m0_decode(rows[..., scale_at:width])
     nope = (vals * scale.unsqueeze(-1)).flatten(-2)
-    rb = rows[..., KV_ROPE_OFFSET:KV_SCALE_OFFSET].to(torch.int32)
+    rb = rows[..., n:scale_at].to(torch.int32)
     h = rb[..., 0::2] | (rb[..., 1::2] << 8)
     h = torch.where(h >= 0x8000, h - 0x10000, h).to(torch.int16)  # two's complement, no overflow cast
     rope = h.view(torch.float16).to(torch.float32)
