@@ -707,7 +707,7 @@ def test_package_imports_without_triton():
 def test_kv_rows_of_other_widths_keep_the_layout():
     # a smaller model: 64 non-RoPE + 64 RoPE values -> 64 + 128 + 1 bytes, same field order
     assert F.kv_row_bytes(512, 64) == 583 and F.kv_row_bytes(128, 64) == 193 and F.kv_row_bytes(192, 64) == 258
-    x = random_rows(9, 128, seed=21)
+    x = random_rows(9, 128, seed=21).clamp(-6e4, 6e4)
     rows = F.pack_kv_rows(x)
     assert rows.shape == (9, 193)
     expected = torch.cat([F.e4m3_block_roundtrip(x[:, :64]), x[:, 64:].half().float()], dim=-1)
