@@ -19,7 +19,7 @@ def test_generate_tiny_default_streams_text(capsys):
     assert main(["generate", "-p", "def main():", "-n", "8", "--seed", "1"]) == 0
     out, err = capsys.readouterr()
     assert out.endswith("\n") and len(out) > 1
-    assert "generated 8 tok" in err and "cache native" in err
+    assert "generated 8 tok" in err and "cache packed" in err
 
 
 def test_dump_logits_matches_a_session(tmp_path, capsys):

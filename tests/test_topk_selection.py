@@ -1,6 +1,6 @@
 import torch
 
-from ds4x.model.attention import select_topk
+from ds4x.kernels.select import select_topk, selection_mask
 
 
 def reference_select(scores, visible, k):
@@ -17,10 +17,13 @@ def test_selection_with_many_exact_ties_matches_lower_index_rule():
     scores = torch.randint(0, 4, (64, 300), generator=g).float()  # heavy ties
     visible = torch.rand(64, 300, generator=g) < 0.8
     for k in (1, 5, 17, 300, 400):
-        assert torch.equal(select_topk(scores, visible, k), reference_select(scores, visible, k))
+        index, valid = select_topk(scores, visible, k)
+        assert torch.equal(selection_mask(index, valid, 300), reference_select(scores, visible, k))
 
 
 def test_invisible_rows_never_selected_even_when_fewer_than_k():
     scores = torch.tensor([[5.0, 4.0, 3.0, 2.0]])
     visible = torch.tensor([[False, True, False, True]])
-    assert select_topk(scores, visible, 3).tolist() == [[False, True, False, True]]
+    index, valid = select_topk(scores, visible, 3)
+    assert selection_mask(index, valid, 4).tolist() == [[False, True, False, True]]
+    assert valid.tolist() == [[True, True, False]]

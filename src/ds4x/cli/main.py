@@ -30,8 +30,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--cache", default="native", choices=["float", "native"],
-                   help="attention history semantics: native (official FP8/MXFP4, default) or float")
+    p.add_argument("--cache", default="packed", choices=["packed", "native", "float"],
+                   help="attention history: packed (official FP8/MXFP4 semantics stored in the DS4X rows, "
+                        "default), native (same values unpacked, float32) or float (matches transformers)")
+    p.add_argument("--prefill-mode", default="default", choices=["default", "exact", "reference"],
+                   help="exact: bit-identical to token-by-token decode; reference: the plain torch path")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to a text prompt")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--dump-logits", metavar="FILE.json", default=None,
@@ -42,6 +45,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="print a model's config, parameter counts and weight bytes")
     p.add_argument("model", help="checkpoint directory or preset (tiny, flash)")
+    p.add_argument("--ctx", type=int, default=None, help="also print the packed cache plan for this context")
+    p.add_argument("--prefill-chunk", type=int, default=32, help="prefill chunk of that plan (default 32)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -88,7 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = [tok.bos_id, *prompt]
         if not prompt:
             raise ValueError("the prompt is empty; give -p TEXT or --prompt-ids")
-    session = engine.new_session(ctx=args.ctx, cache=args.cache, prefill_chunk=args.prefill_chunk)
+    session = engine.new_session(ctx=args.ctx, cache=args.cache, prefill_chunk=args.prefill_chunk,
+                                 prefill_mode=args.prefill_mode)
     stats = GenerationStats()
     stream = TextStream(tok) if tok is not None and args.prompt_ids is None else None
     generated: list[int] = []
@@ -123,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ds4x.runtime.inspect import describe_model
 
-    report = describe_model(args.model)
+    report = describe_model(args.model, ctx=args.ctx, chunk=args.prefill_chunk)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -140,6 +146,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {dtype:>14}: {row['tensors']:6d} tensors, {row['params']:>16,} params, "
               f"{row['bytes'] / 2**30:10.3f} GiB")
     print(f"  {'total':>14}: {report['bytes_total'] / 2**30:.3f} GiB")
+    if "cache_plan" in report:
+        plan = report["cache_plan"]
+        print(f"packed cache for ctx {args.ctx:,}, prefill chunk {args.prefill_chunk}:")
+        for key, value in plan.items():
+            print(f"  {key:>20}: {value:>16,} bytes ({value / 2**30:.3f} GiB)")
     return 0
 
 
@@ -150,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="[ds4x] %(message)s", stream=sys.stderr)
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_inspect(args)
-    except (ValueError, FileNotFoundError, ConfigError, OSError) as exc:
+    except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,68 +1,254 @@
-"""Per-session attention state of the reference path.
+"""Per-session attention state: row stores with a storage codec, and the memory plan.
 
-The reference cache keeps, per layer, every position's raw KV row and every position's compressor
-projections (kv and gate) in float32, plus the compressed rows emitted so far. Everything the model
-needs at position p is a function of positions < p, so rewinding is just moving ``length`` back:
-compressed rows beyond the new length are recomputed from the kept projections when their window
-closes again. The packed persistent cache (DESIGN §5) replaces this layout; the semantics stay.
+Every stream of state is a `RowStore`: rows indexed by position (raw KV rows, compressor projections)
+or by compressed-row number (compressed KV rows, indexer keys), held in a ring of ``capacity`` rows in
+the format of its codec. Everything the model needs at position p is a function of rows < p, so the
+cache's only scalar state is ``length``; rewinding is moving ``length`` back while the rows it needs are
+still resident.
 
-Two semantics, one switch (DESIGN §3.2): ``float`` stores rows as computed (matches transformers);
-``native`` stores them as the official graph does: the non-RoPE dims of every attention row through
-E4M3 with a power-of-two scale per 64 values, the RoPE dims as FP16, indexer keys (and queries)
-Hadamard-rotated then MXFP4.
+Three modes, one switch (DESIGN §3.2, §5):
+- ``float``: rows as computed, float32; matches transformers. Full history kept (rewind anywhere).
+- ``native``: the official graph's round trips, unpacked: non-RoPE dims of every attention row through
+  E4M3 with a power-of-two scale per 64 values, RoPE dims as FP16, indexer keys and queries
+  Hadamard-rotated then MXFP4. Full history kept. The oracle for ``packed``.
+- ``packed``: the same values stored in the DS4X ABI (583-byte KV rows, 68-byte indexer rows), raw rows
+  in a ring of ``align_up(window + prefill_chunk, 256)`` rows, compressor projections only for the open
+  windows (float32 frontier). Unpacks to exactly the ``native`` values, so logits are bit-identical.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ds4x.config import CSA, SLIDING, ModelConfig
-from ds4x.formats import e4m3_block_roundtrip, hadamard128, mxfp4_roundtrip
+from ds4x.formats import (
+    INDEXER_ROW_BYTES,
+    e4m3_block_roundtrip,
+    hadamard128,
+    kv_row_bytes,
+    mxfp4_roundtrip,
+    pack_indexer_rows,
+    pack_kv_rows,
+    unpack_indexer_rows,
+    unpack_kv_rows,
+)
 
-CACHE_MODES = ("float", "native")
+CACHE_MODES = ("float", "native", "packed")
 
 
 class ContextOverflowError(ValueError):
     """More tokens than the session's context was created for."""
 
 
+class CacheMemoryError(MemoryError):
+    """The planned cache does not fit the device; the message carries the plan and the free memory."""
+
+
+def align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+# ---- codecs: how a float row is stored and read back ------------------------------------------
+
+class FloatCodec:
+    def __init__(self, dim: int):
+        self.dim, self.width, self.dtype = dim, dim, torch.float32
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored
+
+
+class NativeKVCodec(FloatCodec):
+    """E4M3 (UE8M0 scale per 64) on the non-RoPE dims, FP16 on the RoPE dims; stored unpacked."""
+
+    def __init__(self, dim: int, rope_dim: int):
+        super().__init__(dim)
+        self.nope = dim - rope_dim
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return torch.cat([e4m3_block_roundtrip(x[..., : self.nope], 64), x[..., self.nope :].half().float()], -1)
+
+
+class PackedKVCodec:
+    def __init__(self, dim: int, rope_dim: int):
+        self.dim, self.rope_dim, self.dtype = dim, rope_dim, torch.uint8
+        self.width = kv_row_bytes(dim, rope_dim)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        # finiteness is checked on the float rows by the caller's contract; skipping the check here
+        # keeps the step free of host syncs
+        return pack_kv_rows(x, validate=False, rope_dim=self.rope_dim)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return unpack_kv_rows(stored, rope_dim=self.rope_dim)
+
+
+class NativeIndexerCodec(FloatCodec):
+    """Indexer keys: Hadamard-128 rotation, then MXFP4; stored unpacked (rotated)."""
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return mxfp4_roundtrip(hadamard128(x.float()), 32)
+
+
+class PackedIndexerCodec:
+    def __init__(self) -> None:
+        self.dim, self.width, self.dtype = 128, INDEXER_ROW_BYTES, torch.uint8
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return pack_indexer_rows(hadamard128(x.float()), validate=False)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return unpack_indexer_rows(stored)
+
+
+Codec = FloatCodec | PackedKVCodec | PackedIndexerCodec
+
+
+class RowStore:
+    """Rows addressed by an absolute index, held in a ring of ``capacity`` slots."""
+
+    def __init__(self, capacity: int, codec: Codec, device: torch.device):
+        self.capacity, self.codec = capacity, codec
+        self.data = torch.zeros(capacity, codec.width, dtype=codec.dtype, device=device)
+
+    def _slots(self, start: int, stop: int) -> torch.Tensor | slice:
+        if stop - start > self.capacity:
+            raise ValueError(f"{stop - start} rows do not fit a ring of {self.capacity}")
+        a, b = start % self.capacity, stop % self.capacity
+        if stop - start == 0 or a < b or b == 0:
+            return slice(a, a + (stop - start))
+        return torch.arange(start, stop, device=self.data.device) % self.capacity
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        self.data[self._slots(start, start + rows.shape[0])] = self.codec.encode(rows)
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) as float32 [stop - start, dim]."""
+        return self.codec.decode(self.data[self._slots(start, stop)])
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows at absolute indices ``index`` (any shape) as float32 [..., dim]."""
+        return self.codec.decode(self.data[index % self.capacity])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
 @dataclass
 class LayerState:
-    raw: torch.Tensor  # [ctx, head_dim] KV rows after norm + RoPE (+ native round trip)
-    comp_kv: torch.Tensor | None = None  # [ctx, lanes*head_dim] compressor kv projection per position
-    comp_gate: torch.Tensor | None = None  # [ctx, lanes*head_dim] compressor gate (+ position bias)
-    comp_rows: torch.Tensor | None = None  # [ctx//ratio, head_dim] emitted compressed rows
-    idx_kv: torch.Tensor | None = None  # [ctx, 2*index_head_dim] indexer compressor projections
-    idx_gate: torch.Tensor | None = None
-    idx_rows: torch.Tensor | None = None  # [ctx//ratio, index_head_dim] compressed indexer keys
+    raw: RowStore  # KV rows after norm + RoPE, by position
+    comp_proj: RowStore | None = None  # compressor [kv | gate] projections by position (float32 frontier)
+    comp_rows: RowStore | None = None  # emitted compressed KV rows, by row number
+    idx_proj: RowStore | None = None  # indexer compressor [kv | gate] projections by position
+    idx_rows: RowStore | None = None  # emitted compressed indexer keys, by row number
 
+
+# ---- memory plan --------------------------------------------------------------------------------
+
+def plan_cache(cfg: ModelConfig, ctx: int, chunk: int, mode: str = "packed") -> dict[str, int]:
+    """Bytes per component for a session of ``ctx`` tokens evaluated ``chunk`` tokens at a time."""
+    rows = _capacities(cfg, ctx, chunk, mode)
+    hd, ih = cfg.head_dim, cfg.index_head_dim
+    kv_b = kv_row_bytes(hd, cfg.rope_head_dim) if mode == "packed" else 4 * hd
+    ix_b = INDEXER_ROW_BYTES if mode == "packed" else 4 * ih
+    plan = {"raw_rows": 0, "compressed_rows": 0, "indexer_rows": 0, "compressor_frontier": 0}
+    for i, kind in enumerate(cfg.attn_kinds):
+        r = rows[i]
+        plan["raw_rows"] += r["raw"] * kv_b
+        if kind != SLIDING:
+            lanes = 2 if kind == CSA else 1
+            plan["compressed_rows"] += r["comp_rows"] * kv_b
+            plan["compressor_frontier"] += r["proj"] * 2 * lanes * hd * 4
+        if kind == CSA:
+            plan["indexer_rows"] += r["comp_rows"] * ix_b
+            plan["compressor_frontier"] += r["proj"] * 2 * 2 * ih * 4
+    plan["persistent_kv"] = plan["raw_rows"] + plan["compressed_rows"] + plan["indexer_rows"]
+    plan["total"] = plan["persistent_kv"] + plan["compressor_frontier"]
+    return plan
+
+
+def _capacities(cfg: ModelConfig, ctx: int, chunk: int, mode: str) -> list[dict[str, int]]:
+    out = []
+    for ratio in cfg.compress_ratios:
+        if mode == "packed":
+            # the ring holds the window behind the oldest query of a chunk plus the chunk itself; the
+            # frontier holds the open window, the previous one (CSA's overlap lane) and the chunk
+            raw = align_up(cfg.sliding_window + chunk, 256)
+            proj = 2 * ratio + chunk
+        else:
+            raw = proj = ctx
+        out.append({"raw": raw, "proj": proj, "comp_rows": ctx // ratio + 2 if ratio else 0})
+    return out
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on ``device`` (host: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def format_plan(plan: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in plan.items())
+
+
+# ---- the cache ----------------------------------------------------------------------------------
 
 class ModelCache:
-    def __init__(self, cfg: ModelConfig, ctx: int, device: torch.device | str = "cpu", mode: str = "float"):
+    def __init__(self, cfg: ModelConfig, ctx: int, device: torch.device | str = "cpu", mode: str = "float",
+                 chunk: int = 512):
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {CACHE_MODES}, got {mode!r}")
-        if mode == "native" and (why := cfg.native_cache_error()):
+        if mode != "float" and (why := cfg.native_cache_error()):
             raise ValueError(why)
-        if ctx <= 0:
-            raise ValueError(f"context size must be positive, got {ctx}")
-        self.cfg, self.ctx, self.mode, self.device = cfg, ctx, mode, torch.device(device)
+        if ctx <= 0 or chunk <= 0:
+            raise ValueError(f"context and prefill chunk must be positive, got ctx {ctx}, chunk {chunk}")
+        self.cfg, self.ctx, self.mode, self.chunk = cfg, ctx, mode, chunk
+        self.device = torch.device(device)
         self.length = 0
-        f32 = dict(device=self.device, dtype=torch.float32)
-        hd, ih = cfg.head_dim, cfg.index_head_dim
+        self.plan = plan_cache(cfg, ctx, chunk, mode)
+        free = free_memory(self.device)
+        if self.plan["total"] > free:
+            raise CacheMemoryError(
+                f"a {mode} cache for {ctx} tokens needs {self.plan['total'] / 2**30:.2f} GiB "
+                f"({format_plan(self.plan)}) but {self.device} has {free / 2**30:.2f} GiB free"
+            )
+        hd, ih, rd = cfg.head_dim, cfg.index_head_dim, cfg.rope_head_dim
+        kv_codec: Codec
+        ix_codec: Codec
+        if mode == "float":
+            kv_codec, ix_codec = FloatCodec(hd), FloatCodec(ih)
+        elif mode == "native":
+            kv_codec, ix_codec = NativeKVCodec(hd, rd), NativeIndexerCodec(ih)
+        else:
+            kv_codec, ix_codec = PackedKVCodec(hd, rd), PackedIndexerCodec()
+        dev = self.device
         self.layers: list[LayerState] = []
-        for kind, ratio in zip(cfg.attn_kinds, cfg.compress_ratios, strict=True):
-            st = LayerState(raw=torch.zeros(ctx, hd, **f32))
+        for i, cap in enumerate(_capacities(cfg, ctx, chunk, mode)):
+            kind = cfg.attn_kinds[i]
+            st = LayerState(raw=RowStore(cap["raw"], kv_codec, dev))
             if kind != SLIDING:
                 lanes = 2 if kind == CSA else 1
-                st.comp_kv = torch.zeros(ctx, lanes * hd, **f32)
-                st.comp_gate = torch.zeros(ctx, lanes * hd, **f32)
-                st.comp_rows = torch.zeros(ctx // ratio, hd, **f32)
+                st.comp_proj = RowStore(cap["proj"], FloatCodec(2 * lanes * hd), dev)
+                st.comp_rows = RowStore(cap["comp_rows"], kv_codec, dev)
             if kind == CSA:
-                st.idx_kv = torch.zeros(ctx, 2 * ih, **f32)
-                st.idx_gate = torch.zeros(ctx, 2 * ih, **f32)
-                st.idx_rows = torch.zeros(ctx // ratio, ih, **f32)
+                st.idx_proj = RowStore(cap["proj"], FloatCodec(4 * ih), dev)
+                st.idx_rows = RowStore(cap["comp_rows"], ix_codec, dev)
             self.layers.append(st)
 
     def check_room(self, n_new: int) -> None:
@@ -71,32 +257,37 @@ class ModelCache:
                 f"context overflow: {self.length} tokens held + {n_new} new > context size {self.ctx}; "
                 f"create the session with a larger --ctx"
             )
+        if n_new > self.chunk:
+            raise ValueError(f"{n_new} tokens in one pass exceed the cache's prefill chunk {self.chunk}")
+
+    def can_rewind(self, length: int) -> bool:
+        """Whether every row needed to continue from ``length`` is still resident."""
+        if not 0 <= length <= self.length:
+            return False
+        oldest_raw = max(0, length - self.cfg.sliding_window + 1)
+        for st, ratio in zip(self.layers, self.cfg.compress_ratios, strict=True):
+            if oldest_raw < self.length - st.raw.capacity:
+                return False
+            if st.comp_proj is not None:
+                oldest_proj = max(0, (length // ratio - 1) * ratio)
+                if oldest_proj < self.length - st.comp_proj.capacity:
+                    return False
+        return True
+
+    def reset(self) -> None:
+        """Forget everything (rows are overwritten as the new sequence arrives)."""
+        self.length = 0
 
     def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind to {length}: the session holds {self.length} tokens")
+        if not self.can_rewind(length):
+            raise ValueError(f"cannot rewind to {length}: the cache holds {self.length} tokens and keeps "
+                             f"{'all' if self.mode != 'packed' else 'only the recent'} rows")
         self.length = length
 
     def nbytes(self) -> int:
-        total = 0
-        for st in self.layers:
-            for t in vars(st).values():
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        return sum(s.nbytes for st in self.layers for s in vars(st).values() if s is not None)
 
-    # ---- the native round trips (identity in float mode) --------------------------------------
-    def kv_row(self, x: torch.Tensor) -> torch.Tensor:
-        """A row as the attention history holds it."""
-        x = x.float()
-        if self.mode == "float":
-            return x
-        nope = self.cfg.nope_head_dim
-        return torch.cat([e4m3_block_roundtrip(x[..., :nope], 64), x[..., nope:].half().float()], dim=-1)
-
-    def indexer_row(self, x: torch.Tensor) -> torch.Tensor:
-        """An indexer key or query as the native graph scores it (rotated, MXFP4)."""
-        x = x.float()
-        if self.mode == "float":
-            return x
-        return mxfp4_roundtrip(hadamard128(x), 32)
+    def indexer_query(self, q: torch.Tensor) -> torch.Tensor:
+        """An indexer query as the cache's semantics score it (rotated and MXFP4 unless float)."""
+        q = q.float()
+        return q if self.mode == "float" else mxfp4_roundtrip(hadamard128(q), 32)

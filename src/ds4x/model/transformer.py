@@ -22,8 +22,8 @@ class Transformer:
         self.device = device = weights["embed.weight"].device
         self.rope = {k: (inv.to(device), mag) for k, (inv, mag) in rope_tables(cfg).items()}
 
-    def new_cache(self, ctx: int, mode: str = "float") -> ModelCache:
-        return ModelCache(self.cfg, ctx, self.device, mode)
+    def new_cache(self, ctx: int, mode: str = "float", chunk: int = 512) -> ModelCache:
+        return ModelCache(self.cfg, ctx, self.device, mode, chunk)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, all_logits: bool = False) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ds4x.config import PRESETS, ModelConfig
+from ds4x.model.cache import ModelCache
 from ds4x.model.transformer import Transformer
 from ds4x.runtime.sampling import SamplingParams, sample
 from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = "tiny"
+# default: the fastest path (may reorder float reductions); exact: the decode step's reduction order, so
+# prefill logits are bit-identical to token-by-token decode; reference: the plain torch path.
+PREFILL_MODES = ("default", "exact", "reference")
 # Presets that are synthesized in memory; Flash's 284B parameters cannot be (use a checkpoint).
 _SYNTHESIZABLE = {"tiny"}
 
@@ -72,13 +76,16 @@ class Engine:
                  model, cfg.num_layers, cfg.layer_summary(), dev, dtype)
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
-    def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512) -> Session:
+    def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,
+                    prefill_mode: str = "default") -> Session:
         """A fresh conversation; ``ctx`` defaults to 4096 tokens or the model's maximum if smaller."""
         ctx = ctx if ctx is not None else min(4096, self.cfg.max_position_embeddings)
         if ctx > self.cfg.max_position_embeddings:
             raise ValueError(f"context {ctx} exceeds the model's max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        return Session(self, self.model.new_cache(ctx, cache), prefill_chunk)
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
+        return Session(self, self.model.new_cache(ctx, cache, prefill_chunk), prefill_chunk, prefill_mode)
 
 
 @dataclass
@@ -93,8 +100,9 @@ class GenerationStats:
 @dataclass
 class Session:
     engine: Engine
-    cache: object
+    cache: ModelCache
     prefill_chunk: int = 512
+    prefill_mode: str = "default"
     tokens: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # next-token logits after the last evaluated token
 
@@ -104,7 +112,7 @@ class Session:
 
     @property
     def ctx(self) -> int:
-        return self.cache.ctx  # type: ignore[attr-defined]
+        return self.cache.ctx
 
     def _check_ids(self, ids: list[int]) -> None:
         vocab = self.engine.cfg.vocab_size
@@ -117,11 +125,16 @@ class Session:
 
     def prefill(self, ids: list[int], chunk: int | None = None,
                 progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
-        """Evaluate ``ids`` after what the session holds, ``chunk`` tokens at a time; return next logits."""
+        """Evaluate ``ids`` after what the session holds, ``chunk`` tokens at a time; return next logits.
+
+        In ``exact`` prefill mode every token goes through the decode step (today the only way to get
+        the decode step's reduction order); ``default`` and ``reference`` both run the torch reference
+        path in chunks until a fast path lands.
+        """
         if not ids:
             raise ValueError("prefill needs at least one token")
         self._check_ids(ids)
-        step = chunk or self.prefill_chunk
+        step = 1 if self.prefill_mode == "exact" else (chunk or self.prefill_chunk)
         for start in range(0, len(ids), step):
             part = ids[start : start + step]
             self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache)
@@ -142,9 +155,16 @@ class Session:
         if length == len(self.tokens):
             return
         keep = self.tokens[:length]
-        self.cache.rewind(max(length - 1, 0))  # type: ignore[attr-defined]
-        self.tokens = keep[:-1]
+        target = max(length - 1, 0)
         self.logits = None
+        if self.cache.can_rewind(target):
+            self.cache.rewind(target)
+            self.tokens = keep[:target]
+        else:  # the packed cache no longer holds the rows: recompute the kept prefix
+            self.cache.reset()
+            self.tokens = []
+            if target:
+                self.prefill(keep[:target])
         if keep:
             self.step(keep[-1])
 

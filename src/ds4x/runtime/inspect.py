@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ds4x.config import PRESETS, load_config
+from ds4x.model.cache import plan_cache
 from ds4x.weights.checkpoint import CheckpointError
 from ds4x.weights.names import expected_shapes, is_integer_tensor
 
@@ -41,7 +42,8 @@ def _safetensors_headers(root: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def describe_model(model: str) -> dict[str, Any]:
+def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[str, Any]:
+    """Config, parameter counts and weight bytes by type; with ``ctx``, the packed cache plan too."""
     if model in PRESETS:
         cfg = PRESETS[model]()
         tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
@@ -70,7 +72,7 @@ def describe_model(model: str) -> dict[str, Any]:
     # FP4 experts are stored two values per byte: count parameters, not bytes
     active = total - routed + routed * cfg.n_experts_per_tok // cfg.n_routed_experts
     conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
-    return {
+    report: dict[str, Any] = {
         "config": conf,
         "schedule": cfg.layer_summary(),
         "params_total": total,
@@ -78,3 +80,8 @@ def describe_model(model: str) -> dict[str, Any]:
         "bytes_by_dtype": by_dtype,
         "bytes_total": sum(r["bytes"] for r in by_dtype.values()),
     }
+    if ctx is not None:
+        if ctx <= 0 or chunk <= 0:
+            raise ValueError(f"--ctx and --prefill-chunk must be positive, got {ctx} and {chunk}")
+        report["cache_plan"] = plan_cache(cfg, ctx, chunk, "packed")
+    return report
