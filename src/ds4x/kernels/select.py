@@ -31,3 +31,76 @@ def selection_mask(index: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Te
     """The selected set as a boolean mask [T, n] (for comparing selections)."""
     counts = torch.zeros(index.shape[0], n, dtype=torch.int32, device=index.device)
     return counts.scatter_add_(1, index, valid.int()) > 0  # padding slots add 0 (never unselect)
+
+
+# ---- one query, many rows: composite keys ---------------------------------------------------------
+# A score and its row index packed in one int64 so that a plain "largest first" order is exactly the
+# selection order: higher score first, then lower index. Scores map to an order-preserving unsigned
+# 32-bit code (-0.0 is canonicalised to +0.0 first, as they compare equal); the low 32 bits hold
+# 0xFFFFFFFF - index.
+
+_LOW = 0xFFFFFFFF
+
+
+def composite_keys(scores: torch.Tensor, n_visible: int) -> torch.Tensor:
+    """int64 keys [N] for one query's scores; rows >= n_visible get the smallest key."""
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & _LOW
+    ordered = torch.where(bits >= 0x80000000, _LOW - bits, bits | 0x80000000)
+    idx = torch.arange(scores.shape[0], device=scores.device, dtype=torch.int64)
+    keys = ((ordered - 0x80000000) << 32) | (_LOW - idx)
+    return torch.where(idx < n_visible, keys, torch.full_like(keys, torch.iinfo(torch.int64).min))
+
+
+def keys_to_selection(keys: torch.Tensor, n_visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = _LOW - (keys & _LOW)
+    valid = index < n_visible
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+def select_topk_keys(scores: torch.Tensor, n_visible: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection (rows 0..n_visible-1 visible) with one ``torch.topk`` over composite keys."""
+    kk = min(k, scores.shape[0])
+    keys = torch.topk(composite_keys(scores, n_visible), kk, sorted=True).values
+    return keys_to_selection(keys, n_visible)
+
+
+_block_kernel = None
+
+
+def _build_block_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_topk_kernel(scores_ptr, out_ptr, n_rows, n_visible, K: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(scores_ptr + idx, mask=idx < n_rows, other=0.0) + 0.0
+        bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        ordered = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+        keys = ((ordered - 0x80000000) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        keys = tl.where(idx < n_visible, keys, -9223372036854775808)
+        top = tl.sort(keys, 0, descending=True)
+        pos = tl.arange(0, BLOCK)
+        tl.store(out_ptr + pid * K + pos, top, mask=pos < K)
+
+    return block_topk_kernel
+
+
+def select_topk_blocked(scores: torch.Tensor, n_visible: int, k: int, block: int = 4096,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused per-block top-k (Triton: each block sorts its composite keys and keeps k) then a merge of the
+    candidates; the same set as `select_topk_keys` because a row in the global top-k is in its block's top-k."""
+    global _block_kernel
+    if _block_kernel is None:
+        _block_kernel = _build_block_kernel()
+    n = scores.shape[0]
+    kk = min(k, n)
+    if n <= block:
+        return select_topk_keys(scores, n_visible, k)
+    n_blocks = -(-n // block)
+    keep = min(kk, block)
+    cand = torch.empty(n_blocks * keep, dtype=torch.int64, device=scores.device)
+    _block_kernel[(n_blocks,)](scores.contiguous(), cand, n, n_visible, K=keep, BLOCK=block)
+    keys = torch.topk(cand, kk, sorted=True).values
+    return keys_to_selection(keys, n_visible)

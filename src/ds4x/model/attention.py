@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
+from ds4x.kernels.attention import attention_decode_triton
+from ds4x.kernels.dispatch import use_triton
+from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
-from ds4x.kernels.select import select_topk
+from ds4x.kernels.select import select_topk, select_topk_blocked
 from ds4x.model.cache import LayerState, ModelCache, RowStore
 from ds4x.model.norms import rms_norm
 from ds4x.model.rope import apply_rope, cos_sin
-
-# indexer keys are decoded and scored this many rows at a time (no full-history float copy)
-INDEXER_TILE = 8192
 
 
 def _emit_windows(proj: RowStore, ape: torch.Tensor, first: int, last: int, ratio: int, overlap: bool,
@@ -72,22 +72,6 @@ def _compress(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, proj: Ro
     return last
 
 
-def indexer_scores(q_res: torch.Tensor, x: torch.Tensor, keys: RowStore, n_rows: int, w: dict[str, torch.Tensor],
-                   prefix: str, cos: torch.Tensor, sin: torch.Tensor, cfg: ModelConfig,
-                   cache: ModelCache) -> torch.Tensor:
-    """Lightning indexer score [T, N] = sum_h w_h * relu(q_h . k) / sqrt(d) for T queries and N keys."""
-    T = x.shape[0]
-    q = linear(q_res, w[prefix + "wq_b.weight"]).view(T, cfg.index_n_heads, cfg.index_head_dim)
-    q = cache.indexer_query(apply_rope(q, cos, sin))
-    weights = linear(x, w[prefix + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
-    scores = torch.empty(T, n_rows, device=x.device)
-    for start in range(0, n_rows, INDEXER_TILE):
-        stop = min(start + INDEXER_TILE, n_rows)
-        dots = torch.einsum("thd,nd->thn", q, keys.read(start, stop))
-        scores[:, start:stop] = (dots.relu() * cfg.index_head_dim**-0.5 * weights.unsqueeze(-1)).sum(dim=1)
-    return scores
-
-
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
               cache: ModelCache, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
     """One attention block for the T tokens at ``positions`` (consecutive, starting at cache.length)."""
@@ -104,27 +88,75 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     kv = rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
     st.raw.write(p0, apply_rope(kv, cos, sin))
 
-    # keys shared by all T queries (window rows; HCA rows), with per-query visibility
     lo = max(0, p0 - cfg.sliding_window + 1)
+    n_rows = 0
+    if kind in (CSA, HCA):
+        assert st.comp_proj is not None and st.comp_rows is not None
+        n_rows = _compress(x, w, p + "compressor.", st.comp_proj, st.comp_rows, p0, ratio, kind == CSA, hd, cfg,
+                           rope)
+        if kind == CSA:
+            assert st.idx_proj is not None and st.idx_rows is not None
+            _compress(x, w, p + "indexer.compressor.", st.idx_proj, st.idx_rows, p0, ratio, True,
+                      cfg.index_head_dim, cfg, rope)
+    sinks = w[p + "attn_sink"]
+    if T == 1 and cache.mode != "float" and use_triton(x.device):
+        out = _decode_triton(q[0], q_res, x, w, p, st, kind, lo, p0, n_rows, cos, sin, sinks, cfg, cache)[None]
+    else:
+        out = _attend_reference(q, q_res, x, w, p, st, kind, ratio, positions, lo, n_rows, cos, sin, sinks, cfg,
+                                cache)
+    out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
+    grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
+    return linear(grouped.reshape(T, -1), w[p + "wo_b.weight"])
+
+
+def _indexer_query(q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cos: torch.Tensor,
+                   sin: torch.Tensor, cfg: ModelConfig, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries [T, H, D] as the cache scores them, and head weights [T, H] (x H^-1/2)."""
+    T = x.shape[0]
+    q = linear(q_res, w[prefix + "wq_b.weight"]).view(T, cfg.index_n_heads, cfg.index_head_dim)
+    q = cache.indexer_query(apply_rope(q, cos, sin))
+    return q, linear(x, w[prefix + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+
+
+def _decode_triton(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], p: str,
+                   st: LayerState, kind: str, lo: int, p0: int, n_rows: int, cos: torch.Tensor, sin: torch.Tensor,
+                   sinks: torch.Tensor, cfg: ModelConfig, cache: ModelCache) -> torch.Tensor:
+    """One query from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE."""
+    packed = cache.mode == "packed"
+    dev = x.device
+    window = torch.arange(lo, p0 + 1, device=dev) % st.raw.capacity
+    sources = [(st.raw.data, window)]
+    if kind == HCA:
+        sources.append((st.comp_rows.data, torch.arange(n_rows, device=dev)))
+    elif kind == CSA and n_rows:
+        qi, wi = _indexer_query(q_res, x, w, p + "indexer.", cos, sin, cfg, cache)
+        scores = indexer_scores_triton(qi[0], wi[0], st.idx_rows.data, n_rows, packed)
+        index, valid = select_topk_blocked(scores, n_rows, cfg.index_topk)
+        sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
+    return attention_decode_triton(q.float(), sources, sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
+
+
+def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], p: str,
+                      st: LayerState, kind: str, ratio: int, positions: torch.Tensor, lo: int, n_rows: int,
+                      cos: torch.Tensor, sin: torch.Tensor, sinks: torch.Tensor, cfg: ModelConfig,
+                      cache: ModelCache) -> torch.Tensor:
+    """The torch reference: [T, H, D] float32 before the inverse RoPE."""
+    T, nh, hd = q.shape
+    p0 = int(positions[0])
+    # keys shared by all T queries (window rows; HCA rows), with per-query visibility
     shared = [st.raw.read(lo, p0 + T)]
     key_pos = torch.arange(lo, p0 + T, device=x.device)
     t = positions[:, None]
     visible = [(key_pos[None, :] <= t) & (key_pos[None, :] > t - cfg.sliding_window)]
     picked = picked_ok = None  # CSA: rows gathered per query [T, k, hd] and their validity [T, k]
-
     if kind in (CSA, HCA):
-        assert st.comp_proj is not None and st.comp_rows is not None
-        n_rows = _compress(x, w, p + "compressor.", st.comp_proj, st.comp_rows, p0, ratio, kind == CSA, hd, cfg,
-                           rope)
         row_visible = torch.arange(n_rows, device=x.device)[None, :] < (t + 1) // ratio
         if kind == HCA:
             shared.append(st.comp_rows.read(0, n_rows))
             visible.append(row_visible)
         else:
-            assert st.idx_proj is not None and st.idx_rows is not None
-            _compress(x, w, p + "indexer.compressor.", st.idx_proj, st.idx_rows, p0, ratio, True,
-                      cfg.index_head_dim, cfg, rope)
-            scores = indexer_scores(q_res, x, st.idx_rows, n_rows, w, p + "indexer.", cos, sin, cfg, cache)
+            qi, wi = _indexer_query(q_res, x, w, p + "indexer.", cos, sin, cfg, cache)
+            scores = indexer_scores(qi, wi, st.idx_rows.read, n_rows)
             index, picked_ok = select_topk(scores, row_visible, cfg.index_topk)
             picked = st.comp_rows.gather(index)
 
@@ -135,12 +167,9 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     if picked is not None:
         extra = torch.einsum("thd,tkd->thk", q, picked) * scale
         parts.append(extra.masked_fill(~picked_ok[:, None, :], float("-inf")))
-    parts.append(w[p + "attn_sink"].float().view(1, nh, 1).expand(T, nh, 1))
+    parts.append(sinks.float().view(1, nh, 1).expand(T, nh, 1))
     probs = torch.cat(parts, dim=-1).softmax(dim=-1)
     out = torch.einsum("thk,kd->thd", probs[..., : keys.shape[0]], keys)
     if picked is not None:
         out = out + torch.einsum("thk,tkd->thd", probs[..., keys.shape[0] : -1], picked)
-    out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
-
-    grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
-    return linear(grouped.reshape(T, -1), w[p + "wo_b.weight"])
+    return out

@@ -1,0 +1,34 @@
+"""Which implementation runs each hot op, decided once per device (and said in the startup log).
+
+``DS4X_KERNELS=reference`` forces the torch reference everywhere (for A/B runs and debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    if os.environ.get("DS4X_KERNELS", "") == "reference":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(device: torch.device) -> bool:
+    return device.type == "cuda" and triton_available()
+
+
+def describe(device: torch.device, cache_mode: str) -> str:
+    """One line naming the kernel of each hot op on ``device`` for a cache in ``cache_mode``."""
+    fast = use_triton(device) and cache_mode in ("native", "packed")
+    decode = "triton, rows read in place" if fast else "torch reference"
+    return (f"decode attention + indexer scoring: {decode}; top-k: {'triton per-block + merge' if fast else 'torch'}"
+            f"; prefill attention, matmuls, MoE, mHC: torch reference")
