@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels can only run in its interpreter; it must be chosen before triton is imported
+# (the interpreter cannot call triton's own library functions if triton first loaded in compiled mode).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,140 @@
+"""Triton decode kernels (indexer scoring, top-k, attention over stored rows) against the torch reference.
+
+On the CPU they run in the Triton interpreter (tests/conftest.py selects it) at small shapes; the `gpu`
+tests run compiled at Flash shapes.
+"""
+
+import pytest
+import torch
+
+from ds4x.formats import (
+    hadamard128,
+    mxfp4_roundtrip,
+    pack_indexer_rows,
+    pack_kv_rows,
+    unpack_indexer_rows,
+    unpack_kv_rows,
+)
+from ds4x.kernels.select import select_topk, select_topk_blocked, select_topk_keys, selection_mask
+
+pytest.importorskip("triton")
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _indexer_case(n, heads, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    rows = pack_indexer_rows(hadamard128(torch.randn(n, 128, generator=g))).to(device)
+    q = mxfp4_roundtrip(hadamard128(torch.randn(heads, 128, generator=g)), 32).to(device)
+    w = torch.randn(heads, generator=g).to(device)
+    return rows, q, w
+
+
+def _reference_scores(q, w, rows, n):
+    from ds4x.kernels.indexer import indexer_scores
+
+    return indexer_scores(q[None].float(), w[None].float(), lambda a, b: unpack_indexer_rows(rows[a:b]), n)[0]
+
+
+@pytest.mark.parametrize("n, heads", [(200, 16), (513, 64)])
+def test_indexer_scores_packed_and_unpacked_rows(n, heads):
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    rows, q, w = _indexer_case(n, heads, 0, _device())
+    packed = indexer_scores_triton(q, w, rows, n, packed=True)
+    unpacked = indexer_scores_triton(q, w, unpack_indexer_rows(rows).contiguous(), n, packed=False)
+    ref = _reference_scores(q, w, rows, n)
+    assert torch.equal(packed, unpacked)  # same arithmetic whatever the storage
+    assert float((packed - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+
+
+def test_blocked_topk_is_the_simple_topk_with_many_ties():
+    g = torch.Generator().manual_seed(3)
+    for n, n_vis, k in [(5000, 4800, 512), (3000, 3000, 64), (2500, 90, 512)]:
+        scores = torch.randint(-4, 5, (n,), generator=g).float()
+        scores[::5] = -0.0
+        scores = scores.to(_device())
+        vis = (torch.arange(n) < n_vis).to(_device())
+        ref = selection_mask(*select_topk(scores[None], vis[None], k), n)[0]
+        for fn in (select_topk_keys, lambda s, v, kk: select_topk_blocked(s, v, kk, block=1024)):
+            index, valid = fn(scores, n_vis, k)
+            assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
+
+
+@pytest.mark.parametrize("dim, rope, heads", [(128, 64, 16), (512, 64, 64)])
+def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
+    from ds4x.kernels.attention import attention_decode_triton
+
+    if dim == 512 and not torch.cuda.is_available():
+        pytest.skip("Flash shapes only compiled on the GPU (too slow in the interpreter)")
+    g = torch.Generator().manual_seed(1)
+    dev = _device()
+    rows = pack_kv_rows(torch.randn(300, dim, generator=g) * 3, rope_dim=rope).to(dev)
+    q = torch.randn(heads, dim, generator=g).to(dev)
+    sinks = torch.randn(heads, generator=g).to(dev)
+    window = torch.arange(250, 300, device=dev)
+    picked = torch.tensor([5, 17, -1, 80, 3, -1, 199], device=dev)
+    out = attention_decode_triton(q, [(rows, window), (rows, picked)], sinks, dim**-0.5, dim - rope, True,
+                                  rows_per_split=32)
+    plain = unpack_kv_rows(rows, rope_dim=rope)
+    out_f = attention_decode_triton(q, [(plain.contiguous(), window), (plain.contiguous(), picked)], sinks,
+                                    dim**-0.5, dim - rope, False, rows_per_split=32)
+    keys = plain[torch.cat([window, picked[picked >= 0]])]
+    probs = torch.cat([q @ keys.T * dim**-0.5, sinks[:, None]], dim=1).softmax(-1)
+    ref = probs[:, :-1] @ keys
+    assert torch.equal(out, out_f)
+    assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+
+
+@pytest.mark.gpu
+def test_flash_shapes_at_1m_on_gpu():
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    n = 262_144
+    rows, q, w = _indexer_case(n, 64, 5, "cuda")
+    scores = indexer_scores_triton(q, w, rows, n, packed=True)
+    ref = _reference_scores(q, w, rows, n)
+    assert float((scores - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+    a = selection_mask(*[t[None] for t in select_topk_blocked(scores, n, 512)], n)
+    b = selection_mask(*select_topk(scores[None], torch.ones(1, n, dtype=torch.bool, device="cuda"), 512), n)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["native", "packed"])
+def test_gpu_decode_path_matches_cpu_reference(cache):
+    from ds4x.runtime.engine import Engine
+
+    ids = torch.randint(3, 259, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    for device in ("cpu", "cuda"):
+        s = Engine.load("tiny", device=device).new_session(ctx=256, cache=cache, prefill_chunk=32)
+        s.prefill(ids)
+        out[device] = torch.stack([s.step(t).cpu() for t in (5, 9, 17, 33)])
+    rel = float((out["cuda"] - out["cpu"]).abs().max() / out["cpu"].abs().max())
+    assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+def test_gpu_packed_and_native_decode_are_bit_identical():
+    from ds4x.runtime.engine import Engine
+
+    engine = Engine.load("tiny", device="cuda")
+    ids = torch.randint(3, 259, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for cache in ("native", "packed"):
+        s = engine.new_session(ctx=512, cache=cache, prefill_chunk=32, prefill_mode="exact")
+        logits[cache] = torch.stack([s.prefill(ids), *[s.step(t) for t in (7, 8, 9)]])
+    assert torch.equal(logits["native"], logits["packed"])
+
+
+def test_reference_kernels_env_switch(monkeypatch):
+    from ds4x.kernels import dispatch
+
+    dispatch.triton_available.cache_clear()
+    monkeypatch.setenv("DS4X_KERNELS", "reference")
+    assert not dispatch.triton_available()
+    dispatch.triton_available.cache_clear()
+    assert "reference" in dispatch.describe(torch.device("cpu"), "packed")
