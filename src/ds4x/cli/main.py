@@ -50,6 +50,40 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results appended to the ledger)")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    f = kinds.add_parser("frontier", help="decode at the frontier of a seeded packed cache (needs a GPU)")
+    f.add_argument("--contexts", default="131072,262144,524288,1048576", help="comma-separated context sizes")
+    f.add_argument("--steps", type=int, default=50, help="timed decode steps per context (median reported)")
+    f.add_argument("--seed", type=int, default=0, help="synthetic weights and cache seed")
+    f.add_argument("--experts", type=int, default=8, help="routed experts of the shrunk model (Flash: 256)")
+    f.add_argument("--topk", default="blocked", choices=["blocked", "keys"], help="top-k variant")
+    f.add_argument("--ab", default=None, choices=["blocked", "keys"], help="alternate with this top-k variant")
+    f.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ds4x.bench import ledger
+    from ds4x.bench.frontier import FrontierConfig, run_frontier
+
+    contexts = tuple(_parse_ids(args.contexts, "--contexts"))
+    if any(c <= 0 for c in contexts) or args.steps <= 0:
+        raise ValueError("--contexts and --steps must be positive")
+    rows = run_frontier(FrontierConfig(contexts=contexts, steps=args.steps, seed=args.seed, experts=args.experts,
+                                       topk=args.topk, ab=args.ab),
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    env = ledger.environment()
+    ledger.append([{**env, **row} for row in rows], Path(args.ledger))
+    print(f"{'context':>9} {'top-k':>8} {'step ms':>8} {'idx us':>7} {'GB/s':>6} {'topk us':>8} {'CSA us':>7} "
+          f"{'HCA us':>7} {'41 layers ms':>12}")
+    for r in rows:
+        print(f"{r['context']:>9} {r['flags']['topk']:>8} {r['decode_ms']:8.2f} {r['csa_indexer_us']:7.1f} "
+              f"{r['indexer_gb_s']:6.0f} {r['csa_topk_us']:8.1f} {r['csa_attention_us']:7.1f} "
+              f"{r['hca_attention_us']:7.1f} {r['compressed_layers_ms']:12.3f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4x", description="DeepSeek-V4 inference runtime")
     parser.add_argument("--version", action="version", version=f"ds4x {__version__}")
@@ -57,16 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_inspect(sub)
+    _add_bench(sub)
     return parser
 
 
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{option} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise ValueError("--prompt-ids is empty")
+        raise ValueError(f"{option} is empty")
     return ids
 
 
@@ -160,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[ds4x] %(message)s", stream=sys.stderr)
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_inspect(args)
-    except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError) as exc:
+        commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench}
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

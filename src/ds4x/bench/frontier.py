@@ -1,0 +1,188 @@
+"""Frontier decode benchmark (DESIGN §7): allocate the context, seed a deterministic cache at the frontier
+(no prefill), 3 warm-ups, then the median of N timed decode steps; plus the compressed-attention kernels
+of one CSA and one HCA layer timed alone at that context.
+
+The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 512, indexer 64 x 128,
+top-512, window 128, ratios 4/128, vocab 129280) with its MoE shrunk to fit next to the cache in bf16:
+``experts`` routed experts (default 8 instead of 256, top-6 kept), weights random (seeded, generated on
+the GPU). Attention, indexer and cache sizes are the real ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds4x.config import CSA, HCA, PRESETS, SLIDING
+from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
+from ds4x.kernels.attention import attention_decode_triton
+from ds4x.kernels.indexer import indexer_scores_triton
+from ds4x.kernels.select import select_topk_blocked, select_topk_keys
+from ds4x.model.cache import ModelCache, RowStore
+from ds4x.model.transformer import Transformer
+from ds4x.weights.synthetic import synthetic_weights
+
+COPY_BANDWIDTH = 4.26e12  # bytes/s, measured device-to-device copy on the H200 (read + write)
+TOPK_VARIANTS = {"blocked": select_topk_blocked, "keys": select_topk_keys}
+
+
+@dataclass
+class FrontierConfig:
+    contexts: tuple[int, ...] = (131072, 262144, 524288, 1048576)
+    steps: int = 50
+    warmup: int = 3
+    seed: int = 0
+    experts: int = 8
+    topk: str = "blocked"
+    ab: str | None = None  # another top-k variant to alternate with, e.g. "keys"
+    preset: str = "flash"  # "tiny" runs the same code small (tests, CPU dry runs under the Triton interpreter)
+    device: str = "cuda"
+
+
+def _fill(store: RowStore, start: int, stop: int, dim: int, g: torch.Generator, scale: float = 1.0) -> None:
+    chunk = 65536
+    for a in range(start, stop, chunk):
+        b = min(stop, a + chunk)
+        store.write(a, torch.randn(b - a, dim, generator=g, device=g.device) * scale)
+
+
+def seed_frontier(cache: ModelCache, length: int, seed: int) -> None:
+    """Deterministic non-zero rows for every position a step at ``length`` reads; sets cache.length."""
+    cfg = cache.cfg
+    g = torch.Generator(device=cache.device).manual_seed(seed)
+    for st, kind, ratio in zip(cache.layers, cfg.attn_kinds, cfg.compress_ratios, strict=True):
+        _fill(st.raw, max(0, length - st.raw.capacity), length, cfg.head_dim, g)
+        if kind == SLIDING:
+            continue
+        _fill(st.comp_rows, 0, length // ratio, cfg.head_dim, g)
+        lanes = 2 if kind == CSA else 1
+        _fill(st.comp_proj, max(0, length - st.comp_proj.capacity), length, 2 * lanes * cfg.head_dim, g, 0.5)
+        if kind == CSA:
+            _fill(st.idx_rows, 0, length // ratio, cfg.index_head_dim, g)
+            _fill(st.idx_proj, max(0, length - st.idx_proj.capacity), length, 4 * cfg.index_head_dim, g, 0.5)
+    cache.length = length
+
+
+def _median_ms(fn, reps: int = 50) -> float:
+    if not torch.cuda.is_available():  # CPU dry run: wall clock
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator) -> dict[str, Any]:
+    """Closures running one layer's compressed-attention kernels at the cache's frontier."""
+    cfg, st = cache.cfg, cache.layers[layer]
+    dev, L = cache.device, cache.length
+    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
+    sinks = torch.randn(cfg.num_heads, generator=g, device=dev)
+    window = torch.arange(L - cfg.sliding_window + 1, L + 1, device=dev) % st.raw.capacity
+    scale, nope = cfg.head_dim**-0.5, cfg.nope_head_dim
+    n_rows = L // cfg.compress_ratios[layer] if cfg.compress_ratios[layer] else 0
+    out: dict[str, Any] = {"n_rows": n_rows}
+    kind = cfg.attn_kinds[layer]
+    if kind == CSA:
+        from ds4x.formats import hadamard128, mxfp4_roundtrip
+
+        qi = mxfp4_roundtrip(hadamard128(torch.randn(cfg.index_n_heads, cfg.index_head_dim, generator=g,
+                                                     device=dev)), 32)
+        wi = torch.randn(cfg.index_n_heads, generator=g, device=dev)
+        scores = indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True)
+        index, valid = TOPK_VARIANTS[topk](scores, n_rows, cfg.index_topk)
+        picked = torch.where(valid, index, -1)
+        out["indexer"] = lambda: indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True)
+        out["topk"] = {name: (lambda f=f: f(scores, n_rows, cfg.index_topk)) for name, f in TOPK_VARIANTS.items()}
+        out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, picked)],
+                                                           sinks, scale, nope, True)
+    elif kind == HCA:
+        rows = torch.arange(n_rows, device=dev)
+        out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, rows)],
+                                                           sinks, scale, nope, True)
+    else:
+        out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window)], sinks, scale, nope, True)
+    return out
+
+
+def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
+    """Measure every context; returns one ledger row per (context, top-k variant)."""
+    dev = torch.device(fc.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the frontier benchmark needs a CUDA GPU")
+    base = PRESETS[fc.preset]()
+    cfg = base.replace(n_routed_experts=fc.experts, n_experts_per_tok=min(base.n_experts_per_tok, fc.experts))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    log(f"synthesizing {fc.preset} attention shapes with {fc.experts} routed experts ({dtype}, seed {fc.seed}) ...")
+    weights = synthetic_weights(cfg, fc.seed, dtype, dev, generate_on=dev)
+    model = Transformer(cfg, weights, dtype)
+    csa = next(i for i, k in enumerate(cfg.attn_kinds) if k == CSA)
+    hca = next(i for i, k in enumerate(cfg.attn_kinds) if k == HCA)
+    sld = next(i for i, k in enumerate(cfg.attn_kinds) if k == SLIDING)
+    n_csa, n_hca, n_sld = (sum(k == x for k in cfg.attn_kinds) for x in (CSA, HCA, SLIDING))
+    rows = []
+    for L in fc.contexts:
+        cache = model.new_cache(L + fc.warmup + fc.steps + 1, "packed", chunk=32)
+        seed_frontier(cache, L, fc.seed)
+        g = torch.Generator(device=dev).manual_seed(fc.seed + 1)
+        tok = torch.tensor([1], device=dev)
+        step_ms = []
+        for i in range(fc.warmup + fc.steps):
+            t0 = time.perf_counter()
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            logits = model.forward(tok, cache)
+            if dev.type == "cuda":
+                end.record()
+                torch.cuda.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = 1000 * (time.perf_counter() - t0)
+            tok = logits.argmax().view(1)
+            if i >= fc.warmup:
+                step_ms.append(ms)
+        cache.length = L  # the kernels below read the same frontier the steps started from
+        k_csa, k_hca, k_sld = (_layer_kernels(cache, i, fc.topk, g) for i in (csa, hca, sld))
+        variants = [fc.topk] + ([fc.ab] if fc.ab else [])
+        topk_ms: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(3):  # A/B variants alternate in one process
+            for v in variants:
+                topk_ms[v].append(_median_ms(k_csa["topk"][v]))
+        t_index = _median_ms(k_csa["indexer"])
+        t_csa, t_hca, t_sld = (_median_ms(k["attention"]) for k in (k_csa, k_hca, k_sld))
+        index_bytes = k_csa["n_rows"] * INDEXER_ROW_BYTES
+        kv_bytes = kv_row_bytes(cfg.head_dim, cfg.rope_head_dim)
+        for v in variants:
+            t_topk = statistics.median(topk_ms[v])
+            compressed = n_csa * (t_index + t_topk + t_csa) + n_hca * t_hca
+            row = {
+                "bench": "frontier", "context": L, "flags": {"cache": "packed", "topk": v, "experts": fc.experts,
+                                                             "dtype": "bfloat16", "steps": fc.steps},
+                "model": f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {fc.experts} routed experts",
+                "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
+                "csa_indexer_us": 1000 * t_index, "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,
+                "hca_attention_us": 1000 * t_hca, "sliding_attention_us": 1000 * t_sld,
+                "compressed_layers_ms": compressed, "all_attention_ms": compressed + n_sld * t_sld,
+                "indexer_gb_s": index_bytes / t_index / 1e6,
+                "indexer_floor_fraction": index_bytes / (t_index / 1000) / COPY_BANDWIDTH,
+                "kv_bytes_read": n_csa * (index_bytes + (cfg.index_topk + cfg.sliding_window) * kv_bytes)
+                + n_hca * (k_hca["n_rows"] + cfg.sliding_window) * kv_bytes,
+            }
+            rows.append(row)
+            log(f"ctx {L:>8}: step {row['decode_ms']:.2f} ms | CSA idx {row['csa_indexer_us']:.1f} us "
+                f"({row['indexer_gb_s']:.0f} GB/s) top-k[{v}] {row['csa_topk_us']:.1f} us attn "
+                f"{row['csa_attention_us']:.1f} us | HCA attn {row['hca_attention_us']:.1f} us | "
+                f"41 compressed layers {row['compressed_layers_ms']:.3f} ms")
+        del cache
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
