@@ -39,32 +39,36 @@ def _build():
     def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, row_stride, scale,
                      H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
                      BF16: tl.constexpr):
+        # Elements are handled as an even and an odd half (the low and high nibbles of a packed byte), so
+        # both storages run the very same two dot products and give bit-identical scores.
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_rows
-        offs_d = tl.arange(0, D)
+        half = tl.arange(0, D // 2)
         base = rows_ptr + offs_n[:, None].to(tl.int64) * row_stride
         if PACKED:
-            byte = tl.load(base + offs_d[None, :] // 2, mask=mask_n[:, None], other=0).to(tl.int32)
-            code = (byte >> ((offs_d[None, :] % 2) * 4)) & 0xF
-            mag = code & 7
-            # E2M1 magnitude: 0, 0.5 (subnormal), then (1 + m/2) * 2^(e-1) for mag = 2e + m
-            e = mag >> 1
-            m = (mag & 1).to(tl.float32)
-            val = tl.where(mag < 2, m * 0.5, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-            val = tl.where(code >= 8, -val, val)
-            sbyte = tl.load(base + D // 2 + offs_d[None, :] // 32, mask=mask_n[:, None], other=127).to(tl.int32)
-            sc = (sbyte << 23).to(tl.float32, bitcast=True)
-            sc = tl.where(sbyte == 0, 5.877471754111438e-39, sc)  # 2^-127 is subnormal
-            k = val * sc
+            byte = tl.load(base + half[None, :], mask=mask_n[:, None], other=0).to(tl.int32)
+            sbyte = tl.load(base + D // 2 + (2 * half[None, :]) // 32, mask=mask_n[:, None], other=127).to(tl.int32)
+            # UE8M0 scale 2^(b-127) from its bits (byte 0 is the subnormal 2^-127)
+            sc = tl.where(sbyte == 0, 5.877471754111438e-39, (sbyte << 23).to(tl.float32, bitcast=True))
+            # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 by arithmetic (no table, no exp2); sign in bit 3
+            lo, hi = byte & 7, (byte >> 4) & 7
+            v_lo = tl.where(lo < 4, lo * 0.5, tl.where(lo < 6, lo - 2.0, (lo - 5) * 2.0 + 2.0))
+            v_hi = tl.where(hi < 4, hi * 0.5, tl.where(hi < 6, hi - 2.0, (hi - 5) * 2.0 + 2.0))
+            k_even = tl.where((byte & 8) != 0, -v_lo, v_lo) * sc
+            k_odd = tl.where((byte & 128) != 0, -v_hi, v_hi) * sc
         else:
-            k = tl.load(base + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            k_even = tl.load(base + 2 * half[None, :], mask=mask_n[:, None], other=0.0)
+            k_odd = tl.load(base + 2 * half[None, :] + 1, mask=mask_n[:, None], other=0.0)
         offs_h = tl.arange(0, H)
-        q = tl.load(q_ptr + offs_h[:, None] * D + offs_d[None, :])
+        q_even = tl.load(q_ptr + offs_h[:, None] * D + 2 * half[None, :])
+        q_odd = tl.load(q_ptr + offs_h[:, None] * D + 2 * half[None, :] + 1)
         if BF16:  # exact for E2M1 x 2^e operands; tensor cores, fp32 accumulate
-            dots = tl.dot(k.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+            dots = tl.dot(k_even.to(tl.bfloat16), tl.trans(q_even.to(tl.bfloat16)))
+            dots = tl.dot(k_odd.to(tl.bfloat16), tl.trans(q_odd.to(tl.bfloat16)), dots)
         else:  # the CPU interpreter has no bf16 matmul
-            dots = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dots = tl.dot(k_even, tl.trans(q_even), input_precision="ieee")
+            dots = tl.dot(k_odd, tl.trans(q_odd), dots, input_precision="ieee")
         w = tl.load(w_ptr + offs_h)
         terms = (tl.maximum(dots, 0.0) * scale) * w[None, :]
         tl.store(out_ptr + offs_n, tl.sum(terms, axis=1), mask=mask_n)
@@ -73,7 +77,7 @@ def _build():
 
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int,
-                          packed: bool, block_n: int = 64) -> torch.Tensor:
+                          packed: bool, block_n: int = 128) -> torch.Tensor:
     """One query: q [H, D] float32 (rotated, MXFP4 values), weights [H] -> scores [n_rows].
 
     ``rows`` is the store's data: uint8 [cap, 68] when ``packed`` else float32 [cap, D]; rows

@@ -1,26 +1,70 @@
 """Products and lookups against weights, whatever form a weight is held in.
 
-Today every weight is a dense tensor and these are plain torch ops; quantized weights (GGUF blocks)
-dispatch here to their own kernels, so the model layer never touches a weight's storage directly.
+A weight is either a dense tensor (plain torch ops, unchanged) or a
+:class:`~ds4x.formats.ggml_tensor.GGMLTensor` (GGUF blocks kept quantized). Quantized weights go to
+their own kernels here, so the model layer never touches a weight's storage directly:
+
+- CPU (and any device without the Triton kernels): the reference, dequantize (bit-exact to gguf)
+  then multiply in the activation dtype. The activations are not quantized, so a GGUF and the same
+  weights in safetensors give the same logits.
+- CUDA: :mod:`ds4x.kernels.quant_matmul` multiplies straight from the packed blocks. Set
+  ``DS4X_QUANT_KERNEL=torch`` to force the reference there too.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from ds4x.formats.ggml_tensor import GGMLTensor
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+Weight = torch.Tensor | GGMLTensor
+
+
+def _quant_kernels(w: GGMLTensor):  # -> module or None
+    """The Triton module when it can serve this weight, else None (the torch reference)."""
+    if not w.is_cuda or os.environ.get("DS4X_QUANT_KERNEL", "auto").lower() == "torch":
+        return None
+    from ds4x.kernels import quant_matmul
+
+    return quant_matmul if quant_matmul.supports(w) else None
+
+
+def quant_kernel_name(w: Weight) -> str:
+    """Which kernel serves products with ``w`` (for the startup log)."""
+    if not isinstance(w, GGMLTensor):
+        return "torch dense"
+    if _quant_kernels(w) is not None:
+        return f"triton quant_matmul ({w.qtype.name})"
+    return f"torch dequantize+matmul ({w.qtype.name})"
+
+
+def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T in x's dtype."""
+    if isinstance(weight, GGMLTensor):
+        qm = _quant_kernels(weight)
+        if qm is not None:
+            return qm.quant_linear(x, weight)
+        return F.linear(x, weight.dequantize(x.dtype))
     return F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor:
     """Block-diagonal product: x [T, G, in_g] with weight [G*out_g, in_g] -> [T, G, out_g]."""
+    if isinstance(weight, GGMLTensor):
+        qm = _quant_kernels(weight)
+        if qm is not None:
+            return qm.quant_grouped_linear(x, weight, groups)
+        w = weight.dequantize(x.dtype).view(groups, -1, weight.shape[-1])
+        return torch.einsum("tgi,goi->tgo", x, w)
     w = weight.view(groups, -1, weight.shape[-1]).to(x.dtype)
     return torch.einsum("tgi,goi->tgo", x, w)
 
 
-def embedding(weight: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def embedding(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``tokens`` of the embedding table, in ``dtype``."""
+    if isinstance(weight, GGMLTensor):
+        return weight.dequantize_rows(tokens, torch.float32).to(dtype)
     return weight[tokens].to(dtype)
