@@ -15,7 +15,13 @@ from ds4x.formats import (
     unpack_indexer_rows,
     unpack_kv_rows,
 )
-from ds4x.kernels.select import select_topk, select_topk_blocked, select_topk_keys, selection_mask
+from ds4x.kernels.select import (
+    select_topk,
+    select_topk_blocked,
+    select_topk_keys,
+    select_topk_threshold,
+    selection_mask,
+)
 
 pytest.importorskip("triton")
 
@@ -58,7 +64,8 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
         scores = scores.to(_device())
         vis = (torch.arange(n) < n_vis).to(_device())
         ref = selection_mask(*select_topk(scores[None], vis[None], k), n)[0]
-        for fn in (select_topk_keys, lambda s, v, kk: select_topk_blocked(s, v, kk, block=1024)):
+        for fn in (select_topk_keys, select_topk_threshold,
+                   lambda s, v, kk: select_topk_blocked(s, v, kk, block=1024)):
             index, valid = fn(scores, n_vis, k)
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
 

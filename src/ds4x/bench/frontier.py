@@ -21,13 +21,13 @@ from ds4x.config import CSA, HCA, PRESETS, SLIDING
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
 from ds4x.kernels.attention import attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
-from ds4x.kernels.select import select_topk_blocked, select_topk_keys
+from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_threshold
 from ds4x.model.cache import ModelCache, RowStore
 from ds4x.model.transformer import Transformer
 from ds4x.weights.synthetic import synthetic_weights
 
 COPY_BANDWIDTH = 4.26e12  # bytes/s, measured device-to-device copy on the H200 (read + write)
-TOPK_VARIANTS = {"blocked": select_topk_blocked, "keys": select_topk_keys}
+TOPK_VARIANTS = {"blocked": select_topk_blocked, "keys": select_topk_keys, "threshold": select_topk_threshold}
 
 
 @dataclass
@@ -38,7 +38,7 @@ class FrontierConfig:
     seed: int = 0
     experts: int = 8
     topk: str = "blocked"
-    ab: str | None = None  # another top-k variant to alternate with, e.g. "keys"
+    ab: tuple[str, ...] = ()  # other top-k variants to alternate with, e.g. ("keys",)
     preset: str = "flash"  # "tiny" runs the same code small (tests, CPU dry runs under the Triton interpreter)
     device: str = "cuda"
 
@@ -152,7 +152,7 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
                 step_ms.append(ms)
         cache.length = L  # the kernels below read the same frontier the steps started from
         k_csa, k_hca, k_sld = (_layer_kernels(cache, i, fc.topk, g) for i in (csa, hca, sld))
-        variants = [fc.topk] + ([fc.ab] if fc.ab else [])
+        variants = [fc.topk, *[v for v in fc.ab if v != fc.topk]]
         topk_ms: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(3):  # A/B variants alternate in one process
             for v in variants:

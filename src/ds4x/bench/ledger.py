@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ def environment() -> dict[str, Any]:
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                     text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = "unknown", False
+        commit, dirty = "", False
+    if not commit:  # a copy without git metadata (e.g. the GPU machine): the caller names the commit
+        commit = os.environ.get("DS4X_COMMIT", "unknown")
     env: dict[str, Any] = {
         "commit": commit + ("-dirty" if dirty else ""),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

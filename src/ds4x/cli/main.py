@@ -58,8 +58,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--steps", type=int, default=50, help="timed decode steps per context (median reported)")
     f.add_argument("--seed", type=int, default=0, help="synthetic weights and cache seed")
     f.add_argument("--experts", type=int, default=8, help="routed experts of the shrunk model (Flash: 256)")
-    f.add_argument("--topk", default="blocked", choices=["blocked", "keys"], help="top-k variant")
-    f.add_argument("--ab", default=None, choices=["blocked", "keys"], help="alternate with this top-k variant")
+    f.add_argument("--topk", default="blocked", choices=["blocked", "keys", "threshold"], help="top-k variant")
+    f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (blocked, keys, "
+                                              "threshold)")
     f.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
 
 
@@ -71,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(c <= 0 for c in contexts) or args.steps <= 0:
         raise ValueError("--contexts and --steps must be positive")
     rows = run_frontier(FrontierConfig(contexts=contexts, steps=args.steps, seed=args.seed, experts=args.experts,
-                                       topk=args.topk, ab=args.ab),
+                                       topk=args.topk, ab=tuple(v for v in args.ab.split(",") if v)),
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     env = ledger.environment()
     ledger.append([{**env, **row} for row in rows], Path(args.ledger))

@@ -104,3 +104,20 @@ def select_topk_blocked(scores: torch.Tensor, n_visible: int, k: int, block: int
     _block_kernel[(n_blocks,)](scores.contiguous(), cand, n, n_visible, K=keep, BLOCK=block)
     keys = torch.topk(cand, kk, sorted=True).values
     return keys_to_selection(keys, n_visible)
+
+
+def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection from a float ``torch.topk``: every row above the k-th score, then the lowest-index
+    rows equal to it until k are taken (exactly the tie rule), with no host synchronisation."""
+    s = scores[:n_visible].float() + 0.0  # canonical zero
+    kk = min(k, n_visible)
+    if kk == 0:
+        return select_topk_keys(scores, n_visible, k)
+    kth = torch.topk(s, kk, sorted=False).values.min()
+    above = s > kth
+    ties = s == kth
+    need = kk - above.sum()
+    chosen = above | (ties & (torch.cumsum(ties.int(), 0) <= need))
+    index = torch.nonzero_static(chosen, size=min(k, scores.shape[0]), fill_value=-1).squeeze(-1)
+    valid = index >= 0
+    return torch.where(valid, index, torch.zeros_like(index)), valid
