@@ -62,11 +62,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (blocked, keys, "
                                               "threshold)")
     f.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
+    r = kinds.add_parser("report", help="render docs/BENCHMARKS.md from the ledger")
+    r.add_argument("--ledger", default="benchmarks/ledger.jsonl")
+    r.add_argument("--out", default="docs/BENCHMARKS.md")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ds4x.bench import ledger
     from ds4x.bench.frontier import FrontierConfig, run_frontier
+
+    if args.bench == "report":
+        from ds4x.bench.report import write_report
+
+        write_report(Path(args.ledger), Path(args.out))
+        print(f"wrote {args.out}")
+        return 0
 
     contexts = tuple(_parse_ids(args.contexts, "--contexts"))
     if any(c <= 0 for c in contexts) or args.steps <= 0:

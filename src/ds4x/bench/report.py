@@ -1,0 +1,48 @@
+"""docs/BENCHMARKS.md generated from the ledger (never typed by hand)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _frontier_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| date | commit | GPU | context | top-k | step ms | CSA indexer us (GB/s) | CSA top-k us | CSA attn us "
+        "| HCA attn us | 41 compressed layers ms | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['context']:,} | {r['flags']['topk']} "
+            f"| {r['decode_ms']:.1f} | {r['csa_indexer_us']:.1f} ({r['indexer_gb_s']:.0f}) | {r['csa_topk_us']:.1f} "
+            f"| {r['csa_attention_us']:.1f} | {r['hca_attention_us']:.1f} | {r['compressed_layers_ms']:.3f} "
+            f"| {r.get('status', 'ok')} |"
+        )
+    return out
+
+
+def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated from `{ledger_name}` by `ds4x bench report`; every row is one measured point. Rows marked",
+        "`superseded` or `invalid` are kept on purpose (DESIGN §7). Model and flags of each row are in the ledger.",
+        "",
+    ]
+    frontier = [r for r in rows if r.get("bench") == "frontier"]
+    if frontier:
+        models = sorted({r["model"] for r in frontier})
+        lines += ["## Frontier decode (packed cache seeded at the frontier, no prefill)", "",
+                  "Model: " + "; ".join(models) + ".", "", *_frontier_table(frontier), ""]
+    return "\n".join(lines)
+
+
+def write_report(ledger: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(load(ledger), ledger.as_posix()))

@@ -1,0 +1,20 @@
+"""Benchmark plumbing on the CPU: the frontier run end to end at tiny shapes, ledger rows, report."""
+
+import json
+
+from ds4x.bench import ledger
+from ds4x.bench.frontier import FrontierConfig, run_frontier
+from ds4x.bench.report import write_report
+
+
+def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
+    rows = run_frontier(FrontierConfig(contexts=(300,), steps=1, preset="tiny", device="cpu", ab=("keys",)),
+                        log=lambda m: None)
+    assert [r["flags"]["topk"] for r in rows] == ["blocked", "keys"]
+    assert all(r["decode_ms"] > 0 and r["csa_indexer_us"] > 0 for r in rows)
+    path = tmp_path / "ledger.jsonl"
+    ledger.append([{**ledger.environment(), **r} for r in rows], path)
+    stored = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"commit", "date", "gpu", "torch", "triton", "model", "flags", "context", "decode_ms"} <= set(stored[0])
+    write_report(path, tmp_path / "B.md")
+    assert "| 300 |" in (tmp_path / "B.md").read_text()
