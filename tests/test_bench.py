@@ -18,3 +18,14 @@ def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
     assert {"commit", "date", "gpu", "torch", "triton", "model", "flags", "context", "decode_ms"} <= set(stored[0])
     write_report(path, tmp_path / "B.md")
     assert "| 300 |" in (tmp_path / "B.md").read_text()
+
+
+def test_cache_comparison_native_equals_packed():
+    from ds4x.bench.cache_quality import compare_caches
+    from ds4x.runtime.engine import Engine
+
+    report = compare_caches(Engine.load("tiny", device="cpu"), list(range(3, 200)), gen=16, chunk=32)
+    assert report["native_vs_packed"]["max_abs_over_max_logit"] == 0.0
+    assert report["native_vs_packed"]["greedy_tokens_equal_fraction"] == 1.0
+    assert report["native_vs_packed"]["topk_overlap"] == 1.0
+    assert report["float_vs_native"]["max_abs_over_max_logit"] > 0

@@ -102,7 +102,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     if T == 1 and cache.mode != "float" and use_triton(x.device):
         out = _decode_triton(q[0], q_res, x, w, p, st, kind, lo, p0, n_rows, cos, sin, sinks, cfg, cache)[None]
     else:
-        out = _attend_reference(q, q_res, x, w, p, st, kind, ratio, positions, lo, n_rows, cos, sin, sinks, cfg,
+        out = _attend_reference(q, q_res, x, w, layer, st, kind, ratio, positions, lo, n_rows, cos, sin, sinks, cfg,
                                 cache)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
     grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
@@ -136,12 +136,13 @@ def _decode_triton(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dic
     return attention_decode_triton(q.float(), sources, sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
-def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], p: str,
+def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int,
                       st: LayerState, kind: str, ratio: int, positions: torch.Tensor, lo: int, n_rows: int,
                       cos: torch.Tensor, sin: torch.Tensor, sinks: torch.Tensor, cfg: ModelConfig,
                       cache: ModelCache) -> torch.Tensor:
     """The torch reference: [T, H, D] float32 before the inverse RoPE."""
     T, nh, hd = q.shape
+    p = f"layers.{layer}.attn."
     p0 = int(positions[0])
     # keys shared by all T queries (window rows; HCA rows), with per-query visibility
     shared = [st.raw.read(lo, p0 + T)]
@@ -159,6 +160,8 @@ def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: 
             scores = indexer_scores(qi, wi, st.idx_rows.read, n_rows)
             index, picked_ok = select_topk(scores, row_visible, cfg.index_topk)
             picked = st.comp_rows.gather(index)
+            if cache.selections is not None:
+                cache.selections.append((layer, positions, index, picked_ok))
 
     keys = torch.cat(shared, dim=0)  # [K, hd]
     scale = hd**-0.5

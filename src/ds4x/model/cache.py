@@ -221,6 +221,8 @@ class ModelCache:
         self.cfg, self.ctx, self.mode, self.chunk = cfg, ctx, mode, chunk
         self.device = torch.device(device)
         self.length = 0
+        # when a list, CSA layers append (layer, positions, selected row indices, valid) here (quality reports)
+        self.selections: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.plan = plan_cache(cfg, ctx, chunk, mode)
         free = free_memory(self.device)
         if self.plan["total"] > free:
