@@ -116,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4x", description="DeepSeek-V4 inference runtime")
     parser.add_argument("--version", action="version", version=f"ds4x {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details even with -q")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_inspect(sub)
@@ -221,8 +221,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="[ds4x] %(message)s", stream=sys.stderr)
+    # the startup lines (model, cache plan, which kernel runs each hot op) go to stderr unless -q
+    quiet = getattr(args, "quiet", False) and not args.verbose
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="[ds4x] %(message)s",
+                        stream=sys.stderr)
     try:
         commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench}
         return commands[args.command](args)

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from ds4x.config import PRESETS, ModelConfig
-from ds4x.model.cache import ModelCache
+from ds4x.kernels.dispatch import describe as describe_kernels
+from ds4x.model.cache import ModelCache, format_plan
 from ds4x.model.transformer import Transformer
 from ds4x.runtime.sampling import SamplingParams, sample
 from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -72,8 +73,8 @@ class Engine:
             tokenizer = None
             if (path / "tokenizer.json").is_file():
                 tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
-        log.info("model %s: %s layers (%s), device %s, dtype %s, kernels: torch reference",
-                 model, cfg.num_layers, cfg.layer_summary(), dev, dtype)
+        log.info("model %s: %s layers (%s), device %s, dtype %s", model, cfg.num_layers, cfg.layer_summary(), dev,
+                 dtype)
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
     def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,
@@ -85,7 +86,10 @@ class Engine:
                              f"{self.cfg.max_position_embeddings}")
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
-        return Session(self, self.model.new_cache(ctx, cache, prefill_chunk), prefill_chunk, prefill_mode)
+        session = Session(self, self.model.new_cache(ctx, cache, prefill_chunk), prefill_chunk, prefill_mode)
+        log.info("session: ctx %d, %s cache (%s); kernels: %s", ctx, cache, format_plan(session.cache.plan),
+                 describe_kernels(self.model.device, cache))
+        return session
 
 
 @dataclass
