@@ -36,19 +36,15 @@ def _chunk(base, ok, c: tl.constexpr, NOPE_CHUNKS: tl.constexpr, NOPE: tl.conste
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:  # the CPU interpreter
-        out = tl.dot(a, b, input_precision="ieee")
-    else:  # three TF32 passes: about fp32 accuracy on tensor cores
-        out = tl.dot(a, b, input_precision="tf32x3")
-    return out
+def _dot(a, b, PREC: tl.constexpr):
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
 def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, row_stride, m_ptr, l_ptr, acc_ptr, scale, split_offset,
                    ROWS: tl.constexpr, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
                    NCHUNK: tl.constexpr, NOPE_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   PREC: tl.constexpr):
     # The row is handled in 64-value chunks (E4M3 scale blocks, then the RoPE chunk) so every tile stays in
     # registers: decoded once per row tile, used for the logits and again for the weighted sum.
     split = tl.program_id(0)
@@ -93,28 +89,28 @@ def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, row_stride, m_ptr, l_ptr, acc_pt
         k7 = tl.zeros([BLOCK, 64], tl.float32)
         if NCHUNK > 0:
             k0 = _chunk(base, ok, 0, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q0, tl.trans(k0), IEEE)
+            s += _dot(q0, tl.trans(k0), PREC)
         if NCHUNK > 1:
             k1 = _chunk(base, ok, 1, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q1, tl.trans(k1), IEEE)
+            s += _dot(q1, tl.trans(k1), PREC)
         if NCHUNK > 2:
             k2 = _chunk(base, ok, 2, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q2, tl.trans(k2), IEEE)
+            s += _dot(q2, tl.trans(k2), PREC)
         if NCHUNK > 3:
             k3 = _chunk(base, ok, 3, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q3, tl.trans(k3), IEEE)
+            s += _dot(q3, tl.trans(k3), PREC)
         if NCHUNK > 4:
             k4 = _chunk(base, ok, 4, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q4, tl.trans(k4), IEEE)
+            s += _dot(q4, tl.trans(k4), PREC)
         if NCHUNK > 5:
             k5 = _chunk(base, ok, 5, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q5, tl.trans(k5), IEEE)
+            s += _dot(q5, tl.trans(k5), PREC)
         if NCHUNK > 6:
             k6 = _chunk(base, ok, 6, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q6, tl.trans(k6), IEEE)
+            s += _dot(q6, tl.trans(k6), PREC)
         if NCHUNK > 7:
             k7 = _chunk(base, ok, 7, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q7, tl.trans(k7), IEEE)
+            s += _dot(q7, tl.trans(k7), PREC)
         s = tl.where(ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -122,21 +118,21 @@ def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, row_stride, m_ptr, l_ptr, acc_pt
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if NCHUNK > 0:
-            acc0 = acc0 * alpha[:, None] + _dot(p, k0, IEEE)
+            acc0 = acc0 * alpha[:, None] + _dot(p, k0, PREC)
         if NCHUNK > 1:
-            acc1 = acc1 * alpha[:, None] + _dot(p, k1, IEEE)
+            acc1 = acc1 * alpha[:, None] + _dot(p, k1, PREC)
         if NCHUNK > 2:
-            acc2 = acc2 * alpha[:, None] + _dot(p, k2, IEEE)
+            acc2 = acc2 * alpha[:, None] + _dot(p, k2, PREC)
         if NCHUNK > 3:
-            acc3 = acc3 * alpha[:, None] + _dot(p, k3, IEEE)
+            acc3 = acc3 * alpha[:, None] + _dot(p, k3, PREC)
         if NCHUNK > 4:
-            acc4 = acc4 * alpha[:, None] + _dot(p, k4, IEEE)
+            acc4 = acc4 * alpha[:, None] + _dot(p, k4, PREC)
         if NCHUNK > 5:
-            acc5 = acc5 * alpha[:, None] + _dot(p, k5, IEEE)
+            acc5 = acc5 * alpha[:, None] + _dot(p, k5, PREC)
         if NCHUNK > 6:
-            acc6 = acc6 * alpha[:, None] + _dot(p, k6, IEEE)
+            acc6 = acc6 * alpha[:, None] + _dot(p, k6, PREC)
         if NCHUNK > 7:
-            acc7 = acc7 * alpha[:, None] + _dot(p, k7, IEEE)
+            acc7 = acc7 * alpha[:, None] + _dot(p, k7, PREC)
         m_i = m_new
     out = split + split_offset
     tl.store(m_ptr + out * H + offs_h, m_i)
