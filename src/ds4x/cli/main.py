@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from ds4x import __version__
+from ds4x.cli import convert as convert_cmd
 from ds4x.config import ConfigError
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text (or token ids) from a prompt")
     p.add_argument("-m", "--model", default="tiny",
-                   help="checkpoint directory or preset (default: tiny, the embedded default model)")
+                   help="checkpoint directory, .gguf file, or preset (default: tiny, the embedded default model)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="prompt text")
     src.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids, e.g. 1,2,3")
@@ -44,7 +45,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="print a model's config, parameter counts and weight bytes")
-    p.add_argument("model", help="checkpoint directory or preset (tiny, flash)")
+    p.add_argument("model", help="checkpoint directory, .gguf file, or preset (tiny, flash)")
     p.add_argument("--ctx", type=int, default=None, help="also print the packed cache plan for this context")
     p.add_argument("--prefill-chunk", type=int, default=32, help="prefill chunk of that plan (default 32)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_bench(sub)
+    convert_cmd.add_parser(sub)
     return parser
 
 
@@ -207,8 +209,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"parameters: {report['params_total']:,} total, {report['params_active']:,} active per token")
     print("weights by tensor type:")
     for dtype, row in report["bytes_by_dtype"].items():
-        print(f"  {dtype:>14}: {row['tensors']:6d} tensors, {row['params']:>16,} params, "
-              f"{row['bytes'] / 2**30:10.3f} GiB")
+        counts = f"{row['tensors']:6d} tensors, {row['params']:>16,} params, " if row["tensors"] else ""
+        print(f"  {dtype:>14}: {counts}{row['bytes'] / 2**30:10.3f} GiB")
     print(f"  {'total':>14}: {report['bytes_total'] / 2**30:.3f} GiB")
     if "cache_plan" in report:
         plan = report["cache_plan"]
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="[ds4x] %(message)s",
                         stream=sys.stderr)
     try:
-        commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench}
+        commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "convert": convert_cmd.run}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)

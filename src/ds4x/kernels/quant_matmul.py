@@ -26,6 +26,13 @@ codes are decoded with the reference's float operations; only the summation orde
 The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors for parity tests;
 like ``formats/rows_triton.py`` this module keeps a private copy of itself for the mode it was not
 imported under.
+
+Speed: not yet measured on a GPU (``python -m ds4x.kernels.quant_matmul [out.json [deadline_s]]``
+runs parity and timing of every case on CUDA and prints a table). Static estimate from the sm_90
+SASS of the matvec loop (thread instructions per weight; the issue limit is 128 per clock per SM):
+Q8_0 ~10 (could reach the 60% bandwidth target), Q4_K ~11-12, Q2_K ~11-15, IQ2_XXS ~13-16, i.e.
+about 15-25% of copy bandwidth for the 2-bit types, far from 50%: they need fewer instructions per
+weight (several weights per integer op, or int8 dot products), not tuning.
 """
 
 from __future__ import annotations

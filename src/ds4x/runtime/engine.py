@@ -12,6 +12,7 @@ import torch
 
 from ds4x.config import PRESETS, ModelConfig
 from ds4x.kernels.dispatch import describe as describe_kernels
+from ds4x.kernels.linear import quant_kernel_name
 from ds4x.model.cache import ModelCache, format_plan
 from ds4x.model.transformer import Transformer
 from ds4x.runtime.sampling import SamplingParams, sample
@@ -69,12 +70,22 @@ class Engine:
                 raise FileNotFoundError(
                     f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path"
                 )
-            cfg, weights = load_checkpoint(path, dtype=dt, device=dev)
             tokenizer = None
-            if (path / "tokenizer.json").is_file():
-                tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
-        log.info("model %s: %s layers (%s), device %s, dtype %s", model, cfg.num_layers, cfg.layer_summary(), dev,
-                 dtype)
+            if path.suffix == ".gguf":
+                from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
+                from ds4x.weights.gguf import load_gguf
+
+                cfg, weights, meta = load_gguf(path, dtype=dt, device=dev)
+                if "tokenizer.ggml.tokens" in meta:
+                    tokenizer = GGUFTokenizer.from_metadata(meta)
+            else:
+                cfg, weights = load_checkpoint(path, dtype=dt, device=dev)
+                if (path / "tokenizer.json").is_file():
+                    tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
+        attn_kernel = quant_kernel_name(weights["layers.0.attn.wq_a.weight"])
+        expert_kernel = quant_kernel_name(weights[f"layers.{cfg.num_layers - 1}.ffn.experts.w1"])
+        log.info("model %s: %s layers (%s), device %s, dtype %s; matmuls: attention %s, experts %s", model,
+                 cfg.num_layers, cfg.layer_summary(), dev, dtype, attn_kernel, expert_kernel)
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
     def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,

@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ds4x.config import PRESETS, load_config
+from ds4x.config import PRESETS, ModelConfig, load_config
 from ds4x.model.cache import plan_cache
 from ds4x.weights.checkpoint import CheckpointError
 from ds4x.weights.names import expected_shapes, is_integer_tensor
@@ -42,17 +42,8 @@ def _safetensors_headers(root: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[str, Any]:
-    """Config, parameter counts and weight bytes by type; with ``ctx``, the packed cache plan too."""
-    if model in PRESETS:
-        cfg = PRESETS[model]()
-        tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
-    else:
-        root = Path(model)
-        if not root.is_dir():
-            raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-        cfg = load_config(root)
-        tensors = _safetensors_headers(root)
+def _count(cfg: ModelConfig, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[dict, int, int]:
+    """(bytes by dtype, total parameters, active parameters per token) from safetensors-style headers."""
     by_dtype: dict[str, dict[str, int]] = {}
     total = routed = 0
     for name, (dtype, shape) in tensors.items():
@@ -61,24 +52,51 @@ def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[
             kind = f"{dtype} (scales)"
         else:
             kind = dtype
-            if ".experts." in name and ".shared_experts." not in name or name.endswith("experts.gate_up_proj") \
-                    or name.endswith("experts.down_proj"):
+            if (".experts." in name and ".shared_experts." not in name) or name.endswith(
+                    ("experts.gate_up_proj", "experts.down_proj")):
                 routed += n
             total += n
         row = by_dtype.setdefault(kind, {"tensors": 0, "params": 0, "bytes": 0})
         row["tensors"] += 1
         row["params"] += n
+        # FP4 experts hold two values per byte: their "params" here count bytes' worth of storage
         row["bytes"] += n * _ST_DTYPE_BYTES.get(dtype, 1)
-    # FP4 experts are stored two values per byte: count parameters, not bytes
-    active = total - routed + routed * cfg.n_experts_per_tok // cfg.n_routed_experts
-    conf = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"}
+    return by_dtype, total, total - routed + routed * cfg.n_experts_per_tok // cfg.n_routed_experts
+
+
+def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[str, Any]:
+    """Config, parameter counts and weight bytes by type; with ``ctx``, the packed cache plan too."""
+    extra: dict[str, Any] = {}
+    if model in PRESETS:
+        cfg = PRESETS[model]()
+        tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
+        by_dtype, total, active = _count(cfg, tensors)
+    elif model.endswith(".gguf"):
+        from ds4x.weights.gguf import describe_gguf
+
+        if not Path(model).is_file():
+            raise FileNotFoundError(f"no GGUF file at {model}")
+        info = describe_gguf(model)
+        cfg = info["config"]
+        # parameters from the architecture's shapes; bytes as stored, by GGML type
+        _, total, active = _count(cfg, {n: ("F32", s) for n, s in expected_shapes(cfg).items()})
+        by_dtype = {k: {"tensors": 0, "params": 0, "bytes": v} for k, v in info["bytes_by_type"].items()}
+        extra = {"synthetic": info["synthetic"], "file_bytes": info["file_bytes"]}
+    else:
+        root = Path(model)
+        if not root.is_dir():
+            raise FileNotFoundError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}), a .gguf file "
+                                    f"nor a directory")
+        cfg = load_config(root)
+        by_dtype, total, active = _count(cfg, _safetensors_headers(root))
     report: dict[str, Any] = {
-        "config": conf,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
         "schedule": cfg.layer_summary(),
         "params_total": total,
         "params_active": active,
         "bytes_by_dtype": by_dtype,
         "bytes_total": sum(r["bytes"] for r in by_dtype.values()),
+        **extra,
     }
     if ctx is not None:
         if ctx <= 0 or chunk <= 0:

@@ -1,0 +1,148 @@
+"""Triton quantized products vs dequantize-then-matmul in float64.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by a fixture so it does
+not leak into other modules; quant_matmul loads a private interpreter copy of itself when the mode
+differs from the one it was imported under). ``gpu`` tests run the compiled kernels at real shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")  # the IQ2_XXS grid
+
+from ds4x.formats.ggml import GGMLQuantizationType as T  # noqa: E402
+from ds4x.formats.ggml import random_blocks  # noqa: E402
+from ds4x.formats.ggml_tensor import GGMLTensor  # noqa: E402
+from ds4x.kernels import quant_matmul as qm  # noqa: E402
+
+TYPES = [T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS]
+MV = (4, 256, 4)  # small configs: the interpreter runs every program in numpy
+MM = (16, 16, 64, 4)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    yield
+    mp.undo()
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all()
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def weight(qt, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return GGMLTensor(random_blocks(qt, shape, g), qt, shape)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,force,cfg", [(1, "mv", MV), (2, "mv", MV), (5, "mm", MM)])
+def test_linear_interpreter(interp, qt, m, force, cfg):
+    # three K steps; N = 9 is not a multiple of BN (masked rows)
+    w = weight(qt, (9, 768), seed=int(qt) * 10 + m)
+    x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
+    y = qm.quant_linear(x, w, config=cfg, force=force)
+    assert y.shape == (m, 9) and y.dtype == torch.float32
+    assert rel(y, x.double() @ w.dequantize().double().T) < 1e-6
+
+
+@pytest.mark.parametrize("qt", [T.Q8_0, T.IQ2_XXS], ids=lambda t: t.name)
+def test_partial_k_chunk_interpreter(interp, qt):
+    # K = 320 (Q8_0) / 512 with BK = 256 / 1024: the last chunk is partial and masked
+    k = 320 if qt == T.Q8_0 else 512
+    w = weight(qt, (3, k), seed=7)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8))
+    for force, cfg in (("mv", (4, 1024, 4)), ("mm", (16, 16, 256, 4))):
+        assert rel(qm.quant_linear(x, w, config=cfg, force=force), x.double() @ w.dequantize().double().T) < 1e-6
+
+
+@pytest.mark.parametrize("table", [True, False])
+def test_iq2_decode_paths_interpreter(interp, table):
+    w = weight(T.IQ2_XXS, (9, 512), seed=11)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(12))
+    y = qm.quant_linear(x, w, config=MV, force="mv", table=table)
+    assert rel(y, x.double() @ w.dequantize().double().T) < 1e-6
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens,force,cfg", [(1, "mv", MV), (4, "mm", MM)])
+def test_routed_interpreter(interp, qt, tokens, force, cfg):
+    n_exp, n, k = 5, 12, 512
+    w = weight(qt, (n_exp, n, k), seed=int(qt) + tokens)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:3] for _ in range(tokens)])
+    y = qm.quant_matmul_routed(x, w, ids, config=cfg, force=force)
+    ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
+    assert y.shape == (tokens, 3, n)
+    assert rel(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("force,cfg", [("mv", MV), ("mm", MM)])
+def test_grouped_interpreter(interp, force, cfg):
+    w = weight(T.Q8_0, (4 * 4, 256), seed=21)
+    x = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(22))
+    y = qm.quant_grouped_linear(x, w, 4, config=cfg, force=force)
+    ref = torch.einsum("tgi,goi->tgo", x.double(), w.dequantize().double().view(4, 4, 256))
+    assert rel(y, ref) < 1e-6
+
+
+def test_half_activations_interpreter(interp):
+    w = weight(T.Q4_K, (16, 256), seed=31)
+    for dt in (torch.float16, torch.bfloat16):
+        for m, force, cfg in ((1, "mv", MV), (17, "mm", (32, 16, 128, 4))):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(32)).to(dt)
+            y = qm.quant_linear(x, w, config=cfg, force=force)
+            assert y.dtype == dt
+            assert rel(y, x.double() @ w.dequantize().double().T) < 1e-2
+
+
+def test_errors():
+    w = weight(T.Q8_0, (8, 64), seed=1)
+    with pytest.raises(ValueError, match="features"):
+        qm.quant_linear(torch.randn(1, 32), w)
+    with pytest.raises(TypeError, match="float32"):
+        qm.quant_linear(torch.ones(1, 64, dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="no kernel for F16"):
+        qm.quant_linear(torch.randn(1, 64), GGMLTensor(torch.zeros(8 * 128, dtype=torch.uint8), T.F16, (8, 64)))
+    assert not qm.supports(w) or qm._interpret_mode()  # a CPU weight is served only by the interpreter
+
+
+# ---- GPU: compiled kernels at real shapes --------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qt,n,k", [
+    (T.Q8_0, 1024, 4096), (T.Q8_0, 32768, 1024), (T.Q8_0, 4096, 8192),
+    (T.IQ2_XXS, 2048, 4096), (T.Q2_K, 4096, 2048), (T.Q4_K, 2048, 4096),
+])
+def test_gpu_real_shapes(qt, n, k):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = GGMLTensor(random_blocks(qt, (n, k), g), qt, (n, k))
+    wd = w.dequantize().double()
+    for m, bound in ((1, 1e-5), (3, 1e-5), (16, 3e-3), (64, 3e-3)):
+        x = torch.randn(m, k, device="cuda", generator=g)
+        y = qm.quant_linear(x, w)
+        assert rel(y, x.double() @ wd.T) < bound, (m, qt.name)
+    xb = torch.randn(64, k, device="cuda", generator=g).bfloat16()
+    assert rel(qm.quant_linear(xb, w), xb.double() @ wd.T) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_routed_and_linear_dispatch():
+    from ds4x.kernels.linear import linear, quant_kernel_name
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = GGMLTensor(random_blocks(T.IQ2_XXS, (16, 512, 1024), g), T.IQ2_XXS, (16, 512, 1024))
+    x = torch.randn(3, 1024, device="cuda", generator=g)
+    ids = torch.randint(0, 16, (3, 6), device="cuda", generator=g)
+    ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
+    for force in ("mv", "mm"):
+        assert rel(qm.quant_matmul_routed(x, w, ids, force=force), ref) < 3e-3
+    assert "triton" in quant_kernel_name(w[0])
+    assert rel(linear(x, w[3]), x.double() @ w[3].dequantize().double().T) < 1e-5
