@@ -40,6 +40,16 @@ def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
         models = sorted({r["model"] for r in frontier})
         lines += ["## Frontier decode (packed cache seeded at the frontier, no prefill)", "",
                   "Model: " + "; ".join(models) + ".", "", *_frontier_table(frontier), ""]
+    quant = [r for r in rows if r.get("bench") == "quant_matmul"]
+    if quant:
+        lines += ["## Quantized matmuls straight from GGML blocks (decode shapes)", "",
+                  "| date | commit | type | shape | rows | kernel | us | GB/s | of copy bandwidth |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in quant:
+            frac = 100 * r["floor_fraction"]
+            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['qtype']} | {r['shape']} | {r['flags']['rows']} "
+                         f"| {r['flags']['kernel']} | {r['us']:.1f} | {r['gb_s']:.0f} | {frac:.1f}% |")
+        lines.append("")
     return "\n".join(lines)
 
 
