@@ -15,17 +15,18 @@ from ds4x.weights.checkpoint import save_checkpoint
 from ds4x.weights.synthetic import synthetic_weights
 
 
-def test_generate_tiny_default_streams_text(capsys):
-    assert main(["generate", "-p", "def main():", "-n", "8", "--seed", "1"]) == 0
+def test_generate_default_model_streams_text(capsys):
+    assert main(["generate", "-p", "def main():", "-n", "8", "--seed", "1", "--ignore-eos"]) == 0
     out, err = capsys.readouterr()
     assert out.endswith("\n") and len(out) > 1
     assert "generated 8 tok" in err and "cache packed" in err
+    assert "prompt 4 tok" in err  # <bos> + 3 BPE tokens: the trained default model's tokenizer, not bytes
 
 
 def test_dump_logits_matches_a_session(tmp_path, capsys):
     dump = tmp_path / "l.json"
-    assert main(["generate", "--prompt-ids", "5,6,7,8", "-n", "6", "--temp", "0", "--cache", "float",
-                 "--dump-logits", str(dump), "-q"]) == 0
+    assert main(["generate", "-m", "tiny", "--prompt-ids", "5,6,7,8", "-n", "6", "--temp", "0", "--cache", "float",
+                 "--dump-logits", str(dump), "-q", "--ignore-eos"]) == 0
     data = json.loads(dump.read_text())
     assert data["prompt_ids"] == [5, 6, 7, 8]
     assert len(data["generated_ids"]) == 6 and len(data["logits"]) == 6

@@ -23,7 +23,8 @@ from ds4x.weights.synthetic import synthetic_weights
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MODEL = "tiny"
+# the embedded trained model (src/ds4x/assets/tiny_v4); "tiny" and "flash" are synthetic presets
+DEFAULT_MODEL = "default"
 # default: the fastest path (may reorder float reductions); exact: the decode step's reduction order, so
 # prefill logits are bit-identical to token-by-token decode; reference: the plain torch path.
 PREFILL_MODES = ("default", "exact", "reference")
@@ -50,11 +51,16 @@ class Engine:
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "float32",
              seed: int = 0) -> Engine:
-        """A preset name (synthetic weights from ``seed``) or a checkpoint directory."""
+        """``default`` (the embedded trained model), a preset name (synthetic weights from ``seed``), a checkpoint
+        directory or a .gguf file."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dev, dt = resolve_device(device), DTYPES[dtype]
         tokenizer: Tokenizer | None
+        if model == DEFAULT_MODEL:
+            from ds4x.assets import default_model_path
+
+            model = str(default_model_path())
         if model in PRESETS:
             if model not in _SYNTHESIZABLE:
                 raise ValueError(

@@ -67,6 +67,10 @@ def _count(cfg: ModelConfig, tensors: dict[str, tuple[str, tuple[int, ...]]]) ->
 def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[str, Any]:
     """Config, parameter counts and weight bytes by type; with ``ctx``, the packed cache plan too."""
     extra: dict[str, Any] = {}
+    if model == "default":
+        from ds4x.assets import default_model_path
+
+        model = str(default_model_path())
     if model in PRESETS:
         cfg = PRESETS[model]()
         tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
