@@ -101,3 +101,9 @@ def test_console_script_runs():
     r = subprocess.run([*exe.split(), "generate", "-p", "hi", "-n", "4", "-q"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_quality_report_runs(capsys):
+    assert main(["quality", "--tokens", "256", "--samples", "1", "--recall", "", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out perplexity (packed cache" in out and "unigram perplexity" in out

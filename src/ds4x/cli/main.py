@@ -115,6 +115,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_quality(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quality", help="quality report of a trained model: held-out perplexity (float / native / "
+                                       "packed cache), unigram baseline, code parse rate, long-context recall")
+    p.add_argument("-m", "--model", default="default")
+    p.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored (default 4096)")
+    p.add_argument("--samples", type=int, default=20, help="sampled function bodies to parse (default 20)")
+    p.add_argument("--recall", default="2048,8192", help="contexts of the recall test (empty: skip)")
+    p.add_argument("--device", default="auto")
+
+
+def cmd_quality(args: argparse.Namespace) -> int:
+    from ds4x.runtime import quality
+    from ds4x.runtime.engine import Engine
+
+    engine = Engine.load(args.model, device=args.device)
+    if engine.tokenizer is None:
+        raise ValueError(f"model {args.model} has no tokenizer; the quality report needs text")
+    text = quality.heldout_text()
+    rows = []
+    ppl = {}
+    for cache in ("float", "native", "packed"):
+        ppl[cache] = quality.perplexity(engine, text, cache=cache, max_tokens=args.tokens)
+        rows.append((f"held-out perplexity ({cache} cache, {ppl[cache].tokens} tokens)", f"{ppl[cache].ppl:.3f}"))
+    ids = engine.tokenizer.encode(text)[: args.tokens + 1]
+    rows.append(("unigram perplexity (fitted on the same tokens)",
+                 f"{quality.unigram_perplexity(ids, engine.cfg.vocab_size):.1f}"))
+    rows.append(("native vs float perplexity change", f"{100 * (ppl['native'].ppl / ppl['float'].ppl - 1):+.3f}%"))
+    if args.samples:
+        parsed = quality.parse_rate(engine, n=args.samples)
+        rows.append(("sampled function bodies accepted by ast.parse", f"{parsed.parsed}/{parsed.total}"))
+    for ctx in _parse_ids(args.recall, "--recall") if args.recall else []:
+        for cache in ("float", "packed"):
+            r = quality.recall(engine, text, ctx, cache=cache)
+            rows.append((f"recall at {ctx} tokens ({cache} cache)", f"{r.correct}/{r.asked}"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4x", description="DeepSeek-V4 inference runtime")
     parser.add_argument("--version", action="version", version=f"ds4x {__version__}")
@@ -123,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_bench(sub)
+    _add_quality(sub)
     convert_cmd.add_parser(sub)
     return parser
 
@@ -229,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="[ds4x] %(message)s",
                         stream=sys.stderr)
     try:
-        commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "convert": convert_cmd.run}
+        commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "quality": cmd_quality,
+                    "convert": convert_cmd.run}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)
