@@ -307,10 +307,14 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
 
     n_layers = _as_int(_need(d, "num_hidden_layers", "n_layers"), "num_hidden_layers")
     head_dim = _as_int(_need(d, "head_dim"), "head_dim")
+    nested = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    nested_factor = (nested.get("main") or {}).get("partial_rotary_factor") if isinstance(nested.get("main"),
+                                                                                        dict) else None
     if "qk_rope_head_dim" in d:
         rope_dim = _as_int(d["qk_rope_head_dim"], "qk_rope_head_dim")
-    elif d.get("partial_rotary_factor") is not None:
-        rope_dim = int(head_dim * float(d["partial_rotary_factor"]))
+    elif d.get("partial_rotary_factor") is not None or nested_factor is not None:
+        factor = d.get("partial_rotary_factor")
+        rope_dim = int(head_dim * float(factor if factor is not None else nested_factor))
     else:
         rope_dim = 64 if head_dim >= 64 else head_dim // 8
 
