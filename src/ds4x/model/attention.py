@@ -15,6 +15,8 @@ same for every storage, which is what makes packed and native-unpacked logits bi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
@@ -72,6 +74,42 @@ def _compress(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, proj: Ro
     return last
 
 
+@dataclass
+class _Step:
+    """What the attention of one layer knows after writing this step's rows (shared by both key paths)."""
+
+    layer: int
+    x: torch.Tensor  # block input [T, hidden]
+    q_res: torch.Tensor  # q_lora residual [T, q_lora]
+    positions: torch.Tensor  # [T]
+    lo: int  # oldest raw position any of the T queries sees
+    n_rows: int  # compressed rows emitted so far
+    cos: torch.Tensor
+    sin: torch.Tensor
+    w: dict[str, torch.Tensor]
+    cfg: ModelConfig
+    cache: ModelCache
+
+    @property
+    def st(self) -> LayerState:
+        return self.cache.layers[self.layer]
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.attn_kinds[self.layer]
+
+    @property
+    def sinks(self) -> torch.Tensor:
+        return self.w[f"layers.{self.layer}.attn.attn_sink"]
+
+    def indexer_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [T, H, D] as the cache scores them, and head weights [T, H] (x H^-1/2)."""
+        cfg, p = self.cfg, f"layers.{self.layer}.attn.indexer."
+        q = linear(self.q_res, self.w[p + "wq_b.weight"]).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        q = self.cache.indexer_query(apply_rope(q, self.cos, self.sin))
+        return q, linear(self.x, self.w[p + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+
+
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
               cache: ModelCache, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
     """One attention block for the T tokens at ``positions`` (consecutive, starting at cache.length)."""
@@ -88,7 +126,6 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     kv = rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
     st.raw.write(p0, apply_rope(kv, cos, sin))
 
-    lo = max(0, p0 - cfg.sliding_window + 1)
     n_rows = 0
     if kind in (CSA, HCA):
         assert st.comp_proj is not None and st.comp_rows is not None
@@ -98,70 +135,56 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             assert st.idx_proj is not None and st.idx_rows is not None
             _compress(x, w, p + "indexer.compressor.", st.idx_proj, st.idx_rows, p0, ratio, True,
                       cfg.index_head_dim, cfg, rope)
-    sinks = w[p + "attn_sink"]
+    step = _Step(layer, x, q_res, positions, max(0, p0 - cfg.sliding_window + 1), n_rows, cos, sin, w, cfg, cache)
     if T == 1 and cache.mode != "float" and use_triton(x.device):
-        out = _decode_triton(q[0], q_res, x, w, p, st, kind, lo, p0, n_rows, cos, sin, sinks, cfg, cache)[None]
+        out = _decode_triton(step, q[0])[None]
     else:
-        out = _attend_reference(q, q_res, x, w, layer, st, kind, ratio, positions, lo, n_rows, cos, sin, sinks, cfg,
-                                cache)
+        out = _attend_reference(step, q)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
     grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
     return linear(grouped.reshape(T, -1), w[p + "wo_b.weight"])
 
 
-def _indexer_query(q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cos: torch.Tensor,
-                   sin: torch.Tensor, cfg: ModelConfig, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer queries [T, H, D] as the cache scores them, and head weights [T, H] (x H^-1/2)."""
-    T = x.shape[0]
-    q = linear(q_res, w[prefix + "wq_b.weight"]).view(T, cfg.index_n_heads, cfg.index_head_dim)
-    q = cache.indexer_query(apply_rope(q, cos, sin))
-    return q, linear(x, w[prefix + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
-
-
-def _decode_triton(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], p: str,
-                   st: LayerState, kind: str, lo: int, p0: int, n_rows: int, cos: torch.Tensor, sin: torch.Tensor,
-                   sinks: torch.Tensor, cfg: ModelConfig, cache: ModelCache) -> torch.Tensor:
-    """One query from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE."""
-    packed = cache.mode == "packed"
-    dev = x.device
-    window = torch.arange(lo, p0 + 1, device=dev) % st.raw.capacity
+def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
+    """One query [H, D] from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE."""
+    cfg, st, n_rows = step.cfg, step.st, step.n_rows
+    packed = step.cache.mode == "packed"
+    dev = q.device
+    window = torch.arange(step.lo, int(step.positions[0]) + 1, device=dev) % st.raw.capacity
     sources = [(st.raw.data, window)]
-    if kind == HCA:
+    if step.kind == HCA:
         sources.append((st.comp_rows.data, torch.arange(n_rows, device=dev)))
-    elif kind == CSA and n_rows:
-        qi, wi = _indexer_query(q_res, x, w, p + "indexer.", cos, sin, cfg, cache)
+    elif step.kind == CSA and n_rows:
+        qi, wi = step.indexer_query()
         scores = indexer_scores_triton(qi[0], wi[0], st.idx_rows.data, n_rows, packed)
         index, valid = select_topk_blocked(scores, n_rows, cfg.index_topk)
         sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
-    return attention_decode_triton(q.float(), sources, sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
+    return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
-def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int,
-                      st: LayerState, kind: str, ratio: int, positions: torch.Tensor, lo: int, n_rows: int,
-                      cos: torch.Tensor, sin: torch.Tensor, sinks: torch.Tensor, cfg: ModelConfig,
-                      cache: ModelCache) -> torch.Tensor:
-    """The torch reference: [T, H, D] float32 before the inverse RoPE."""
+def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
+    """The torch reference for T queries [T, H, D]: [T, H, D] float32 before the inverse RoPE."""
     T, nh, hd = q.shape
-    p = f"layers.{layer}.attn."
-    p0 = int(positions[0])
+    cfg, st, n_rows, dev = step.cfg, step.st, step.n_rows, q.device
+    p0 = int(step.positions[0])
     # keys shared by all T queries (window rows; HCA rows), with per-query visibility
-    shared = [st.raw.read(lo, p0 + T)]
-    key_pos = torch.arange(lo, p0 + T, device=x.device)
-    t = positions[:, None]
+    shared = [st.raw.read(step.lo, p0 + T)]
+    key_pos = torch.arange(step.lo, p0 + T, device=dev)
+    t = step.positions[:, None]
     visible = [(key_pos[None, :] <= t) & (key_pos[None, :] > t - cfg.sliding_window)]
     picked = picked_ok = None  # CSA: rows gathered per query [T, k, hd] and their validity [T, k]
-    if kind in (CSA, HCA):
-        row_visible = torch.arange(n_rows, device=x.device)[None, :] < (t + 1) // ratio
-        if kind == HCA:
+    if step.kind in (CSA, HCA):
+        row_visible = torch.arange(n_rows, device=dev)[None, :] < (t + 1) // cfg.compress_ratios[step.layer]
+        if step.kind == HCA:
             shared.append(st.comp_rows.read(0, n_rows))
             visible.append(row_visible)
         else:
-            qi, wi = _indexer_query(q_res, x, w, p + "indexer.", cos, sin, cfg, cache)
+            qi, wi = step.indexer_query()
             scores = indexer_scores(qi, wi, st.idx_rows.read, n_rows)
             index, picked_ok = select_topk(scores, row_visible, cfg.index_topk)
             picked = st.comp_rows.gather(index)
-            if cache.selections is not None:
-                cache.selections.append((layer, positions, index, picked_ok))
+            if step.cache.selections is not None:
+                step.cache.selections.append((step.layer, step.positions, index, picked_ok))
 
     keys = torch.cat(shared, dim=0)  # [K, hd]
     scale = hd**-0.5
@@ -170,7 +193,7 @@ def _attend_reference(q: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor, w: 
     if picked is not None:
         extra = torch.einsum("thd,tkd->thk", q, picked) * scale
         parts.append(extra.masked_fill(~picked_ok[:, None, :], float("-inf")))
-    parts.append(sinks.float().view(1, nh, 1).expand(T, nh, 1))
+    parts.append(step.sinks.float().view(1, nh, 1).expand(T, nh, 1))
     probs = torch.cat(parts, dim=-1).softmax(dim=-1)
     out = torch.einsum("thk,kd->thd", probs[..., : keys.shape[0]], keys)
     if picked is not None:
