@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ds4x import __version__
 from ds4x.cli import convert as convert_cmd
+from ds4x.cli import serve as serve_cmd
 from ds4x.config import ConfigError
 
 
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_quality(sub)
     convert_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
     return parser
 
 
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "quality": cmd_quality,
-                    "convert": convert_cmd.run}
+                    "convert": convert_cmd.run, "serve": serve_cmd.run}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)

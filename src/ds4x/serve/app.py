@@ -1,0 +1,505 @@
+"""OpenAI-compatible HTTP API over one :class:`~ds4x.runtime.engine.Engine`.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or one JSON body),
+``GET /metrics`` (Prometheus text).
+
+Scope of this first slice: one engine, and requests are served **one at a time**: an asyncio lock is held
+for the whole request and every decode step runs in a worker thread, so the event loop stays responsive
+(``/health``, ``/metrics``, disconnect detection) while a request generates. Continuous batching, prefix
+reuse across requests and tool-call parsing are later work. Each request gets a fresh session.
+
+Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
+one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
+or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``n`` (1 only), ``stream`` and
+``stream_options.include_usage``. Extensions: ``ignore_eos`` (keep generating past EOS) and
+``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in
+every streamed chunk: the ids generated since the previous chunk). Unknown fields are ignored.
+
+Chat prompts use the DeepSeek-V4 chat encoding (:func:`ds4x.runtime.chat.render_chat`) when the model has
+a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS followed by the message
+contents joined with newlines (the embedded default model and the synthetic presets were not trained on
+a chat format).
+
+Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ds4x.runtime.engine import Engine, GenerationStats
+from ds4x.runtime.sampling import SamplingParams
+from ds4x.runtime.tokenizer import TextStream
+
+_MAX_INT = 2**31 - 1
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- request models -----------------------------------------------------------------------------
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Base):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_MAX_INT)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None else self.top_p,
+                              min_p=self.min_p or 0.0, seed=self.seed)
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            return [self.stop] if self.stop else []
+        return list(self.stop)
+
+
+_TokenIds = list[Annotated[int, Field(ge=0, le=_MAX_INT)]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | Annotated[_TokenIds, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[_TokenIds], Field(min_length=1)]
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any] | str] | None = None
+
+
+class ChatRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
+    thinking: bool = False  # extension: DeepSeek-V4 thinking mode (GGUF chat encoding only)
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+@dataclass
+class Metrics:
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    cancelled: int = 0
+    running: int = 0
+    waiting: int = 0
+
+    def render(self) -> str:
+        lines = ["# HELP ds4x_requests_total HTTP requests answered, by endpoint and status.",
+                 "# TYPE ds4x_requests_total counter"]
+        for (endpoint, status), count in sorted(self.requests.items()):
+            lines.append(f'ds4x_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
+        for name, kind, help_, value in (
+            ("ds4x_prompt_tokens_total", "counter", "Prompt tokens evaluated.", self.prompt_tokens),
+            ("ds4x_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
+            ("ds4x_requests_cancelled_total", "counter", "Generations stopped by a client disconnect.",
+             self.cancelled),
+            ("ds4x_requests_running", "gauge", "Requests generating now.", self.running),
+            ("ds4x_requests_waiting", "gauge", "Requests waiting for the engine.", self.waiting),
+        ):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+@dataclass
+class Piece:
+    text: str
+    ids: list[int]
+    finish: str | None = None  # "stop" or "length" on the last piece
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stops: list[str]
+    ignore_eos: bool
+    text: bool  # detokenize (False: a model without a tokenizer; ids only)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def run_job(engine: Engine, job: Job, ctx: int, cache: str) -> Iterator[Piece]:
+    """Generate ``job`` in a fresh session; one piece per token (text may be empty while held back: an
+    incomplete UTF-8 character or a possible stop-string prefix), the last with ``finish`` set."""
+    session = engine.new_session(ctx=ctx, cache=cache)
+    eos = set(engine.cfg.eos_token_ids)
+    stream = TextStream(engine.tokenizer) if job.text and engine.tokenizer is not None else None
+    pending, ids = "", []
+    stop_ids = () if job.ignore_eos else None
+    for token, _ in session.generate(job.prompt, job.max_tokens, job.params, stop_ids=stop_ids, stats=job.stats):
+        ids.append(token)
+        if stream is not None and (job.ignore_eos or token not in eos):
+            pending += stream.push(token)
+        if job.stops:
+            hit = _first_stop(pending, job.stops)
+            if hit >= 0:
+                job.stats.stop_reason = "stop"
+                yield Piece(pending[:hit], ids, "stop")
+                return
+            cut = len(pending) - _holdback(pending, job.stops)
+        else:
+            cut = len(pending)
+        if cut or not job.text:
+            yield Piece(pending[:cut], ids)
+            pending, ids = pending[cut:], []
+        else:
+            yield Piece("", [])  # a step without output: lets the caller check for a disconnect
+    if stream is not None:
+        pending += stream.flush()
+    finish = "length" if job.stats.stop_reason in ("length", "context") else "stop"
+    hit = _first_stop(pending, job.stops) if job.stops else -1
+    if hit >= 0:
+        pending, finish = pending[:hit], "stop"
+    yield Piece(pending, ids, finish)
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+class Server:
+    """The state behind the app: the engine, its lock, the metrics; request -> prompt ids -> job."""
+
+    def __init__(self, engine: Engine, model_name: str, ctx: int, cache: str):
+        self.engine, self.model_name, self.ctx, self.cache = engine, model_name, ctx, cache
+        self.lock = anyio.Lock()
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # request -> prompt ids
+    def _check_model(self, req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _encode(self, text: str, bos: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = tok.encode(text)
+        return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
+
+    def completion_prompt(self, req: CompletionRequest) -> tuple[list[int], bool]:
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported (batching is not implemented)",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._encode(prompt), self.engine.tokenizer is not None
+        return list(prompt), self.engine.tokenizer is not None
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        messages = [m.model_dump(exclude_none=False) for m in req.messages]
+        from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
+
+        if isinstance(tok, GGUFTokenizer):
+            from ds4x.runtime.chat import render_chat
+
+            try:
+                text = render_chat(messages, req.thinking)
+            except (ValueError, TypeError) as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            return self._encode(text, bos=False)  # the rendering starts with BOS
+        return self._encode("\n".join(_content_text(m["content"]) for m in messages))
+
+    def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None) -> Job:
+        if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if getattr(req, "echo", False):
+            raise APIError(400, "echo is not supported", param="echo")
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        room = self.ctx - len(prompt)
+        if room < 0 or (room == 0 and max_tokens is None):
+            raise APIError(400, f"This model's maximum context length is {self.ctx} tokens; the prompt has "
+                                f"{len(prompt)} tokens", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.ctx} tokens; the prompt has "
+                                f"{len(prompt)} tokens and max_tokens is {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            params = req.sampling()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text)
+
+    async def pieces(self, request: Request, job: Job) -> AsyncIterator[Piece]:
+        """Run ``job`` under the engine lock, one decode step per worker-thread call; stop when the client
+        disconnects."""
+        done = False
+        self.metrics.waiting += 1
+        waiting = True
+        try:
+            async with self.lock:
+                self.metrics.waiting -= 1
+                waiting = False
+                self.metrics.running += 1
+                gen = run_job(self.engine, job, self.ctx, self.cache)
+                try:
+                    while not await request.is_disconnected():
+                        piece = await anyio.to_thread.run_sync(next, gen, None)
+                        if piece is None:
+                            done = True
+                            break
+                        yield piece
+                        if piece.finish is not None:
+                            done = True
+                            break
+                finally:
+                    gen.close()
+                    self.metrics.running -= 1
+                    self.metrics.prompt_tokens += job.stats.prompt_tokens
+                    self.metrics.generation_tokens += job.stats.generated
+                    if not done:
+                        self.metrics.cancelled += 1
+        finally:
+            if waiting:
+                self.metrics.waiting -= 1
+
+    def usage(self, job: Job) -> dict[str, int]:
+        p, g = len(job.prompt), job.stats.generated
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
+
+
+_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request's path (unknown paths share one label)."""
+    return request.url.path if request.url.path in _ENDPOINTS else "other"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+    # a union reports each branch (e.g. prompt.str); name the request field
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return (f"{where}: {e.get('msg', 'invalid value')}" if where else str(e.get("msg", "invalid request"))), param
+
+
+def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``model_name``; sessions of ``ctx`` tokens with ``cache``."""
+    if ctx <= 0 or ctx > engine.cfg.max_position_embeddings:
+        raise ValueError(f"ctx must be in [1, {engine.cfg.max_position_embeddings}], got {ctx}")
+    server = Server(engine, model_name, ctx, cache)
+    app = FastAPI(title="ds4x", description="OpenAI-compatible DeepSeek-V4 server")
+    app.state.server = server
+
+    def count(endpoint: str, status: int) -> None:
+        server.metrics.requests[(endpoint, status)] += 1
+
+    def error(exc: APIError, endpoint: str) -> JSONResponse:
+        count(endpoint, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(APIError(exc.status_code, str(exc.detail), type_), _endpoint(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _param_of(exc)
+        return error(APIError(400, msg, param=param), _endpoint(request))
+
+    async def parse(request: Request, model: type[_SamplingRequest]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            msg, param = _param_of(exc)
+            raise APIError(400, msg, param=param) from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        count("/health", 200)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        count("/metrics", 200)
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        count("/v1/models", 200)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "ds4x", "max_model_len": ctx}]}
+
+    async def serve(request: Request, endpoint: str, chat: bool) -> Response:
+        try:
+            req = await parse(request, ChatRequest if chat else CompletionRequest)
+            server._check_model(req)
+            if chat:
+                prompt, text = server.chat_prompt(req), True
+                max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            else:
+                prompt, text = server.completion_prompt(req)
+                max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            job = server.make_job(req, prompt, text, max_tokens)
+        except APIError as exc:
+            return error(exc, endpoint)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        head = {"id": rid, "object": obj + (".chunk" if chat and req.stream else ""), "created": created,
+                "model": model_name}
+
+        def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
+            if chat:
+                key = "delta" if req.stream else "message"
+                msg: dict[str, Any] = {"content": piece.text}
+                if first or not req.stream:
+                    msg = {"role": "assistant", **msg}
+                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": None, "finish_reason": piece.finish}
+            else:
+                c = {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish}
+            if req.return_token_ids:
+                c["token_ids"] = piece.ids
+            return c
+
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            async def events() -> AsyncIterator[str]:
+                first = True
+                try:
+                    async for piece in server.pieces(request, job):
+                        if not piece.text and not piece.ids and piece.finish is None:
+                            continue
+                        chunk = {**head, "choices": [choice(piece, first)]}
+                        if first and req.return_token_ids:
+                            chunk["prompt_token_ids"] = job.prompt
+                        if include_usage:
+                            chunk["usage"] = None
+                        first = False
+                        yield _sse(chunk)
+                except Exception as exc:  # the stream has started: report in band
+                    yield _sse(APIError(500, f"generation failed: {exc}", "server_error").body())
+                    return
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": server.usage(job)})
+                yield "data: [DONE]\n\n"
+
+            count(endpoint, 200)
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        parts: list[Piece] = []
+        try:
+            async for piece in server.pieces(request, job):
+                parts.append(piece)
+        except Exception as exc:
+            return error(APIError(500, f"generation failed: {exc}", "server_error"), endpoint)
+        finish = parts[-1].finish if parts else None
+        whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish)
+        body = {**head, "choices": [choice(whole)], "usage": server.usage(job)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = job.prompt
+        count(endpoint, 200)
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "/v1/chat/completions", chat=True)
+
+    return app

@@ -1,0 +1,316 @@
+"""The OpenAI-compatible server: in-process through TestClient on the synthetic ``tiny`` preset, plus one real
+``ds4x serve`` subprocess on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from ds4x.runtime.engine import Engine  # noqa: E402
+from ds4x.serve import create_app  # noqa: E402
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    engine = Engine.load("tiny", device="cpu")
+    with TestClient(create_app(engine, "tiny", CTX, "packed")) as c:
+        yield c
+
+
+def _events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def _chunks(text: str) -> list[dict]:
+    events = _events(text)
+    assert events[-1] == "[DONE]"
+    assert "[DONE]" not in events[:-1]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+
+
+def test_health_models_metrics(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert re.search(r'^ds4x_requests_total\{endpoint="/v1/completions",status="200"\} [1-9]', text, re.M)
+    assert int(re.search(r"^ds4x_generation_tokens_total (\d+)$", text, re.M).group(1)) >= 3
+    assert int(re.search(r"^ds4x_prompt_tokens_total (\d+)$", text, re.M).group(1)) >= 3
+    assert re.search(r"^ds4x_requests_running 0$", text, re.M)
+    assert "# TYPE ds4x_requests_total counter" in text
+
+
+def test_completion_non_streaming(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 8,
+                                             "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 8
+    assert body["prompt_token_ids"][0] == 0  # BOS
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18}
+    # token ids as the prompt give the same continuation
+    r2 = client.post("/v1/completions", json={"prompt": body["prompt_token_ids"], "max_tokens": 8,
+                                              "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert r2.json()["choices"][0]["token_ids"] == choice["token_ids"]
+    assert r2.json()["choices"][0]["text"] == choice["text"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_matches_non_streaming(client: TestClient, chat: bool) -> None:
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    req: dict = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    req |= {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]} if chat \
+        else {"prompt": "hello"}
+    whole = client.post(url, json=req).json()
+    r = client.post(url, json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = _chunks(r.text)
+    *content, usage = chunks
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in content)
+    if chat:
+        assert all(c["object"] == "chat.completion.chunk" for c in content)
+        assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+        assert whole["choices"][0]["message"]["role"] == "assistant"
+        assert text == whole["choices"][0]["message"]["content"]
+    else:
+        text = "".join(c["choices"][0]["text"] for c in content)
+        assert text == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in content][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in content[:-1])
+    ids = [i for c in content for i in c["choices"][0]["token_ids"]]
+    assert ids == whole["choices"][0]["token_ids"]
+    assert whole["usage"]["completion_tokens"] == 12
+
+
+def test_stream_without_usage_ends_with_done(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True, "seed": 1})
+    chunks = _chunks(r.text)
+    assert chunks and all("usage" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_seeded_sampling_is_reproducible(client: TestClient) -> None:
+    req = {"prompt": "abc", "max_tokens": 10, "temperature": 0.9, "top_p": 0.95, "min_p": 0.01, "seed": 7,
+           "ignore_eos": True, "return_token_ids": True}
+    a = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    b = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    assert a == b and len(a) == 10
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_stop_strings(client: TestClient, as_list: bool) -> None:
+    req = {"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    # a two-character ASCII stop string from inside the greedy continuation
+    k = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].isprintable())
+    stop = full[k:k + 2]
+    expected = full[: full.find(stop)]
+    stops = ["\x00never", stop] if as_list else stop
+    r = client.post("/v1/completions", json={**req, "stop": stops})
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == expected and choice["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] < 40
+    streamed = _chunks(client.post("/v1/completions", json={**req, "stop": stops, "stream": True}).text)
+    assert "".join(c["choices"][0]["text"] for c in streamed) == expected
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
+    assert stop not in "".join(c["choices"][0]["text"] for c in streamed)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": CTX}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "x" * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [0] * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [0, 100000]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [0, -3]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e9}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "min_p": -0.1}, 400, "min_p", None),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * CTX}]}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "x"}, 404, "model", None),
+]
+
+
+@pytest.mark.parametrize(("url", "body", "status", "param", "code"), BAD_REQUESTS)
+def test_bad_requests(client: TestClient, url: str, body: object, status: int, param: str | None,
+                      code: str | None) -> None:
+    if isinstance(body, bytes):
+        r = client.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(url, json=body)
+    _assert_error(r, status, param, code)
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    _assert_error(client.get("/v1/nothing"), 404)
+    _assert_error(client.get("/v1/completions"), 405)
+
+
+def test_chat_prompt_encoding(client: TestClient) -> None:
+    from types import SimpleNamespace
+
+    from ds4x.runtime.chat import render_chat
+    from ds4x.serve.app import ChatRequest, Server
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "hello"}]}]
+    req = ChatRequest.model_validate({"messages": messages})
+    # byte tokenizer (no chat template): BOS + the contents joined by newlines
+    server = client.app.state.server
+    assert server.chat_prompt(req) == [0, *server.engine.tokenizer.encode("be brief\nhello")]
+    # a GGUF tokenizer gets the DeepSeek-V4 chat encoding, specials included
+    pytest.importorskip("gguf")
+    from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
+    from ds4x.weights.gguf_writer import synthetic_vocab
+
+    v = synthetic_vocab(600)
+    tok = GGUFTokenizer(v.tokens, v.merges)
+    gguf_server = Server(SimpleNamespace(tokenizer=tok), "m", CTX, "packed")
+    ids = gguf_server.chat_prompt(req)
+    assert ids == tok.encode(render_chat([{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello"}], thinking=False))
+    assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
+
+
+# ---- a real server -------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_command(port: int) -> list[str]:
+    from ds4x.cli.main import build_parser
+
+    args = ["-m", "tiny", "--device", "cpu", "--port", str(port), "--ctx", "4096", "-q"]
+    try:
+        build_parser().parse_args(["serve", *args])
+    except SystemExit:  # `serve` not registered in ds4x.cli.main: run the subcommand module directly
+        return [sys.executable, "-m", "ds4x.cli.serve", *args]
+    script = Path(sys.executable).parent / "ds4x"
+    return [str(script), "serve", *args] if script.exists() else [sys.executable, "-m", "ds4x.cli.main", "serve",
+                                                                    *args]
+
+
+def _metric(base: str, name: str) -> int:
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return int(float(re.search(rf"^{name} (\S+)$", text, re.M).group(1)))
+
+
+def test_real_server_subprocess() -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(_serve_command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up within 60 s"
+            time.sleep(0.2)
+        try:
+            import openai
+        except ImportError:
+            openai = None
+        if openai is not None:
+            oc = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+            out = oc.completions.create(model="tiny", prompt="def", max_tokens=5, temperature=0)
+            assert out.usage.prompt_tokens == 4 and 1 <= out.usage.completion_tokens <= 5  # BOS + 3 bytes
+            assert out.choices[0].finish_reason in ("length", "stop")
+            parts = [c.choices[0].delta.content or "" for c in oc.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True)
+                if c.choices]
+            assert isinstance("".join(parts), str)
+            with pytest.raises(openai.NotFoundError):
+                oc.completions.create(model="nope", prompt="def", max_tokens=1)
+        else:
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": "def", "max_tokens": 5}, timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+
+        # a client that goes away mid-stream stops the generation
+        generated_before = _metric(base, "ds4x_generation_tokens_total")
+        req = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+        deadline = time.monotonic() + 20
+        while _metric(base, "ds4x_requests_cancelled_total") < 1:
+            assert time.monotonic() < deadline, "generation did not stop after the client disconnected"
+            time.sleep(0.1)
+        assert _metric(base, "ds4x_requests_running") == 0
+        assert _metric(base, "ds4x_generation_tokens_total") - generated_before < 4000
+        # and the engine is free for the next request
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
