@@ -95,7 +95,7 @@ class Engine:
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
     def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,
-                    prefill_mode: str = "default") -> Session:
+                    prefill_mode: str = "default", announce: bool = True) -> Session:
         """A fresh conversation; ``ctx`` defaults to 4096 tokens or the model's maximum if smaller."""
         ctx = ctx if ctx is not None else min(4096, self.cfg.max_position_embeddings)
         if ctx > self.cfg.max_position_embeddings:
@@ -104,8 +104,9 @@ class Engine:
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill_mode!r}")
         session = Session(self, self.model.new_cache(ctx, cache, prefill_chunk), prefill_chunk, prefill_mode)
-        log.info("session: ctx %d, %s cache (%s); kernels: %s", ctx, cache, format_plan(session.cache.plan),
-                 describe_kernels(self.model.device, cache))
+        # a server makes a session per request: it announces the plan once at start-up instead
+        log.log(logging.INFO if announce else logging.DEBUG, "session: ctx %d, %s cache (%s); kernels: %s", ctx,
+                cache, format_plan(session.cache.plan), describe_kernels(self.model.device, cache))
         return session
 
 

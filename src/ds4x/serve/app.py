@@ -187,7 +187,7 @@ def _first_stop(text: str, stops: list[str]) -> int:
 def run_job(engine: Engine, job: Job, ctx: int, cache: str) -> Iterator[Piece]:
     """Generate ``job`` in a fresh session; one piece per token (text may be empty while held back: an
     incomplete UTF-8 character or a possible stop-string prefix), the last with ``finish`` set."""
-    session = engine.new_session(ctx=ctx, cache=cache)
+    session = engine.new_session(ctx=ctx, cache=cache, announce=False)
     eos = set(engine.cfg.eos_token_ids)
     stream = TextStream(engine.tokenizer) if job.text and engine.tokenizer is not None else None
     pending, ids = "", []
