@@ -45,6 +45,8 @@ UE8M0 NaN byte 0xFF) and all-zero codes, so it dequantizes to NaN everywhere;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 E4M3_MAX = 448.0
@@ -65,6 +67,9 @@ __all__ = [
     "ue8m0_decode",
     "scale_to_float32",
     "block_scale_exponents",
+    "blocks",
+    "block_quantize",
+    "block_dequantize",
     "e4m3_decode",
     "e4m3_block_scale_exponents",
     "e4m3_block_quantize",
@@ -135,7 +140,8 @@ def scale_to_float32(scale: torch.Tensor, what: str = "scale") -> torch.Tensor:
     )
 
 
-def _blocks(x: torch.Tensor, block: int, fn: str) -> torch.Tensor:
+def blocks(x: torch.Tensor, block: int, fn: str) -> torch.Tensor:
+    """``x [..., n]`` as float32 ``[..., n / block, block]``; ``fn`` names the caller in errors."""
     if not torch.is_floating_point(x):
         raise ValueError(f"{fn}: expected a floating-point tensor, got {x.dtype}")
     if x.dim() == 0 or block <= 0 or x.shape[-1] % block != 0:
@@ -158,6 +164,29 @@ def block_scale_exponents(xb: torch.Tensor, floor: float, inv_max: float) -> tor
     return torch.where(torch.isfinite(amax), e, torch.full_like(e, NONFINITE_EXPONENT))
 
 
+def block_quantize(xb: torch.Tensor, floor: float, max_value: float,
+                   encode: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared block quantizer of blocked float32 ``xb [..., nb, block]``: ``(codes [..., n], exponents)``.
+
+    ``encode`` maps the scaled, clamped values to codes. Blocks with NaN/Inf get all-zero codes and
+    NONFINITE_EXPONENT.
+    """
+    e = block_scale_exponents(xb, floor, 1.0 / max_value)
+    bad = e == NONFINITE_EXPONENT
+    # x * 2**-e is the same real number as x / 2**e, so the correctly rounded float32 results agree bit
+    # for bit with the official division; for finite input 2**-e is a normal float32.
+    inv = pow2_f32(torch.where(bad, torch.zeros_like(e), -e))
+    codes = encode((xb * inv.unsqueeze(-1)).clamp(-max_value, max_value))
+    codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
+    return codes.flatten(-2), e
+
+
+def block_dequantize(values: torch.Tensor, exponents: torch.Tensor, block: int) -> torch.Tensor:
+    """Decoded code values ``[..., n]`` times their block's ``2**e`` (via the UE8M0 byte), float32."""
+    scale = ue8m0_decode(ue8m0_encode(exponents))
+    return (values.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2)
+
+
 # ---------------------------------------------------------------------------
 # E4M3
 # ---------------------------------------------------------------------------
@@ -176,7 +205,7 @@ def e4m3_block_scale_exponents(x: torch.Tensor, block: int = 64) -> torch.Tensor
 
     Shape ``[..., n / block]``. Blocks holding NaN/Inf get ``NONFINITE_EXPONENT`` (128).
     """
-    xb = _blocks(x, block, "e4m3_block_scale_exponents")
+    xb = blocks(x, block, "e4m3_block_scale_exponents")
     return block_scale_exponents(xb, E4M3_AMAX_FLOOR, 1.0 / E4M3_MAX)
 
 
@@ -186,23 +215,13 @@ def e4m3_block_quantize(x: torch.Tensor, block: int = 64) -> tuple[torch.Tensor,
     ``codes`` are E4M3FN bytes of ``x / 2**e`` (clamped to +-448, RNE); the scale byte
     of a block is ``ue8m0_encode(e)``. Blocks with NaN/Inf get all-zero codes.
     """
-    xb = _blocks(x, block, "e4m3_block_quantize")
-    e = block_scale_exponents(xb, E4M3_AMAX_FLOOR, 1.0 / E4M3_MAX)
-    bad = e == NONFINITE_EXPONENT
-    # x * 2**-e is the same real number as x / 2**e, so the correctly rounded float32
-    # results agree bit for bit; -e is in [-120, 22] here, so 2**-e is a normal float.
-    inv = pow2_f32(torch.where(bad, torch.zeros_like(e), -e))
-    q = (xb * inv.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX)
-    codes = q.to(torch.float8_e4m3fn).view(torch.uint8)
-    codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
-    return codes.flatten(-2), e
+    xb = blocks(x, block, "e4m3_block_quantize")
+    return block_quantize(xb, E4M3_AMAX_FLOOR, E4M3_MAX, lambda q: q.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def e4m3_block_dequantize(codes: torch.Tensor, exponents: torch.Tensor, block: int = 64) -> torch.Tensor:
     """Inverse of :func:`e4m3_block_quantize`: ``decode(codes) * 2**e`` in float32."""
-    vals = e4m3_decode(codes).unflatten(-1, (-1, block))
-    scale = ue8m0_decode(ue8m0_encode(exponents))
-    return (vals * scale.unsqueeze(-1)).flatten(-2)
+    return block_dequantize(e4m3_decode(codes), exponents, block)
 
 
 def e4m3_block_roundtrip(x: torch.Tensor, block: int = 64) -> torch.Tensor:

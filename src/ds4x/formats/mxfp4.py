@@ -29,12 +29,11 @@ from __future__ import annotations
 import torch
 
 from .e4m3 import (
-    NONFINITE_EXPONENT,
+    block_dequantize,
+    block_quantize,
     block_scale_exponents,
-    pow2_f32,
+    blocks,
     scale_to_float32,
-    ue8m0_decode,
-    ue8m0_encode,
 )
 
 E2M1_MAX = 6.0
@@ -56,16 +55,6 @@ __all__ = [
     "mxfp4_roundtrip",
     "dequantize_fp4_expert_weight",
 ]
-
-
-def _blocks(x: torch.Tensor, block: int, fn: str) -> torch.Tensor:
-    if not torch.is_floating_point(x):
-        raise ValueError(f"{fn}: expected a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0 or block <= 0 or x.shape[-1] % block != 0:
-        raise ValueError(
-            f"{fn}: last dim must be a positive multiple of block={block}, got shape {tuple(x.shape)}"
-        )
-    return x.to(torch.float32).unflatten(-1, (-1, block))
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -97,29 +86,18 @@ def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
 def mxfp4_block_scale_exponents(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Per-block int32 exponent ``e``: ``2**e`` = smallest power of two >= ``fp32(amax/6)``,
     amax floored at ``6 * 2**-126``; 128 for blocks holding NaN/Inf."""
-    xb = _blocks(x, block, "mxfp4_block_scale_exponents")
+    xb = blocks(x, block, "mxfp4_block_scale_exponents")
     return block_scale_exponents(xb, MXFP4_AMAX_FLOOR, 1.0 / E2M1_MAX)
 
 
 def mxfp4_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to ``(codes uint8 [..., n] in 0..15, exponents int32 [..., n / block])``."""
-    xb = _blocks(x, block, "mxfp4_quantize")
-    e = block_scale_exponents(xb, MXFP4_AMAX_FLOOR, 1.0 / E2M1_MAX)
-    bad = e == NONFINITE_EXPONENT
-    # e is in [-126, 126] for finite input, so 2**-e is a normal float32 and the product
-    # equals the official x / 2**e bit for bit.
-    inv = pow2_f32(torch.where(bad, torch.zeros_like(e), -e))
-    q = (xb * inv.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = e2m1_encode(q)
-    codes = torch.where(bad.unsqueeze(-1), torch.zeros_like(codes), codes)
-    return codes.flatten(-2), e
+    return block_quantize(blocks(x, block, "mxfp4_quantize"), MXFP4_AMAX_FLOOR, E2M1_MAX, e2m1_encode)
 
 
 def mxfp4_dequantize(codes: torch.Tensor, exponents: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Inverse of :func:`mxfp4_quantize`: ``e2m1(codes) * 2**e`` in float32."""
-    vals = e2m1_decode(codes).unflatten(-1, (-1, block))
-    scale = ue8m0_decode(ue8m0_encode(exponents))
-    return (vals * scale.unsqueeze(-1)).flatten(-2)
+    return block_dequantize(e2m1_decode(codes), exponents, block)
 
 
 def mxfp4_roundtrip(x: torch.Tensor, block: int = 32) -> torch.Tensor:
