@@ -111,7 +111,7 @@ def test_errors():
         qm.quant_linear(torch.ones(1, 64, dtype=torch.int32), w)
     with pytest.raises(ValueError, match="no kernel for F16"):
         qm.quant_linear(torch.randn(1, 64), GGMLTensor(torch.zeros(8 * 128, dtype=torch.uint8), T.F16, (8, 64)))
-    assert not qm.supports(w) or qm._interpret_mode()  # a CPU weight is served only by the interpreter
+    assert not qm.supports(w) or qm.interpret_mode()  # a CPU weight is served only by the interpreter
 
 
 # ---- GPU: compiled kernels at real shapes --------------------------------------------------------

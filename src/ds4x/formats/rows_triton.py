@@ -24,9 +24,6 @@ Each program handles ``BLOCK_ROWS`` rows. Inputs are made contiguous float32
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from .rows import (
     check_indexer_input,
     check_kv_input,
 )
+from .triton_mode import interpret_mode, module_for_current_mode
 
 __all__ = [
     "pack_kv_rows_triton",
@@ -64,12 +62,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 # triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported.
 # Remember the mode; a call made in the other mode loads a private copy of this file
 # (see _kernels), so interpreter and compiled kernels can coexist in one process.
-def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_DEFINED_INTERPRETED = _interpret_mode()
-_MODULES: dict[bool, Any] = {}
+_DEFINED_INTERPRETED = interpret_mode()
 
 
 if HAVE_TRITON:
@@ -255,25 +248,13 @@ def _kernels() -> Any:
     """The module whose kernels match the current TRITON_INTERPRET mode."""
     if not HAVE_TRITON:
         raise RuntimeError("ds4x.formats.rows_triton needs the 'triton' package (pip install triton)")
-    mode = _interpret_mode()
-    if mode == _DEFINED_INTERPRETED:
-        return sys.modules[__name__]
-    mod = _MODULES.get(mode)
-    if mod is None:
-        name = f"{__name__}_{'interp' if mode else 'jit'}"
-        spec = importlib.util.spec_from_file_location(name, __file__)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # inspect (used by Triton to read kernel source) looks modules up here
-        spec.loader.exec_module(mod)
-        _MODULES[mode] = mod
-    return mod
+    return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
 def _check_device(t: torch.Tensor, fn: str) -> None:
     if not HAVE_TRITON:
         raise RuntimeError(f"{fn}: needs the 'triton' package (pip install triton)")
-    if t.device.type != "cuda" and not _interpret_mode():
+    if t.device.type != "cuda" and not interpret_mode():
         raise ValueError(
             f"{fn}: Triton kernels need a CUDA tensor (got {t.device}); use the torch version in "
             f"ds4x.formats.rows, or set TRITON_INTERPRET=1 to run the kernel in the interpreter"

@@ -37,8 +37,6 @@ weight (several weights per integer op, or int8 dot products), not tuning.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from functools import lru_cache
 from typing import Any
@@ -47,6 +45,7 @@ import torch
 
 from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu
 from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.formats.triton_mode import interpret_mode, module_for_current_mode
 
 try:
     import triton
@@ -71,12 +70,7 @@ MATVEC_MAX_ROWS = 4  # up to this many rows per (weight, expert) the matvec kern
 DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
 
 
-def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_DEFINED_INTERPRETED = _interpret_mode()
-_MODULES: dict[bool, Any] = {}
+_DEFINED_INTERPRETED = interpret_mode()
 
 
 if HAVE_TRITON:
@@ -307,19 +301,7 @@ def _kernels() -> Any:
     """The module whose kernels match the current TRITON_INTERPRET mode."""
     if not HAVE_TRITON:
         raise RuntimeError("ds4x.kernels.quant_matmul needs the 'triton' package")
-    mode = _interpret_mode()
-    if mode == _DEFINED_INTERPRETED:
-        return sys.modules[__name__]
-    mod = _MODULES.get(mode)
-    if mod is None:
-        name = f"{__name__}_{'interp' if mode else 'jit'}"
-        spec = importlib.util.spec_from_file_location(name, __file__)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # Triton reads kernel source through inspect, which looks modules up here
-        spec.loader.exec_module(mod)
-        _MODULES[mode] = mod
-    return mod
+    return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -328,7 +310,7 @@ def supports(w: GGMLTensor) -> bool:
     """Whether the kernels can multiply by ``w`` on its device."""
     if not HAVE_TRITON or w.qtype not in _TYPES or w.ndim not in (2, 3):
         return False
-    if w.raw.device.type != "cuda" and not _interpret_mode():
+    if w.raw.device.type != "cuda" and not interpret_mode():
         return False
     align = 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2  # widest word a kernel reads
     return w.raw.is_contiguous() and w.raw.data_ptr() % align == 0 and w.row_bytes % align == 0
@@ -406,13 +388,13 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         grid = (triton.cdiv(n, bn), n_pairs)
         mod._qmv_kernel[grid](x2, wr, grid_t, ids_t, y, n, k, w.row_bytes, expert_bytes, x2.stride(0),
                               y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code, S=s, W=wv, BN=bn, BK=bk,
-                              TABLE=table, INTERPRET=_interpret_mode(), num_warps=nw)
+                              TABLE=table, INTERPRET=interpret_mode(), num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x2.dtype]
-    if _interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
+    if interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
         dot_dtype = tl.float32
-    prec = "tf32" if x2.dtype == torch.float32 and not _interpret_mode() else "ieee"
+    prec = "tf32" if x2.dtype == torch.float32 and not interpret_mode() else "ieee"
     if has_ids:
         n_exp = w.shape[0] if w.ndim == 3 else 1
         ids_l = ids_t.long()
@@ -437,7 +419,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     mod._qmm_kernel[grid](x2, wr, grid_t, c_exp, c_start, c_len, order, y, n_pairs, n, k, w.row_bytes,
                           expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code, S=s,
                           W=wv, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot_dtype, PREC=prec,
-                          TABLE=table, INTERPRET=_interpret_mode(), num_warps=nw)
+                          TABLE=table, INTERPRET=interpret_mode(), num_warps=nw)
     return y
 
 
