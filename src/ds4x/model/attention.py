@@ -82,6 +82,7 @@ class _Step:
     x: torch.Tensor  # block input [T, hidden]
     q_res: torch.Tensor  # q_lora residual [T, q_lora]
     positions: torch.Tensor  # [T]
+    p0: int  # first of the T positions
     lo: int  # oldest raw position any of the T queries sees
     n_rows: int  # compressed rows emitted so far
     cos: torch.Tensor
@@ -117,7 +118,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     st: LayerState = cache.layers[layer]
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
     T, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
-    p0 = int(positions[0])
+    p0 = cache.length  # the first position, as a host int (reading positions[0] would sync the GPU)
     cos, sin = cos_sin(rope, positions)
 
     q_res = rms_norm(linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
@@ -135,7 +136,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             assert st.idx_proj is not None and st.idx_rows is not None
             _compress(x, w, p + "indexer.compressor.", st.idx_proj, st.idx_rows, p0, ratio, True,
                       cfg.index_head_dim, cfg, rope)
-    step = _Step(layer, x, q_res, positions, max(0, p0 - cfg.sliding_window + 1), n_rows, cos, sin, w, cfg, cache)
+    step = _Step(layer, x, q_res, positions, p0, max(0, p0 - cfg.sliding_window + 1), n_rows, cos, sin, w, cfg,
+                 cache)
     if T == 1 and cache.mode != "float" and use_triton(x.device):
         out = _decode_triton(step, q[0])[None]
     else:
@@ -150,7 +152,7 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     cfg, st, n_rows = step.cfg, step.st, step.n_rows
     packed = step.cache.mode == "packed"
     dev = q.device
-    window = torch.arange(step.lo, int(step.positions[0]) + 1, device=dev) % st.raw.capacity
+    window = torch.arange(step.lo, step.p0 + 1, device=dev) % st.raw.capacity
     sources = [(st.raw.data, window)]
     if step.kind == HCA:
         sources.append((st.comp_rows.data, torch.arange(n_rows, device=dev)))
@@ -166,7 +168,7 @@ def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
     """The torch reference for T queries [T, H, D]: [T, H, D] float32 before the inverse RoPE."""
     T, nh, hd = q.shape
     cfg, st, n_rows, dev = step.cfg, step.st, step.n_rows, q.device
-    p0 = int(step.positions[0])
+    p0 = step.p0
     # keys shared by all T queries (window rows; HCA rows), with per-query visibility
     shared = [st.raw.read(step.lo, p0 + T)]
     key_pos = torch.arange(step.lo, p0 + T, device=dev)
