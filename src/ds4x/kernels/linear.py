@@ -63,6 +63,22 @@ def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor
     return torch.einsum("tgi,goi->tgo", x, w)
 
 
+def has_routed_kernel(weight: Weight) -> bool:
+    """Whether ``routed_linear`` runs one fused kernel for these stacked experts (else a loop)."""
+    return isinstance(weight, GGMLTensor) and _quant_kernels(weight) is not None
+
+
+def routed_linear(x: torch.Tensor, weight: Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Stacked experts weight [E, out, in], x [T, in], ids [T, k] -> y [T, k, out] with
+    y[t, j] = x[t] @ weight[ids[t, j]].T: one launch and no host sync on the quantized kernels,
+    else one product per (row, slot) pair (the reference)."""
+    if has_routed_kernel(weight):
+        return _quant_kernels(weight).quant_matmul_routed(x, weight, ids)
+    t, k = ids.shape
+    rows = [linear(x[i : i + 1], weight[int(e)]) for i in range(t) for e in ids[i].tolist()]
+    return torch.cat(rows).view(t, k, -1)
+
+
 def embedding(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``tokens`` of the embedding table, in ``dtype``."""
     if isinstance(weight, GGMLTensor):

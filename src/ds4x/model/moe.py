@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import linear
+from ds4x.kernels.linear import Weight, has_routed_kernel, linear, routed_linear
 
 
 def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -38,16 +38,39 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor, cfg: ModelConfig,
+def experts_by_expert(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
+                      weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts, one expert at a time over the rows that chose it (the reference; reads each chosen
+    expert once, but syncs with the host to find them)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        h = swiglu(linear(x[tok], w1[e]), linear(x[tok], w3[e]), limit)
+        out.index_add_(0, tok, (linear(h, w2[e]) * weights[tok, slot, None]).to(out.dtype))
+    return out
+
+
+def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
+                    weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts, every (row, slot) pair in one routed product per projection: no host sync and three
+    launches, but an expert chosen by several rows is read once per row (decode: few rows)."""
+    t, k = ids.shape
+    h = swiglu(routed_linear(x, w1, ids), routed_linear(x, w3, ids), limit)  # [T, k, I]
+    y = routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
+    return (y * weights[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
+
+
+# above this many (row, slot) pairs the by-expert loop reads less weight than the routed kernel
+BY_SLOT_MAX_PAIRS = 64
+
+
+def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor, cfg: ModelConfig,
         hashed: bool) -> torch.Tensor:
     """x [T, H] -> routed experts (weighted) + shared expert."""
     ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
-    out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.where(ids == e)
-        h = swiglu(linear(x[tok], w1[e]), linear(x[tok], w3[e]), cfg.swiglu_limit)
-        out.index_add_(0, tok, (linear(h, w2[e]) * weights[tok, slot, None]).to(out.dtype))
+    fused = has_routed_kernel(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS
+    out = (experts_by_slot if fused else experts_by_expert)(x, w1, w3, w2, ids, weights, cfg.swiglu_limit)
     s = prefix + "shared_experts."
     h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)
     return out + linear(h, w[s + "w2.weight"])

@@ -19,6 +19,7 @@ from ds4x.runtime.sampling import SamplingParams, sample
 from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from ds4x.weights.checkpoint import load_checkpoint
 from ds4x.weights.synthetic import synthetic_weights
+from ds4x.weights.synthetic_gguf import weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ DEFAULT_MODEL = "default"
 PREFILL_MODES = ("default", "exact", "reference")
 # Presets that are synthesized in memory; Flash's 284B parameters cannot be (use a checkpoint).
 _SYNTHESIZABLE = {"tiny"}
+# presets whose vocabulary is part of the model (others take the byte tokenizer's)
+_FIXED_VOCAB = {"flash"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,8 +54,9 @@ class Engine:
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "float32",
              seed: int = 0) -> Engine:
-        """``default`` (the embedded trained model), a preset name (synthetic weights from ``seed``), a checkpoint
-        directory or a .gguf file."""
+        """``default`` (the embedded trained model), a preset name (synthetic weights from ``seed``),
+        ``PRESET:POLICY`` (a synthetic model in a GGUF type mix, e.g. ``flash:q2``, generated on the device),
+        a checkpoint directory or a .gguf file."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dev, dt = resolve_device(device), DTYPES[dtype]
@@ -61,11 +65,21 @@ class Engine:
             from ds4x.assets import default_model_path
 
             model = str(default_model_path())
-        if model in PRESETS:
+        preset, _, policy = model.partition(":")
+        if preset in PRESETS and policy:
+            # a SYNTHETIC quantized model (benchmarks): the GGUF blocks generated on the device
+            from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
+
+            cfg = PRESETS[preset]() if preset in _FIXED_VOCAB else PRESETS[preset](ByteTokenizer.vocab_size)
+            log.info("synthesizing %s in the %s mix on %s (seed %d; random weights, outputs are noise) ...",
+                     preset, policy, dev, seed)
+            weights = synthetic_quantized_weights(cfg, policy, seed=seed, dtype=dt, device=dev)
+            tokenizer = ByteTokenizer()
+        elif model in PRESETS:
             if model not in _SYNTHESIZABLE:
                 raise ValueError(
-                    f"preset {model!r} is too large to synthesize here; load a checkpoint directory "
-                    f"(`ds4x inspect {model}` shows its plan)"
+                    f"preset {model!r} is too large to synthesize in float here; load a checkpoint or GGUF, or "
+                    f"use the synthetic quantized form '{model}:q2' on a GPU (`ds4x inspect {model}` shows its plan)"
                 )
             cfg = PRESETS[model](ByteTokenizer.vocab_size)
             weights = synthetic_weights(cfg, seed=seed, dtype=dt, device=dev)
@@ -90,8 +104,9 @@ class Engine:
                     tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
         attn_kernel = quant_kernel_name(weights["layers.0.attn.wq_a.weight"])
         expert_kernel = quant_kernel_name(weights[f"layers.{cfg.num_layers - 1}.ffn.experts.w1"])
-        log.info("model %s: %s layers (%s), device %s, dtype %s; matmuls: attention %s, experts %s", model,
-                 cfg.num_layers, cfg.layer_summary(), dev, dtype, attn_kernel, expert_kernel)
+        log.info("model %s: %s layers (%s), device %s, dtype %s, resident weights %.2f GiB; matmuls: attention %s, "
+                 "experts %s", model, cfg.num_layers, cfg.layer_summary(), dev, dtype,
+                 weight_bytes(weights) / 2**30, attn_kernel, expert_kernel)
         return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
 
     def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,

@@ -474,7 +474,16 @@ def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torc
                         f"{', '.join(t.name for t in ok)}")
     if qt not in QUANT_SIZES:  # pragma: no cover - allowed_types is a subset
         raise GGUFError(f"{path}: tensor '{name}' has unsupported type {qt.name}")
-    raw = _torch_bytes(reader_tensor)
+    return bind_raw(_torch_bytes(reader_tensor), qt, canonical, shape, dtype, device, n_experts,
+                    f"{path}: tensor '{name}'")
+
+
+def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape: tuple[int, ...],
+             dtype: torch.dtype, device: torch.device | str, n_experts: int,
+             what: str = "tensor") -> torch.Tensor | GGMLTensor:
+    """The model-side form of one tensor's GGML bytes: block types stay quantized (a GGMLTensor on
+    ``device``), plain ones become ``dtype`` tensors (float32 where the model keeps float32), I32
+    expert tables int64 (checked against ``n_experts``)."""
     if qt in QUANTIZED_TYPES:
         return GGMLTensor(raw, qt, shape).to(device)
     if qt in PLAIN_TYPES:
@@ -487,7 +496,7 @@ def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torc
     out = dequantize(raw, qt, shape)
     if qt == T.I32:
         if out.numel() and (int(out.min()) < 0 or int(out.max()) >= n_experts):
-            raise GGUFError(f"{path}: tensor '{name}' holds expert ids outside [0, {n_experts})")
+            raise GGUFError(f"{what} holds expert ids outside [0, {n_experts})")
         return out.to(device=device, dtype=torch.int64)
     return out.to(device=device, dtype=torch.float32 if keeps_fp32(canonical) else dtype)
 

@@ -560,6 +560,17 @@ def _synthetic_std(name: str, shape: tuple[int, ...]) -> float:
     return 1.0 / math.sqrt(fan_in)
 
 
+def synthetic_tensor_bytes(canonical: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, cfg: ModelConfig,
+                           g: torch.Generator) -> torch.Tensor:
+    """SYNTHETIC: the raw GGML bytes of one tensor, on ``g``'s device: random valid blocks of the spread
+    ds4x.weights.synthetic would give it for block types, that rule's values encoded otherwise."""
+    from ds4x.weights.synthetic import _init
+
+    if qtype in (T.Q2_K, T.Q4_K, T.IQ2_XXS, T.Q8_0):
+        return random_blocks(qtype, shape, g, std=_synthetic_std(canonical, shape))
+    return encode_tensor(_init(canonical, shape, cfg, g), qtype)
+
+
 def write_synthetic_gguf(
     path: str | Path, cfg: ModelConfig, policy: TypePolicy | str = "q2", seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None, name: str | None = None,
@@ -567,18 +578,12 @@ def write_synthetic_gguf(
     """SYNTHETIC model of ``cfg`` streamed to ``path`` one tensor at a time (peak memory is one
     tensor, so the full-size Flash works): plain tensors from ds4x.weights.synthetic's rules,
     quantized ones as random valid blocks of the same spread. Labelled synthetic in the metadata."""
-    from ds4x.weights.synthetic import _init
-
     pol = TypePolicy.preset(policy) if isinstance(policy, str) else policy
     want = expected_shapes(cfg)
     g = torch.Generator().manual_seed(seed)
 
     def source(c: str, shape: tuple[int, ...], qt: GGMLQuantizationType) -> TensorSource:
-        def make() -> torch.Tensor:
-            if qt in (T.Q2_K, T.Q4_K, T.IQ2_XXS, T.Q8_0):
-                return random_blocks(qt, shape, g, std=_synthetic_std(c, shape))
-            return encode_tensor(_init(c, shape, cfg, g), qt)
-        return make
+        return lambda: synthetic_tensor_bytes(c, shape, qt, cfg, g)
 
     plan = [(gguf_tensor_name(c), s, (qt := tensor_type(c, s, pol)), source(c, s, qt)) for c, s in want.items()]
     label = name or f"SYNTHETIC ds4x DeepSeek-V4 {cfg.num_layers}L/{cfg.hidden_size} (random weights, seed {seed})"
