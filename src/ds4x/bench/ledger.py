@@ -14,20 +14,26 @@ import torch
 DEFAULT_LEDGER = Path("benchmarks/ledger.jsonl")
 
 
-def environment() -> dict[str, Any]:
-    """Commit, date, GPU, driver, torch and triton versions for a ledger row."""
+def provenance() -> dict[str, Any]:
+    """Commit and date for a ledger row (a row measured against another machine, e.g. a server over HTTP, adds
+    that machine's description itself)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+                                timeout=10).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                     text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
     if not commit:  # a copy without git metadata (e.g. the GPU machine): the caller names the commit
-        commit = os.environ.get("DS4X_COMMIT", "unknown")
+        commit, dirty = os.environ.get("DS4X_COMMIT", "unknown"), False
+    return {"commit": commit + ("-dirty" if dirty else ""),
+            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+
+
+def environment() -> dict[str, Any]:
+    """Commit, date, GPU, driver, torch and triton versions for a ledger row."""
     env: dict[str, Any] = {
-        "commit": commit + ("-dirty" if dirty else ""),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **provenance(),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
     }

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from ds4x import __version__
+from ds4x.bench import plot as bench_plot
+from ds4x.bench import serve_load as bench_serve
 from ds4x.cli import bench_prefill
 from ds4x.cli import convert as convert_cmd
 from ds4x.cli import serve as serve_cmd
@@ -74,6 +76,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--device", default="auto")
     bench_prefill.add_parser(kinds)
+    bench_serve.add_parser(kinds)
+    bench_plot.add_parser(kinds)
     r = kinds.add_parser("report", help="render docs/BENCHMARKS.md from the ledger")
     r.add_argument("--ledger", default="benchmarks/ledger.jsonl")
     r.add_argument("--out", default="docs/BENCHMARKS.md")
@@ -96,6 +100,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "prefill":
         return bench_prefill.run(args)
+    if args.bench == "serve":
+        return bench_serve.run(args)
+    if args.bench == "plot":
+        return bench_plot.run(args)
     if args.bench == "report":
         from ds4x.bench.report import write_report
 

@@ -1,0 +1,105 @@
+"""``ds4x bench serve`` and ``ds4x bench plot``: the metric definitions on hand-made timings, then a few
+seconds of closed- and open-loop load on a real ``ds4x serve`` subprocess (the embedded default model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from ds4x.bench.serve_load import LoadConfig, Sample, summarize  # noqa: E402
+from ds4x.cli.main import main  # noqa: E402
+from tests.test_serve import _free_port  # noqa: E402
+
+
+def test_metric_definitions() -> None:
+    # sent at 0.5; chunks of 1, 1 and 2 tokens at 1.0, 1.5 and 2.5 s
+    s = Sample(sent=0.5, chunks=[(1.0, 1), (1.5, 1), (2.5, 2)], prompt_tokens=10)
+    assert s.tokens == 4 and s.ttft == 0.5
+    assert s.itl() == [0.5, 0.5, 0.5]  # the 1 s gap before a 2-token chunk counts 0.5 s per token
+    assert s.decode_rate == pytest.approx(3 / 1.5)  # tokens after the first chunk / time after it
+    assert s.tpot == pytest.approx(1.5 / 3)
+    slow = Sample(sent=0.0, chunks=[(5.0, 1), (9.0, 1)])
+    failed = Sample(sent=0.0, chunks=[(0.5, 3)], error="http_503")
+    cfg = LoadConfig(url="", ttft_limit=1.0, tpot_limit=1.0)
+    row = summarize([s, slow, failed], wall=10.0, cfg=cfg, open_loop=True)
+    assert row["requests"] == 3 and row["requests_ok"] == 2 and row["errors"] == {"http_503": 1}
+    assert row["output_tokens"] == 6 and row["aggregate_tok_s"] == pytest.approx(0.6)  # failed tokens not counted
+    assert row["ttft_max_s"] == 5.0 and row["ttft_p50_s"] == pytest.approx(2.75)
+    assert row["goodput_requests"] == 1 and row["goodput_rps"] == pytest.approx(0.1)  # `slow` misses both limits
+    assert row["status"] == "errors"
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "ds4x.cli.main", "serve", "--device", "cpu", "--ctx", "512",
+                             "--port", str(port), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, "ds4x serve exited"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up within 90 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_closed_loop_ledger_and_plot(server: str, tmp_path, capsys) -> None:
+    ledger = tmp_path / "serve.jsonl"
+    assert main(["bench", "serve", "--url", server, "--concurrency", "1,2", "--seconds", "2", "--gen-tokens", "6",
+                 "--prompt-tokens", "24", "--temperature", "0", "--ignore-eos", "--ledger", str(ledger)]) == 0
+    rows = _rows(ledger)
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("closed", 1), ("closed", 2)]
+    assert len({r["run_id"] for r in rows}) == 1
+    for r in rows:
+        assert {"commit", "date", "model", "server_model", "server_meta", "client", "flags", "warmup_s",
+                "prompt_tokens_target", "prompt_tokens_mean", "gen_tokens", "errors", "status"} <= set(r)
+        assert r["bench"] == "serve" and r["model"] == "default" and r["server_model"]["id"] == "default"
+        assert r["server_meta"] == "unavailable" or {"gpu", "torch"} <= set(r["server_meta"])
+        assert r["client"]["torch"] and r["flags"]["ignore_eos"] is True and r["flags"]["shared_prefix"] is False
+        assert r["errors"] == {} and r["status"] == "ok" and r["requests"] == r["requests_ok"] >= 1
+        assert r["output_tokens"] == 6 * r["requests_ok"]  # --ignore-eos: every request returned 6 token ids
+        assert 12 <= r["prompt_tokens_mean"] <= 48  # about --prompt-tokens on the server's tokenizer
+        assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s_median"] > 0 and r["per_stream_tok_s_p10"] > 0
+        assert 0 < r["ttft_p50_s"] <= r["ttft_max_s"] and r["itl_p99_ms"] > 0
+        assert r["wall_s"] >= 2
+    assert "appended 2 rows" in capsys.readouterr().out
+
+    assert main(["bench", "plot", str(ledger), "--out", str(tmp_path / "plots" / "serve")]) == 0
+    png, svg = tmp_path / "plots" / "serve.png", tmp_path / "plots" / "serve.svg"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<svg" in svg.read_text()
+
+
+def test_open_loop_goodput(server: str, tmp_path) -> None:
+    ledger = tmp_path / "open.jsonl"
+    assert main(["bench", "serve", "--url", server, "--rate", "2", "--seconds", "2", "--gen-tokens", "3",
+                 "--prompt-tokens", "16", "--shared-prefix", "--ttft-limit", "1000", "--tpot-limit", "1000",
+                 "--ledger", str(ledger)]) == 0
+    (r,) = _rows(ledger)
+    assert r["mode"] == "open" and r["rate"] == 2 and r["concurrency"] is None and r["flags"]["shared_prefix"]
+    assert r["errors"] == {} and r["requests"] >= 1
+    # limits nobody misses: every successful request counts
+    assert r["goodput_requests"] == r["requests_ok"] and r["goodput_rps"] == pytest.approx(r["requests"] / r["wall_s"])
+    assert main(["bench", "plot", str(ledger)]) == 0
+    assert (tmp_path / "open_open.png").exists() and (tmp_path / "open_open.svg").exists()
