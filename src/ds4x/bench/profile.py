@@ -33,7 +33,8 @@ def kernel_group(name: str) -> str:
 
 
 def profile_step(fn: Callable[[], Any], reps: int = 3) -> tuple[list[dict[str, Any]], float]:
-    """Run ``fn`` ``reps`` times under the profiler; per group: device us per call of ``fn``, kernel launches.
+    """Run ``fn`` ``reps`` times under the profiler; per group: device us per call of ``fn``, kernel launches,
+    and the group's heaviest kernels (``top``: name, us, launches).
 
     Returns (rows sorted by time, the wall time of one call in us measured with CUDA events outside the
     profiler)."""
@@ -55,11 +56,18 @@ def profile_step(fn: Callable[[], Any], reps: int = 3) -> tuple[list[dict[str, A
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        g = groups.setdefault(kernel_group(ev.name), {"group": kernel_group(ev.name), "us": 0.0, "kernels": 0})
-        g["us"] += ev.time_range.elapsed_us() / reps
+        us = ev.time_range.elapsed_us() / reps
+        g = groups.setdefault(kernel_group(ev.name), {"group": kernel_group(ev.name), "us": 0.0, "kernels": 0,
+                                                      "by_name": {}})
+        g["us"] += us
         g["kernels"] += 1
+        k = g["by_name"].setdefault(ev.name[:90], [0.0, 0])
+        k[0] += us
+        k[1] += 1
     for g in groups.values():
         g["kernels"] //= reps
+        heavy = sorted(g.pop("by_name").items(), key=lambda kv: -kv[1][0])[:4]
+        g["top"] = [{"name": n, "us": t, "launches": c // reps} for n, (t, c) in heavy]
     return sorted(groups.values(), key=lambda g: -g["us"]), wall_us
 
 
@@ -69,6 +77,8 @@ def format_profile(rows: list[dict[str, Any]], wall_us: float) -> str:
     for r in rows:
         gbs = f"{r['bytes'] / r['us'] / 1e3:7.0f}" if r.get("bytes") else f"{'':>7}"
         lines.append(f"{r['group']:<34} {r['us']:9.1f} {100 * r['us'] / busy:5.1f}% {r['kernels']:8d} {gbs}")
+        for k in r.get("top", []):
+            lines.append(f"    {k['name'][:60]:<60} {k['us']:9.1f} us {k['launches']:6d}x")
     lines.append(f"{'kernel time':<34} {busy:9.1f}")
     lines.append(f"{'step wall time (CUDA events)':<34} {wall_us:9.1f}   (gaps = launch / host overhead)")
     return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""ds4x bench prefill: the fixture, the rows it writes, the kernel grouping of the profile."""
+
+import hashlib
+import json
+
+from ds4x.bench.prefill import FIXTURE_SHA256, PrefillBenchConfig, fixture_ids, fixture_text, run_prefill_bench
+from ds4x.bench.profile import OTHER, format_profile, kernel_group
+from ds4x.runtime.engine import Engine
+
+
+def test_fixture_is_the_seed_text():
+    text = fixture_text()
+    assert len(text.encode()) == 6_000_000
+    assert hashlib.sha256(text.encode()).hexdigest() == FIXTURE_SHA256
+    assert text.startswith("DS4X reproducible prefill benchmark. The quick brown fox")
+
+
+def test_rows_carry_the_floor_and_flags():
+    engine = Engine.load("tiny", device="cpu")
+    ids = fixture_ids(engine, 40)
+    assert len(ids) == 40 and ids[0] == engine.tokenizer.bos_id
+    assert engine.tokenizer.decode(ids[1:]).startswith("DS4X reproducible")
+    rows = run_prefill_bench(engine, PrefillBenchConfig(contexts=(24, 40), decode=3, chunk=16), "tiny",
+                             log=lambda m: None)
+    assert [r["context"] for r in rows] == [24, 40]
+    for r in rows:
+        assert r["prefill_tok_s"] > 0 and r["decode_ms"] > 0
+        assert abs(r["decode_tok_s"] * r["decode_ms"] - 1000) < 1e-6
+        assert 0 < r["floor_fraction"] < 1 and r["bytes_per_token"] > 0
+        assert r["flags"] == {"cache": "packed", "chunk": 16, "mode": "default", "decode_tokens": 3,
+                              "dtype": "float32", "fixture": FIXTURE_SHA256[:16]}
+        json.dumps(r)
+
+
+def test_kernel_groups():
+    assert kernel_group("_qmv_kernel") == "quantized matmul (GGML blocks)"
+    assert kernel_group("_indexer_scores_kernel") == "indexer scoring"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == OTHER
+    assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense matmul (torch)"
+    text = format_profile([{"group": "attention", "us": 30.0, "kernels": 2, "bytes": 3e6,
+                            "top": [{"name": "_attn", "us": 30.0, "launches": 2}]}], wall_us=50.0)
+    assert "attention" in text and "100.0%" in text and "_attn" in text
