@@ -33,18 +33,24 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--ctx", type=int, default=None,
                    help="context size of the session (default: 4096, or the model's maximum if smaller)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per forward pass")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per forward pass (default 512; with --load-session, the file's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--cache", default="packed", choices=["packed", "native", "float"],
+    p.add_argument("--cache", default=None, choices=["packed", "native", "float"],
                    help="attention history: packed (official FP8/MXFP4 semantics stored in the DS4X rows, "
-                        "default), native (same values unpacked, float32) or float (matches transformers)")
+                        "default), native (same values unpacked, float32) or float (matches transformers); "
+                        "with --load-session, the file's")
     p.add_argument("--prefill-mode", default="default", choices=["default", "exact", "reference"],
                    help="exact: bit-identical to token-by-token decode; reference: the plain torch path")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to a text prompt")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--dump-logits", metavar="FILE.json", default=None,
                    help="write prompt ids, generated ids and the full logits of every generated token")
+    p.add_argument("--save-session", metavar="FILE", default=None,
+                   help="after generating, save the session (prompt and every generated token) to FILE")
+    p.add_argument("--load-session", metavar="FILE", default=None,
+                   help="continue the session saved in FILE: the prompt (may be empty) is appended to it")
     p.add_argument("-q", "--quiet", action="store_true", help="no statistics on stderr")
 
 
@@ -64,9 +70,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--steps", type=int, default=50, help="timed decode steps per context (median reported)")
     f.add_argument("--seed", type=int, default=0, help="synthetic weights and cache seed")
     f.add_argument("--experts", type=int, default=8, help="routed experts of the shrunk model (Flash: 256)")
-    f.add_argument("--topk", default="blocked", choices=["blocked", "keys", "threshold"], help="top-k variant")
-    f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (blocked, keys, "
-                                              "threshold)")
+    f.add_argument("--topk", default="radix", choices=["radix", "blocked", "keys", "threshold"],
+                   help="top-k variant")
+    f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (radix, blocked, "
+                                              "keys, threshold)")
     f.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
     c = kinds.add_parser("caches", help="float vs native vs packed cache: logit differences, greedy agreement, "
                                         "top-k overlap")
@@ -85,7 +92,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ds4x.bench import ledger
-    from ds4x.bench.frontier import FrontierConfig, run_frontier
+    from ds4x.bench.frontier import FrontierConfig, format_table, run_frontier
 
     if args.bench == "caches":
         import torch
@@ -119,12 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     env = ledger.environment()
     ledger.append([{**env, **row} for row in rows], Path(args.ledger))
-    print(f"{'context':>9} {'top-k':>8} {'step ms':>8} {'idx us':>7} {'GB/s':>6} {'topk us':>8} {'CSA us':>7} "
-          f"{'HCA us':>7} {'41 layers ms':>12}")
-    for r in rows:
-        print(f"{r['context']:>9} {r['flags']['topk']:>8} {r['decode_ms']:8.2f} {r['csa_indexer_us']:7.1f} "
-              f"{r['indexer_gb_s']:6.0f} {r['csa_topk_us']:8.1f} {r['csa_attention_us']:7.1f} "
-              f"{r['hca_attention_us']:7.1f} {r['compressed_layers_ms']:12.3f}")
+    print(format_table(rows))
     return 0
 
 
@@ -211,12 +213,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if tok is None:
             raise ValueError(f"model {args.model} has no tokenizer (no tokenizer.json); use --prompt-ids")
         prompt = tok.encode(args.prompt if args.prompt is not None else "")
-        if tok.bos_id is not None and not args.no_bos:
+        # a loaded session already began with BOS; its prompt is a continuation and may be empty
+        if tok.bos_id is not None and not args.no_bos and args.load_session is None:
             prompt = [tok.bos_id, *prompt]
-        if not prompt:
+        if not prompt and args.load_session is None:
             raise ValueError("the prompt is empty; give -p TEXT or --prompt-ids")
-    session = engine.new_session(ctx=args.ctx, cache=args.cache, prefill_chunk=args.prefill_chunk,
-                                 prefill_mode=args.prefill_mode)
+    if args.load_session is not None:
+        from ds4x.runtime.session_file import load_session
+
+        session = load_session(engine, args.load_session, ctx=args.ctx, cache=args.cache,
+                               prefill_chunk=args.prefill_chunk, prefill_mode=args.prefill_mode)
+    else:
+        session = engine.new_session(ctx=args.ctx, cache=args.cache or "packed",
+                                     prefill_chunk=512 if args.prefill_chunk is None else args.prefill_chunk,
+                                     prefill_mode=args.prefill_mode)
     stats = GenerationStats()
     stream = TextStream(tok) if tok is not None and args.prompt_ids is None else None
     generated: list[int] = []
@@ -239,12 +249,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.dump_logits:
         Path(args.dump_logits).write_text(json.dumps(
             {"prompt_ids": prompt, "generated_ids": generated, "logits": logits_rows}))
+    if args.save_session:
+        from ds4x.runtime.session_file import save_session
+
+        # the last sampled token has not been evaluated yet; the file holds everything printed
+        full = bool(generated) and len(session.tokens) >= session.ctx
+        if generated and not full:
+            session.step(generated[-1])
+        size = save_session(session, args.save_session)
+        if not args.quiet:
+            print(f"[ds4x] saved the session ({len(session.tokens)} tokens, {size / 2**20:.2f} MiB) to "
+                  f"{args.save_session}" + ("; the last generated token did not fit its context" if full else ""),
+                  file=sys.stderr)
     if not args.quiet:
         pf = stats.prompt_tokens / stats.prefill_s if stats.prefill_s else 0.0
         dec = (stats.generated - 1) / stats.decode_s if stats.decode_s and stats.generated > 1 else 0.0
         print(f"[ds4x] prompt {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({pf:.1f} tok/s); "
               f"generated {stats.generated} tok ({dec:.1f} tok/s decode); stop: {stats.stop_reason}; "
-              f"cache {args.cache}, device {engine.model.device}, dtype {args.dtype}", file=sys.stderr)
+              f"cache {session.cache.mode}, device {engine.model.device}, dtype {args.dtype}", file=sys.stderr)
     return 0
 
 

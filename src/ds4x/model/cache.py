@@ -18,8 +18,10 @@ Three modes, one switch (DESIGN §3.2, §5):
 
 from __future__ import annotations
 
+import copy
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -136,6 +138,21 @@ class RowStore:
     def gather(self, index: torch.Tensor) -> torch.Tensor:
         """Rows at absolute indices ``index`` (any shape) as float32 [..., dim]."""
         return self.codec.decode(self.data[index % self.capacity])
+
+    def stored(self, start: int, stop: int) -> torch.Tensor:
+        """A copy of rows [start, stop) in the storage format (packed bytes or float32)."""
+        slots = self._slots(start, stop)
+        rows = self.data[slots]
+        return rows.clone() if isinstance(slots, slice) else rows  # a slice is a view of the ring
+
+    def put_stored(self, start: int, rows: torch.Tensor) -> None:
+        """Write rows already in the storage format (from ``stored``) at ``start``."""
+        self.data[self._slots(start, start + rows.shape[0])] = rows.to(self.data.device)
+
+    def clone(self) -> RowStore:
+        other = copy.copy(self)
+        other.data = self.data.clone()
+        return other
 
     @property
     def nbytes(self) -> int:
@@ -286,8 +303,60 @@ class ModelCache:
                              f"{'all' if self.mode != 'packed' else 'only the recent'} rows")
         self.length = length
 
+    def rewind_floor(self) -> int:
+        """The smallest length ``rewind`` accepts: every length from it up to ``length`` is reachable."""
+        # can_rewind is monotonic in the target (the oldest row needed only moves forward), so bisect
+        lo, hi = 0, self.length
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.can_rewind(mid) else (mid + 1, hi)
+        return lo
+
     def nbytes(self) -> int:
         return sum(s.nbytes for st in self.layers for s in vars(st).values() if s is not None)
+
+    # ---- copies and checkpoints -------------------------------------------------------------------
+
+    def clone(self) -> ModelCache:
+        """A deep copy on the same device (continuing either leaves the other untouched)."""
+        other = copy.copy(self)
+        other.plan = dict(self.plan)
+        other.selections = None if self.selections is None else list(self.selections)
+        other.layers = [LayerState(**{f.name: None if (s := getattr(st, f.name)) is None else s.clone()
+                                      for f in fields(LayerState)}) for st in self.layers]
+        return other
+
+    def _extents(self, length: int) -> Iterator[tuple[str, RowStore, int]]:
+        """Every row store as (name, store, end): at ``length`` tokens its rows below ``end`` are in use."""
+        for i, (st, ratio) in enumerate(zip(self.layers, self.cfg.compress_ratios, strict=True)):
+            for f in fields(LayerState):
+                store = getattr(st, f.name)
+                if store is not None:
+                    # compressed stores are indexed by row number: one row per closed window
+                    end = length // ratio if f.name in ("comp_rows", "idx_rows") else length
+                    yield f"layers.{i}.{f.name}", store, end
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The rows in use of every store, oldest first, in the storage format (copies), keyed by
+        ``layers.{i}.{store}``; with ``length`` this is all a cache holds (rows past it are never read)."""
+        return {name: s.stored(max(0, end - s.capacity), end) for name, s, end in self._extents(self.length)}
+
+    def load_state(self, length: int, state: dict[str, torch.Tensor]) -> None:
+        """Become the cache ``state()`` was taken from at ``length`` tokens (same config, mode and prefill
+        chunk; the context may differ if it holds ``length``). Checks everything before changing anything."""
+        if not 0 <= length <= self.ctx:
+            raise ValueError(f"a cache state of {length} tokens does not fit a context of {self.ctx}")
+        extents = list(self._extents(length))
+        if (differ := {n for n, _, _ in extents} ^ state.keys()):
+            raise ValueError(f"cache state does not match this model's stores: {sorted(differ)[:4]} differ")
+        for name, s, end in extents:
+            rows, want = state[name], (min(end, s.capacity), s.codec.width)
+            if tuple(rows.shape) != want or rows.dtype != s.codec.dtype:
+                raise ValueError(f"cache state {name}: expected {s.codec.dtype} rows of shape {list(want)}, "
+                                 f"got {rows.dtype} {list(rows.shape)}")
+        for name, s, end in extents:
+            s.put_stored(end - state[name].shape[0], state[name])
+        self.length = length
 
     def indexer_query(self, q: torch.Tensor) -> torch.Tensor:
         """An indexer query as the cache's semantics score it (rotated and MXFP4 unless float)."""

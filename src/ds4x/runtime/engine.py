@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -184,6 +184,11 @@ class Session:
     def step(self, token: int) -> torch.Tensor:
         """Decode one token; return the next logits."""
         return self.prefill([token], chunk=1)
+
+    def clone(self) -> Session:
+        """An independent copy: same engine and settings, a deep copy of the cache on the same device."""
+        logits = None if self.logits is None else self.logits.clone()
+        return replace(self, cache=self.cache.clone(), tokens=list(self.tokens), logits=logits)
 
     def rewind(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (the next logits are recomputed)."""

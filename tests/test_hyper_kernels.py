@@ -1,0 +1,59 @@
+"""Fused mHC kernels (Triton; the interpreter on CPU) against the reference in model/hyper.py."""
+
+import pytest
+import torch
+
+from ds4x.config import tiny_config
+from ds4x.kernels import hyper as hk
+from ds4x.model.hyper import hc_post, hc_pre
+
+pytestmark = pytest.mark.skipif(not hk.HAVE_TRITON, reason="needs triton")
+
+
+def _inputs(t: int, n: int, hd: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    streams = (torch.randn(t, n, hd, generator=g) * 2).to(dtype)
+    fn = torch.randn(2 * n + n * n, n * hd, generator=g) * 0.5 / (n * hd) ** 0.5
+    base = torch.randn(2 * n + n * n, generator=g) * 0.1
+    scale = 1 + torch.randn(3, generator=g) * 0.1
+    return streams, fn, base, scale
+
+
+@pytest.mark.parametrize("t,hd", [(1, 256), (3, 320), (5, 96)])
+def test_hc_pre_matches_reference(t, hd):
+    cfg = tiny_config().replace(hidden_size=hd)
+    n = cfg.hc_mult
+    streams, fn, base, scale = _inputs(t, n, hd, seed=t + hd)
+    ref = hc_pre(streams, fn, base, scale, cfg)
+    fast = hk.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    for a, b, what in zip(fast, ref, ("block input", "post", "comb"), strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=what)
+    comb = fast[2]  # doubly stochastic after Sinkhorn
+    torch.testing.assert_close(comb.sum(-2), torch.ones(t, n), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("t,hd", [(1, 256), (4, 300)])
+def test_hc_post_matches_reference(t, hd):
+    cfg = tiny_config().replace(hidden_size=hd)
+    n = cfg.hc_mult
+    streams, fn, base, scale = _inputs(t, n, hd, seed=7)
+    _, post, comb = hc_pre(streams, fn, base, scale, cfg)
+    block_out = torch.randn(t, hd, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(hk.hc_post_fused(streams, block_out, post, comb),
+                               hc_post(streams, block_out, post, comb), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_streams_round_once():
+    cfg = tiny_config().replace(hidden_size=256)
+    streams, fn, base, scale = _inputs(2, cfg.hc_mult, 256, seed=3, dtype=torch.bfloat16)
+    x, post, comb = hk.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    assert x.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
+    ref = hc_pre(streams, fn, base, scale, cfg)
+    torch.testing.assert_close(x.float(), ref[0].float(), rtol=1e-2, atol=1e-2)
+    y = hk.hc_post_fused(streams, x, post, comb)
+    assert y.dtype == torch.bfloat16 and y.shape == streams.shape
+
+
+def test_supported_needs_power_of_two_streams():
+    s = torch.zeros(1, 3, 8)
+    assert not hk.supported(s, 3)

@@ -1,0 +1,196 @@
+"""Session checkpoints (DESIGN §5): bit-exact round trips, clones, every refusal, and the CLI flags."""
+
+import struct
+
+import pytest
+import torch
+
+from ds4x.cli.main import main
+from ds4x.runtime.engine import Engine
+from ds4x.runtime.sampling import SamplingParams
+from ds4x.runtime.session_file import (
+    SESSION_ABI_VERSION,
+    SessionFileError,
+    load_session,
+    model_fingerprint,
+    save_session,
+)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load("default", device="cpu")
+
+
+def _ids(n, vocab, seed=0):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def sessions(engine):
+    """One session per cache mode. The packed one holds more tokens than its raw ring (256 rows), so the
+    file stores a wrapped ring and a partial compressor frontier."""
+    out = {}
+    for mode, n in (("float", 20), ("native", 20), ("packed", 270)):
+        s = engine.new_session(ctx=1024, cache=mode, prefill_chunk=96)
+        s.prefill(_ids(n, engine.cfg.vocab_size))
+        out[mode] = s
+    return out
+
+
+def _continue(session, tokens):
+    return [session.step(t) for t in tokens]
+
+
+@pytest.mark.parametrize("mode", ["float", "native", "packed"])
+def test_round_trip_is_bit_identical(engine, sessions, mode, tmp_path):
+    original = sessions[mode]
+    path = tmp_path / "s.ds4xsession"
+    size = save_session(original, path)
+    assert size == path.stat().st_size
+    ref = original.clone()  # continue a copy: the fixture stays as it was
+    loaded = load_session(engine, path)
+    assert loaded.cache.mode == mode and loaded.ctx == original.ctx and loaded.tokens == original.tokens
+    assert torch.equal(loaded.logits, original.logits)
+    follow = [11, 400, 3000]
+    for a, b in zip(_continue(ref, follow), _continue(loaded, follow), strict=True):
+        assert torch.equal(a, b)
+    # a further chunk evaluated in one pass matches too
+    assert torch.equal(ref.prefill(_ids(6, engine.cfg.vocab_size, seed=5)),
+                       loaded.prefill(_ids(6, engine.cfg.vocab_size, seed=5)))
+
+
+def test_only_rows_in_use_are_written(engine, sessions, tmp_path):
+    # float and native hold every row of the context (1024 x ...); the file holds the 20 in use
+    for mode in ("float", "native"):
+        s = sessions[mode]
+        size = save_session(s, tmp_path / f"{mode}.ds4xsession")
+        assert size < s.cache.nbytes() / 10
+    packed = sessions["packed"]
+    assert save_session(packed, tmp_path / "p.ds4xsession") < packed.cache.nbytes()
+
+
+def test_clone_is_independent(engine, sessions):
+    original = sessions["native"]
+    before = original.cache.state()
+    copy = original.clone()
+    stepped = copy.step(9)
+    assert len(copy.tokens) == len(original.tokens) + 1 and copy.cache.length == original.cache.length + 1
+    after = original.cache.state()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the original's rows are untouched
+    again = original.clone()
+    assert torch.equal(again.step(9), stepped)
+
+
+def test_loaded_context_can_grow_and_prefill_mode_change(engine, sessions, tmp_path):
+    path = tmp_path / "s.ds4xsession"
+    save_session(sessions["packed"], path)
+    loaded = load_session(engine, path, ctx=2048, prefill_mode="exact")
+    assert loaded.ctx == 2048 and loaded.prefill_mode == "exact"
+    ref = sessions["packed"].clone()
+    assert torch.equal(ref.step(5), loaded.step(5))
+
+
+# ---- refusals --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(sessions, tmp_path):
+    path = tmp_path / "native.ds4xsession"
+    save_session(sessions["native"], path)
+    return path
+
+
+def test_not_a_session_file(engine, tmp_path):
+    bad = tmp_path / "x.ds4xsession"
+    bad.write_bytes(b"PK\x03\x04 this is a zip, not a session")
+    with pytest.raises(SessionFileError, match="not a ds4x session file"):
+        load_session(engine, bad)
+    bad.write_bytes(b"")
+    with pytest.raises(SessionFileError, match="not a ds4x session file"):
+        load_session(engine, bad)
+
+
+def test_other_abi_version(engine, saved):
+    data = bytearray(saved.read_bytes())
+    struct.pack_into("<I", data, 8, SESSION_ABI_VERSION + 1)
+    saved.write_bytes(bytes(data))
+    with pytest.raises(SessionFileError, match=f"ABI version {SESSION_ABI_VERSION + 1}; this ds4x reads version "
+                                               f"{SESSION_ABI_VERSION}"):
+        load_session(engine, saved)
+
+
+def test_other_model(engine, saved):
+    other = Engine.load("tiny", device="cpu")  # synthetic: another config and other weights
+    with pytest.raises(SessionFileError, match="saved with another model: .*tiny_v4.*the loaded model is tiny"):
+        load_session(other, saved)
+
+
+def test_fingerprint_tells_weights_apart(engine):
+    assert model_fingerprint(engine) == model_fingerprint(Engine.load("default", device="cpu"))
+    # same config, names and shapes; only the weights' contents differ
+    assert model_fingerprint(Engine.load("tiny", device="cpu", seed=0)) != model_fingerprint(
+        Engine.load("tiny", device="cpu", seed=1))
+
+
+def test_other_cache_mode_chunk_or_context(engine, saved):
+    with pytest.raises(SessionFileError, match="holds a native cache; it cannot be continued as a packed cache"):
+        load_session(engine, saved, cache="packed")
+    with pytest.raises(SessionFileError, match="prefill chunk 96.*cannot be loaded with prefill chunk 512"):
+        load_session(engine, saved, prefill_chunk=512)
+    with pytest.raises(SessionFileError, match="holds 20 tokens, more than a context of 16"):
+        load_session(engine, saved, ctx=16)
+
+
+@pytest.mark.parametrize("keep", [12, 100, -1])
+def test_truncated_file(engine, saved, keep):
+    data = saved.read_bytes()
+    saved.write_bytes(data[:keep])
+    with pytest.raises(SessionFileError, match="truncated"):
+        load_session(engine, saved)
+
+
+def test_trailing_bytes_and_damaged_payload(engine, saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data + b"\0")
+    with pytest.raises(SessionFileError, match="longer than its header says"):
+        load_session(engine, saved)
+    damaged = bytearray(data)
+    damaged[-100] ^= 1  # one bit of one cached row
+    saved.write_bytes(bytes(damaged))
+    with pytest.raises(SessionFileError, match="damaged: its tensor payload does not match"):
+        load_session(engine, saved)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+def test_cli_save_then_continue(engine, tmp_path, capsys):
+    path = tmp_path / "chat.ds4xsession"
+    assert main(["generate", "--prompt-ids", "5,6,7", "-n", "4", "--ctx", "256", "--ignore-eos",
+                 "--save-session", str(path)]) == 0
+    out, err = capsys.readouterr()
+    first = [int(t) for t in out.split()]
+    assert len(first) == 4 and "saved the session (7 tokens" in err
+    assert main(["generate", "--prompt-ids", "9", "-n", "3", "--ignore-eos", "--load-session", str(path),
+                 "-q"]) == 0
+    second = [int(t) for t in capsys.readouterr().out.split()]
+    # the same operations in one process: generate, evaluate the last token, append the prompt, generate
+    s = engine.new_session(ctx=256, cache="packed")
+    assert [t for t, _ in s.generate([5, 6, 7], 4, SamplingParams(), stop_ids=())] == first
+    s.step(first[-1])
+    assert [t for t, _ in s.generate([9], 3, SamplingParams(), stop_ids=())] == second
+    # no prompt: continue from the saved logits
+    assert main(["generate", "-n", "2", "--ignore-eos", "--load-session", str(path), "-q"]) == 0
+    assert len(capsys.readouterr().out.split()) > 0
+
+
+def test_cli_load_errors(tmp_path, capsys):
+    path = tmp_path / "chat.ds4xsession"
+    assert main(["generate", "--prompt-ids", "5,6,7", "-n", "1", "--cache", "float", "--ctx", "64",
+                 "--save-session", str(path), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--prompt-ids", "9", "--cache", "packed", "--load-session", str(path)]) == 2
+    assert "holds a float cache" in capsys.readouterr().err
+    assert main(["generate", "-m", "tiny", "--prompt-ids", "9", "--load-session", str(path)]) == 2
+    assert "saved with another model" in capsys.readouterr().err
+    assert main(["generate", "--prompt-ids", "9", "--load-session", str(tmp_path / "missing")]) == 2
+    assert "No such file" in capsys.readouterr().err
