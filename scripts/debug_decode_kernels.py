@@ -1,4 +1,4 @@
-"""GPU check of the decode kernels: packed vs float-row paths, error vs torch, and timing per precision.
+"""GPU check of the decode kernels: packed vs float-row paths, error vs torch, and timing per block size.
 
 Usage (on a GPU machine): PYTHONPATH=src python3 scripts/debug_decode_kernels.py
 """
@@ -21,16 +21,14 @@ def main() -> None:
     idx = torch.arange(8320, device="cuda")
     probs = torch.cat([q @ plain.T * D**-0.5, sinks[:, None]], 1).softmax(-1)
     ref = probs[:, :-1] @ plain
-    for prec in ("ieee", "tf32", "tf32x3"):
-        for rps in (128, 512):
-            out_p = attention_decode_triton(q, [(rows, idx)], sinks, D**-0.5, 448, True, rps, prec)
-            out_f = attention_decode_triton(q, [(plain, idx)], sinks, D**-0.5, 448, False, rps, prec)
-            t = triton.testing.do_bench(lambda p=prec, r=rps: attention_decode_triton(q, [(rows, idx)], sinks,
-                                                                                     D**-0.5, 448, True, r, p),
-                                        return_mode="median")
-            print(f"attn {prec:7s} rows/split {rps}: packed==float {torch.equal(out_p, out_f)} "
-                  f"max|p-f| {float((out_p - out_f).abs().max()):.2e} err {float((out_p - ref).abs().max()):.2e} "
-                  f"time {1000 * t:.1f} us")
+    for rps in (16, 32, 64, 128):  # rows per program; only 64 was measured bit-identical (first H200 run)
+        out_p = attention_decode_triton(q, [(rows, idx)], sinks, D**-0.5, 448, True, rps)
+        out_f = attention_decode_triton(q, [(plain, idx)], sinks, D**-0.5, 448, False, rps)
+        t = triton.testing.do_bench(lambda r=rps: attention_decode_triton(q, [(rows, idx)], sinks, D**-0.5, 448,
+                                                                          True, r), return_mode="median")
+        print(f"attn rows/split {rps}: packed==float {torch.equal(out_p, out_f)} "
+              f"max|p-f| {float((out_p - out_f).abs().max()):.2e} err {float((out_p - ref).abs().max()):.2e} "
+              f"time {1000 * t:.1f} us")
     n = 262144
     irows = pack_indexer_rows(hadamard128(torch.randn(n, 128, generator=g, device="cuda")))
     qi = mxfp4_roundtrip(hadamard128(torch.randn(64, 128, generator=g, device="cuda")), 32)

@@ -10,7 +10,8 @@ from ds4x.bench.report import write_report
 def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
     rows = run_frontier(FrontierConfig(contexts=(300,), steps=1, preset="tiny", device="cpu", ab=("keys",)),
                         log=lambda m: None)
-    assert [r["flags"]["topk"] for r in rows] == ["blocked", "keys"]
+    assert [r["flags"]["topk"] for r in rows] == ["radix", "keys"]
+    assert all(r["compressed_eager_ms"] > 0 and r["compressed_graph_ms"] is None for r in rows)
     assert all(r["decode_ms"] > 0 and r["csa_indexer_us"] > 0 for r in rows)
     path = tmp_path / "ledger.jsonl"
     ledger.append([{**ledger.environment(), **r} for r in rows], path)

@@ -19,8 +19,10 @@ from ds4x.formats.ggml_tensor import GGMLTensor  # noqa: E402
 from ds4x.kernels import quant_matmul as qm  # noqa: E402
 
 TYPES = [T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS]
-MV = (4, 256, 4)  # small configs: the interpreter runs every program in numpy
+INT8_TYPES = [T.Q2_K, T.IQ2_XXS]  # types whose matvec has an int8-activation path beside the float one
+MV = (16, 64, 2)  # the interpreter runs every program in numpy: few programs and K steps, each a few ops
 MM = (16, 16, 64, 4)
+INT8_TOL = 2e-2  # int8 activations (16 per scale): measured ~5e-3 relative error on random data
 
 
 @pytest.fixture(scope="module")
@@ -44,30 +46,41 @@ def weight(qt, shape, seed):
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m,force,cfg", [(1, "mv", MV), (2, "mv", MV), (5, "mm", MM)])
 def test_linear_interpreter(interp, qt, m, force, cfg):
-    # three K steps; N = 9 is not a multiple of BN (masked rows)
+    # three K steps of the skinny kernel; N = 9 is not a multiple of R / BN (rows past N are read, not stored)
     w = weight(qt, (9, 768), seed=int(qt) * 10 + m)
     x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
-    y = qm.quant_linear(x, w, config=cfg, force=force)
+    y = qm.quant_linear(x, w, config=cfg, force=force, int8=False)
     assert y.shape == (m, 9) and y.dtype == torch.float32
     assert rel(y, x.double() @ w.dequantize().double().T) < 1e-6
 
 
+@pytest.mark.parametrize("qt", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_activations_interpreter(interp, qt):
+    # the int8-activation matvec: a tolerance, not exactness; rows are independent (batch invariance)
+    w = weight(qt, (9, 512), seed=int(qt) + 40)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(41))
+    y = qm.quant_linear(x, w, config=MV, force="mv", int8=True)
+    assert rel(y, x.double() @ w.dequantize().double().T) < INT8_TOL
+    assert torch.equal(qm.quant_linear(x[1:], w, config=MV, force="mv", int8=True)[0], y[1])
+
+
+def test_int8_activation_default(monkeypatch):
+    assert qm.int8_activations(T.Q2_K) and not qm.int8_activations(T.IQ2_XXS) and not qm.int8_activations(T.Q8_0)
+    assert qm.int8_activations(T.IQ2_XXS, True)
+    assert not qm.int8_activations(T.Q8_0, True)  # Q8_0 / Q4_K have the float matvec only
+    monkeypatch.setenv("DS4X_QUANT_ACT", "float")
+    assert not qm.int8_activations(T.Q2_K) and qm.int8_activations(T.Q2_K, True)
+
+
 @pytest.mark.parametrize("qt", [T.Q8_0, T.IQ2_XXS], ids=lambda t: t.name)
-def test_partial_k_chunk_interpreter(interp, qt):
-    # K = 320 (Q8_0) / 512 with BK = 256 / 1024: the last chunk is partial and masked
-    k = 320 if qt == T.Q8_0 else 512
+def test_unit_count_not_a_power_of_two_interpreter(interp, qt):
+    # K = 320 (Q8_0: 40 units of 8) / 1280 (IQ2_XXS: 40 units of 32): a K step of 64 units shrinks to 8
+    k = 320 if qt == T.Q8_0 else 1280
     w = weight(qt, (3, k), seed=7)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(8))
-    for force, cfg in (("mv", (4, 1024, 4)), ("mm", (16, 16, 256, 4))):
-        assert rel(qm.quant_linear(x, w, config=cfg, force=force), x.double() @ w.dequantize().double().T) < 1e-6
-
-
-@pytest.mark.parametrize("table", [True, False])
-def test_iq2_decode_paths_interpreter(interp, table):
-    w = weight(T.IQ2_XXS, (9, 512), seed=11)
-    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(12))
-    y = qm.quant_linear(x, w, config=MV, force="mv", table=table)
-    assert rel(y, x.double() @ w.dequantize().double().T) < 1e-6
+    for force, cfg in (("mv", (4, 64, 2)), ("mm", (16, 16, 256, 4))):
+        y = qm.quant_linear(x, w, config=cfg, force=force, int8=False)
+        assert rel(y, x.double() @ w.dequantize().double().T) < 1e-6
 
 
 @pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
@@ -78,10 +91,12 @@ def test_routed_interpreter(interp, qt, tokens, force, cfg):
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, k, generator=g)
     ids = torch.stack([torch.randperm(n_exp, generator=g)[:3] for _ in range(tokens)])
-    y = qm.quant_matmul_routed(x, w, ids, config=cfg, force=force)
     ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
+    y = qm.quant_matmul_routed(x, w, ids, config=cfg, force=force, int8=False)
     assert y.shape == (tokens, 3, n)
     assert rel(y, ref) < 1e-6
+    if qt in INT8_TYPES and force == "mv":
+        assert rel(qm.quant_matmul_routed(x, w, ids, config=cfg, force=force, int8=True), ref) < INT8_TOL
 
 
 @pytest.mark.parametrize("force,cfg", [("mv", MV), ("mm", MM)])
@@ -125,10 +140,14 @@ def test_gpu_real_shapes(qt, n, k):
     g = torch.Generator(device="cuda").manual_seed(0)
     w = GGMLTensor(random_blocks(qt, (n, k), g), qt, (n, k))
     wd = w.dequantize().double()
-    for m, bound in ((1, 1e-5), (3, 1e-5), (16, 3e-3), (64, 3e-3)):
+    mv_bound = INT8_TOL if qm.int8_activations(qt) else 1e-5
+    for m, bound in ((1, mv_bound), (3, mv_bound), (qm.MATVEC_MAX_ROWS, mv_bound), (32, 3e-3), (64, 3e-3)):
         x = torch.randn(m, k, device="cuda", generator=g)
         y = qm.quant_linear(x, w)
         assert rel(y, x.double() @ wd.T) < bound, (m, qt.name)
+        if m == 3:  # the matvec computes each row alone: the same bits as a batch of one
+            assert torch.equal(y[1], qm.quant_linear(x[1:2], w)[0])
+            assert rel(qm.quant_linear(x, w, int8=False), x.double() @ wd.T) < 1e-5
     xb = torch.randn(64, k, device="cuda", generator=g).bfloat16()
     assert rel(qm.quant_linear(xb, w), xb.double() @ wd.T) < 2e-2
 
@@ -142,7 +161,8 @@ def test_gpu_routed_and_linear_dispatch():
     x = torch.randn(3, 1024, device="cuda", generator=g)
     ids = torch.randint(0, 16, (3, 6), device="cuda", generator=g)
     ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
-    for force in ("mv", "mm"):
-        assert rel(qm.quant_matmul_routed(x, w, ids, force=force), ref) < 3e-3
+    assert rel(qm.quant_matmul_routed(x, w, ids, force="mm"), ref) < 3e-3
+    assert rel(qm.quant_matmul_routed(x, w, ids, force="mv"), ref) < 1e-5
+    assert rel(qm.quant_matmul_routed(x, w, ids, force="mv", int8=True), ref) < INT8_TOL
     assert "triton" in quant_kernel_name(w[0])
     assert rel(linear(x, w[3]), x.double() @ w[3].dequantize().double().T) < 1e-5

@@ -19,6 +19,7 @@ from ds4x.kernels.select import (
     select_topk,
     select_topk_blocked,
     select_topk_keys,
+    select_topk_radix,
     select_topk_threshold,
     selection_mask,
 )
@@ -44,11 +45,17 @@ def _reference_scores(q, w, rows, n):
     return indexer_scores(q[None].float(), w[None].float(), lambda a, b: unpack_indexer_rows(rows[a:b]), n)[0]
 
 
-@pytest.mark.parametrize("n, heads", [(200, 16), (513, 64)])
-def test_indexer_scores_packed_and_unpacked_rows(n, heads):
+@pytest.mark.parametrize("n, heads, spread", [(200, 16, False), (513, 64, True)])
+def test_indexer_scores_packed_and_unpacked_rows(n, heads, spread):
     from ds4x.kernels.indexer import indexer_scores_triton
 
     rows, q, w = _indexer_case(n, heads, 0, _device())
+    if spread:  # block scales of a row far apart (the kernel rescales blocks relative to the row's largest)
+        x = unpack_indexer_rows(rows.cpu())
+        x[::3, 32:64] *= 2.0**-20
+        x[1::3, 96:] *= 2.0**12
+        x[2::7] = 0.0
+        rows = pack_indexer_rows(x).to(rows.device)
     packed = indexer_scores_triton(q, w, rows, n, packed=True)
     unpacked = indexer_scores_triton(q, w, unpack_indexer_rows(rows).contiguous(), n, packed=False)
     ref = _reference_scores(q, w, rows, n)
@@ -64,10 +71,21 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
         scores = scores.to(_device())
         vis = (torch.arange(n) < n_vis).to(_device())
         ref = selection_mask(*select_topk(scores[None], vis[None], k), n)[0]
-        for fn in (select_topk_keys, select_topk_threshold,
+        for fn in (select_topk_keys, select_topk_threshold, select_topk_radix,
                    lambda s, v, kk: select_topk_blocked(s, v, kk, block=1024)):
             index, valid = fn(scores, n_vis, k)
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
+
+
+def test_radix_select_lists_the_selection_in_row_order():
+    g = torch.Generator().manual_seed(4)
+    for n, n_vis, k in [(3000, 2999, 512), (600, 0, 16), (40, 40, 64)]:
+        scores = torch.randn(n, generator=g).to(_device())
+        index, valid = select_topk_radix(scores, n_vis, k)
+        ref = selection_mask(*select_topk(scores[None], (torch.arange(n) < n_vis).to(_device())[None], k), n)[0]
+        assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
+        assert valid.tolist() == [True] * min(k, n_vis) + [False] * (min(k, n) - min(k, n_vis))
+        assert bool((index[valid].diff() > 0).all()) and bool((index[~valid] == 0).all())
 
 
 @pytest.mark.parametrize("dim, rope, heads", [(128, 64, 16), (512, 64, 64)])
@@ -78,16 +96,17 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
         pytest.skip("Flash shapes only compiled on the GPU (too slow in the interpreter)")
     g = torch.Generator().manual_seed(1)
     dev = _device()
-    rows = pack_kv_rows(torch.randn(300, dim, generator=g) * 3, rope_dim=rope).to(dev)
+    x = torch.randn(300, dim, generator=g) * 3
+    x[::4, 0] = 400.0  # the rest of that scale block then holds E4M3 subnormal codes
+    rows = pack_kv_rows(x, rope_dim=rope).to(dev)
     q = torch.randn(heads, dim, generator=g).to(dev)
     sinks = torch.randn(heads, generator=g).to(dev)
     window = torch.arange(250, 300, device=dev)
     picked = torch.tensor([5, 17, -1, 80, 3, -1, 199], device=dev)
-    out = attention_decode_triton(q, [(rows, window), (rows, picked)], sinks, dim**-0.5, dim - rope, True,
-                                  rows_per_split=32)
+    out = attention_decode_triton(q, [(rows, window), (rows, picked)], sinks, dim**-0.5, dim - rope, True)
     plain = unpack_kv_rows(rows, rope_dim=rope)
     out_f = attention_decode_triton(q, [(plain.contiguous(), window), (plain.contiguous(), picked)], sinks,
-                                    dim**-0.5, dim - rope, False, rows_per_split=32)
+                                    dim**-0.5, dim - rope, False)
     keys = plain[torch.cat([window, picked[picked >= 0]])]
     probs = torch.cat([q @ keys.T * dim**-0.5, sinks[:, None]], dim=1).softmax(-1)
     ref = probs[:, :-1] @ keys
@@ -98,15 +117,45 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
 @pytest.mark.gpu
 def test_flash_shapes_at_1m_on_gpu():
     from ds4x.kernels.indexer import indexer_scores_triton
+    from ds4x.kernels.select import radix_barrier_timeouts
 
     n = 262_144
     rows, q, w = _indexer_case(n, 64, 5, "cuda")
     scores = indexer_scores_triton(q, w, rows, n, packed=True)
+    assert torch.equal(scores, indexer_scores_triton(q, w, rows, n, packed=True, ptx=False))  # PTX == arithmetic
     ref = _reference_scores(q, w, rows, n)
     assert float((scores - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
-    a = selection_mask(*[t[None] for t in select_topk_blocked(scores, n, 512)], n)
     b = selection_mask(*select_topk(scores[None], torch.ones(1, n, dtype=torch.bool, device="cuda"), 512), n)
+    for _ in range(3):  # the fused kernel leaves its workspace clean for the next call
+        for fused in (True, False):
+            index, valid = select_topk_radix(scores, n, 512, fused=fused)
+            assert torch.equal(selection_mask(index[None], valid[None], n), b)
+            assert bool((index.diff() > 0).all())
+    a = selection_mask(*[t[None] for t in select_topk_blocked(scores, n, 512)], n)
     assert torch.equal(a, b)
+    ties = torch.randint(-3, 4, (n,), device="cuda").float()
+    index, valid = select_topk_radix(ties, n - 5, 512)
+    ref = select_topk(ties[None], (torch.arange(n, device="cuda") < n - 5)[None], 512)
+    assert torch.equal(selection_mask(index[None], valid[None], n), selection_mask(*ref, n))
+    assert radix_barrier_timeouts(torch.device("cuda")) == 0
+
+
+@pytest.mark.gpu
+def test_attention_over_hca_sized_rows_on_gpu():
+    from ds4x.kernels.attention import attention_decode_triton
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = pack_kv_rows(torch.randn(8320, 512, generator=g, device="cuda") * 2)
+    plain = unpack_kv_rows(rows).contiguous()
+    q = torch.nn.functional.rms_norm(torch.randn(64, 512, generator=g, device="cuda"), (512,))
+    sinks = torch.randn(64, generator=g, device="cuda")
+    window, comp = torch.arange(8192, 8320, device="cuda"), torch.arange(8192, device="cuda")
+    out = attention_decode_triton(q, [(rows, window), (rows, comp)], sinks, 512**-0.5, 448, True)
+    assert torch.equal(out, attention_decode_triton(q, [(plain, window), (plain, comp)], sinks, 512**-0.5, 448, False))
+    q64, k64 = q.double(), plain.double()
+    probs = torch.cat([q64 @ k64.T * 512**-0.5, sinks.double()[:, None]], dim=1).softmax(-1)
+    ref = probs[:, :-1] @ k64
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
 @pytest.mark.gpu

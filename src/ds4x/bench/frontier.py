@@ -1,6 +1,8 @@
 """Frontier decode benchmark (DESIGN §7): allocate the context, seed a deterministic cache at the frontier
 (no prefill), 3 warm-ups, then the median of N timed decode steps; plus the compressed-attention kernels
-of one CSA and one HCA layer timed alone at that context.
+of one CSA and one HCA layer timed alone at that context (L2 flushed between runs), and the attention +
+indexer scoring + top-k of all compressed layers (each reading its own rows) timed as one sequence, both
+launched eagerly and replayed from a CUDA graph (the GPU time without Python launch gaps).
 
 The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 512, indexer 64 x 128,
 top-512, window 128, ratios 4/128, vocab 129280) with its MoE shrunk to fit next to the cache in bf16:
@@ -21,13 +23,14 @@ from ds4x.config import CSA, HCA, PRESETS, SLIDING
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
 from ds4x.kernels.attention import attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
-from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_threshold
+from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_radix, select_topk_threshold
 from ds4x.model.cache import ModelCache, RowStore
 from ds4x.model.transformer import Transformer
 from ds4x.weights.synthetic import synthetic_weights
 
 COPY_BANDWIDTH = 4.26e12  # bytes/s, measured device-to-device copy on the H200 (read + write)
-TOPK_VARIANTS = {"blocked": select_topk_blocked, "keys": select_topk_keys, "threshold": select_topk_threshold}
+TOPK_VARIANTS = {"radix": select_topk_radix, "blocked": select_topk_blocked, "keys": select_topk_keys,
+                 "threshold": select_topk_threshold}
 
 
 @dataclass
@@ -37,7 +40,7 @@ class FrontierConfig:
     warmup: int = 3
     seed: int = 0
     experts: int = 8
-    topk: str = "blocked"
+    topk: str = "radix"
     ab: tuple[str, ...] = ()  # other top-k variants to alternate with, e.g. ("keys",)
     preset: str = "flash"  # "tiny" runs the same code small (tests, CPU dry runs under the Triton interpreter)
     device: str = "cuda"
@@ -101,6 +104,7 @@ def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator)
         index, valid = TOPK_VARIANTS[topk](scores, n_rows, cfg.index_topk)
         picked = torch.where(valid, index, -1)
         out["indexer"] = lambda: indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True)
+        out["indexer_plain"] = lambda: indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True, ptx=False)
         out["topk"] = {name: (lambda f=f: f(scores, n_rows, cfg.index_topk)) for name, f in TOPK_VARIANTS.items()}
         out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, picked)],
                                                            sinks, scale, nope, True)
@@ -111,6 +115,47 @@ def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator)
     else:
         out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window)], sinks, scale, nope, True)
     return out
+
+
+def _compressed_sequence(cache: ModelCache, topk: str, g: torch.Generator):
+    """One decode step's attention + indexer scoring + top-k of every compressed layer, each on its own rows."""
+    cfg, dev, L = cache.cfg, cache.device, cache.length
+    from ds4x.formats import hadamard128, mxfp4_roundtrip
+
+    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
+    sinks = torch.randn(cfg.num_heads, generator=g, device=dev)
+    qi = mxfp4_roundtrip(hadamard128(torch.randn(cfg.index_n_heads, cfg.index_head_dim, generator=g, device=dev)), 32)
+    wi = torch.randn(cfg.index_n_heads, generator=g, device=dev)
+    scale, nope, select = cfg.head_dim**-0.5, cfg.nope_head_dim, TOPK_VARIANTS[topk]
+    layers = []
+    for st, kind, ratio in zip(cache.layers, cfg.attn_kinds, cfg.compress_ratios, strict=True):
+        if kind in (CSA, HCA):
+            window = torch.arange(L - cfg.sliding_window + 1, L + 1, device=dev) % st.raw.capacity
+            layers.append((kind, st, window, L // ratio, torch.arange(L // ratio, device=dev)))
+
+    def run() -> None:
+        for kind, st, window, n_rows, all_rows in layers:
+            if kind == CSA:
+                scores = indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True)
+                index, valid = select(scores, n_rows, cfg.index_topk)
+                rows = torch.where(valid, index, -1)
+            else:
+                rows = all_rows
+            attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, rows)], sinks, scale, nope, True)
+
+    return run
+
+
+def _graph_ms(fn) -> float | None:
+    """Median ms of ``fn`` captured once in a CUDA graph and replayed (None without a GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    fn()  # compiled and warm before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _median_ms(graph.replay)
 
 
 def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
@@ -158,31 +203,56 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
             for v in variants:
                 topk_ms[v].append(_median_ms(k_csa["topk"][v]))
         t_index = _median_ms(k_csa["indexer"])
+        t_index_plain = _median_ms(k_csa["indexer_plain"])
         t_csa, t_hca, t_sld = (_median_ms(k["attention"]) for k in (k_csa, k_hca, k_sld))
         index_bytes = k_csa["n_rows"] * INDEXER_ROW_BYTES
         kv_bytes = kv_row_bytes(cfg.head_dim, cfg.rope_head_dim)
+        hca_bytes = (k_hca["n_rows"] + cfg.sliding_window) * kv_bytes
+        step_bytes = n_csa * (index_bytes + (cfg.index_topk + cfg.sliding_window) * kv_bytes) + n_hca * hca_bytes
         for v in variants:
             t_topk = statistics.median(topk_ms[v])
             compressed = n_csa * (t_index + t_topk + t_csa) + n_hca * t_hca
+            seq = _compressed_sequence(cache, v, g)
+            t_eager = _median_ms(seq)
+            t_graph = _graph_ms(seq)
             row = {
                 "bench": "frontier", "context": L, "flags": {"cache": "packed", "topk": v, "experts": fc.experts,
                                                              "dtype": "bfloat16", "steps": fc.steps},
                 "model": f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {fc.experts} routed experts",
                 "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
-                "csa_indexer_us": 1000 * t_index, "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,
+                "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,
+                "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,
                 "hca_attention_us": 1000 * t_hca, "sliding_attention_us": 1000 * t_sld,
                 "compressed_layers_ms": compressed, "all_attention_ms": compressed + n_sld * t_sld,
+                "compressed_eager_ms": t_eager, "compressed_graph_ms": t_graph,
                 "indexer_gb_s": index_bytes / t_index / 1e6,
                 "indexer_floor_fraction": index_bytes / (t_index / 1000) / COPY_BANDWIDTH,
-                "kv_bytes_read": n_csa * (index_bytes + (cfg.index_topk + cfg.sliding_window) * kv_bytes)
-                + n_hca * (k_hca["n_rows"] + cfg.sliding_window) * kv_bytes,
+                "hca_attention_gb_s": hca_bytes / t_hca / 1e6,
+                "kv_bytes_read": step_bytes,
+                "compressed_floor_fraction": step_bytes / ((t_graph or t_eager) / 1000) / COPY_BANDWIDTH,
             }
             rows.append(row)
-            log(f"ctx {L:>8}: step {row['decode_ms']:.2f} ms | CSA idx {row['csa_indexer_us']:.1f} us "
-                f"({row['indexer_gb_s']:.0f} GB/s) top-k[{v}] {row['csa_topk_us']:.1f} us attn "
-                f"{row['csa_attention_us']:.1f} us | HCA attn {row['hca_attention_us']:.1f} us | "
-                f"41 compressed layers {row['compressed_layers_ms']:.3f} ms")
+            log(format_table([row]).splitlines()[-1])
         del cache
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The frontier rows as a short text table: per-kernel us (one layer, L2 flushed), GB/s and fraction of the
+    copy bandwidth, and the compressed layers of one step (sum of the per-kernel medians, eager sequence, CUDA
+    graph replay)."""
+    head = (f"{'context':>9} {'top-k':>6} {'step ms':>8} {'idx us':>7} {'GB/s':>5} {'of bw':>6} {'plain':>6} "
+            f"{'topk us':>7} {'CSA us':>7} {'HCA us':>7} {'GB/s':>5} | {'41 layers ms: sum':>17} {'eager':>7} "
+            f"{'graph':>7} {'of bw':>6}")
+    lines = [head]
+    for r in rows:
+        graph = r.get("compressed_graph_ms")
+        lines.append(
+            f"{r['context']:>9} {r['flags']['topk']:>6} {r['decode_ms']:8.2f} {r['csa_indexer_us']:7.1f} "
+            f"{r['indexer_gb_s']:5.0f} {100 * r['indexer_floor_fraction']:5.1f}% {r['csa_indexer_plain_us']:6.1f} "
+            f"{r['csa_topk_us']:7.1f} {r['csa_attention_us']:7.1f} {r['hca_attention_us']:7.1f} "
+            f"{r['hca_attention_gb_s']:5.0f} | {r['compressed_layers_ms']:17.3f} {r['compressed_eager_ms']:7.3f} "
+            f"{'-' if graph is None else f'{graph:7.3f}':>7} {100 * r['compressed_floor_fraction']:5.1f}%")
+    return "\n".join(lines)

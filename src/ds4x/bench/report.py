@@ -11,18 +11,26 @@ def load(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _sequence_ms(r: dict[str, Any]) -> str:
+    """The 41 compressed layers timed as one sequence (rows from before that measurement show '-')."""
+    if "compressed_eager_ms" not in r:
+        return "-"
+    graph = r.get("compressed_graph_ms")
+    return f"{r['compressed_eager_ms']:.3f} / " + ("-" if graph is None else f"{graph:.3f}")
+
+
 def _frontier_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "| date | commit | GPU | context | top-k | step ms | CSA indexer us (GB/s) | CSA top-k us | CSA attn us "
-        "| HCA attn us | 41 compressed layers ms | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| HCA attn us | 41 compressed layers ms | 41 layers eager / graph ms | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['context']:,} | {r['flags']['topk']} "
             f"| {r['decode_ms']:.1f} | {r['csa_indexer_us']:.1f} ({r['indexer_gb_s']:.0f}) | {r['csa_topk_us']:.1f} "
             f"| {r['csa_attention_us']:.1f} | {r['hca_attention_us']:.1f} | {r['compressed_layers_ms']:.3f} "
-            f"| {r.get('status', 'ok')} |"
+            f"| {_sequence_ms(r)} | {r.get('status', 'ok')} |"
         )
     return out
 

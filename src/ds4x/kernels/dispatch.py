@@ -29,6 +29,7 @@ def use_triton(device: torch.device) -> bool:
 def describe(device: torch.device, cache_mode: str) -> str:
     """One line naming the kernel of each hot op on ``device`` for a cache in ``cache_mode``."""
     fast = use_triton(device) and cache_mode in ("native", "packed")
-    decode = "triton, rows read in place" if fast else "torch reference"
-    return (f"decode attention + indexer scoring: {decode}; top-k: {'triton per-block + merge' if fast else 'torch'}"
+    decode = ("triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)" if fast
+              else "torch reference")
+    return (f"decode attention + indexer scoring: {decode}; top-k: {'triton radix select' if fast else 'torch'}"
             f"; prefill attention, matmuls, MoE, mHC: torch reference")

@@ -4,46 +4,74 @@
 expert of ``[E, N, K]``). The weight is never expanded to a dense buffer: each program reads its
 rows' blocks, decodes them in registers and accumulates in float32.
 
-Two kernels, one decode routine per type:
+Two kernels:
 
-* ``_qmv_kernel`` (matrix-vector, 1 to ``MATVEC_MAX_ROWS`` activation rows): a program owns ``BN``
-  output rows of one (activation row, expert) pair and walks K in chunks of ``BK``, multiplying the
-  decoded tile element-wise by x and reducing once at the end.
-* ``_qmm_kernel`` (skinny matrix, up to 64 rows at a time): the decoded ``[BN, BK]`` tile goes
-  through ``tl.dot`` against ``BM`` activation rows (in x's dtype; float32 activations use TF32
-  on GPU), for rows that share one expert.
+* ``_qmv_kernel`` (matvec, 1 to ``MATVEC_MAX_ROWS`` activation rows per weight): a program owns R
+  weight rows of one (activation row, expert) pair and walks K in steps of U "units". Its tile is
+  ``[U, R]``: one unit per thread (lanes and warps along K), the R rows in each thread's registers.
+  A unit is the run of weights one thread decodes at once, sized so that scales apply to in-thread
+  sums (Q8_0: a quarter block, 8 weights; Q4_K: one code word, 8; Q2_K: 16 code bytes, 64;
+  IQ2_XXS: one 32-weight group). Every tile keeps that one layout, so nothing goes through shared
+  memory until the final sum; weight loads are unmasked 2/4-byte loads (rows past N read row N - 1).
+* ``_qmm_kernel`` (skinny matrix, up to ``DOT_MAX_ROWS`` rows): the decoded ``[BN, BK]`` tile goes
+  through ``tl.dot`` against ``BM`` activation rows (in x's dtype; float32 activations use TF32 on
+  GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
+  W * V weights in their natural order.
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
 of one row each). Above 64 rows :mod:`ds4x.kernels.linear` is better served by dequantizing once
-and calling the dense GEMM, which ``quant_linear`` does.
+and calling the dense GEMM, which ``quant_linear`` does. Byte layouts are in :mod:`ds4x.formats.ggml`.
 
-Decode tiles are 4-D ``[BN, G, W, V]``: ``G`` scale groups of ``W * V`` weights, where one 16- or
-32-bit word (or grid entry) yields ``V`` weights; the weights come out in their natural order, so x
-is read contiguously. Byte layouts are documented in :mod:`ds4x.formats.ggml`. Scales, grids and
-codes are decoded with the reference's float operations; only the summation order differs.
+Float path (all types; Q8_0 and Q4_K only have this one): weights are decoded exactly (the
+reference's float operations for scales and codes); sums are ``scale * sum(code * x)`` per scale
+group, so only rounding order differs from dequantize-then-matmul (relative error ~1e-7).
 
-The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors for parity tests;
-like ``formats/rows_triton.py`` this module keeps a private copy of itself for the mode it was not
-imported under.
+Int8-activation path (Q2_K and IQ2_XXS; the default for Q2_K only, see ``INT8_ACTIVATIONS``;
+``int8=`` or DS4X_QUANT_ACT=float chooses): each program quantizes its x slice to int8, one scale per
+16 values (round to nearest), and multiplies codes with integer dot products (``dp4a``); the Q2_K min
+term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data (tests allow 2e-2).
+The weights are still exact; the CPU reference never quantizes activations.
 
-Speed: not yet measured on a GPU (``python -m ds4x.kernels.quant_matmul [out.json [deadline_s]]``
-runs parity and timing of every case on CUDA and prints a table). Static estimate from the sm_90
-SASS of the matvec loop (thread instructions per weight; the issue limit is 128 per clock per SM):
-Q8_0 ~10 (could reach the 60% bandwidth target), Q4_K ~11-12, Q2_K ~11-15, IQ2_XXS ~13-16, i.e.
-about 15-25% of copy bandwidth for the 2-bit types, far from 50%: they need fewer instructions per
-weight (several weights per integer op, or int8 dot products), not tuning.
+Batch invariance: the matvec computes every (row, expert) pair alone with a configuration chosen
+without looking at the number of rows, so a row gets the same bits with 1 to ``MATVEC_MAX_ROWS``
+rows in the call (checked bitwise on an H200 for 1, 3 and 16 rows). Past that the skinny kernel
+(TF32 / bf16 tensor cores) and then the dense GEMM give other bits.
+
+The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors for parity tests
+(``dp4a`` and byte permutes are emulated there); like ``formats/rows_triton.py`` this module keeps a
+private copy of itself for the mode it was not imported under.
+
+Speed (``python -m ds4x.kernels.quant_matmul [out.json [deadline_s]]``: parity and timing of every
+case; H200, 2026-12-01, copy bandwidth 4222 GB/s, random valid blocks, CUDA-graph replay over weight
+copies; benchmarks/quant_matmul_h200.json). 1 activation row, share of copy bandwidth:
+Q8_0 wq_b 1024->32768 41.6%, wo_a grouped 40.0%, wo_b 8192->4096 39.1%, wq_a 4096->1024 13.5%
+(4.5 MB: 7.8 us, launch and ramp dominate); IQ2_XXS expert gate 4096->2048: 6 routed experts in one
+launch 12.3% int8 / 11.4% float (25.1 / 27.2 us), one expert 5.6% / 6.7%; Q2_K expert down
+2048->4096: 6 experts 25.4% int8 / 17.6% float, one expert 8.6% / 6.2%; Q4_K 9.7%. The targets
+(60% Q8_0, 50% for the 2-bit types) are not reached. One expert is 2.2-2.8 MB, about 0.6 us of
+reading: its 7.7-10.6 us are launch, DRAM latency and the final reduction. IQ2_XXS is bound by its
+table gathers through L1 (one 8-byte grid gather and one sign-mask gather per 8 weights and row):
+the float and int8 paths, ~8 and ~3 instructions per weight in the sm_90 SASS, take about the same
+time; sign masks computed from the bits instead were 7% faster for 6 experts, 5% slower for one.
+Q8_0 runs ~6.5 instructions per weight, far under the issue limit, with no layout conversion in its
+loop; what holds it at ~40% is not established (no profiler run; an aligned 4-byte word stream
+instead of the 2-byte quarter-block loads was slower). With more rows the matvec re-reads W per row
+but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 28.7 / 48.4 / 85.2 / 158 us against
+230 / 236 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts for 8 tokens
+(int8): 156 us (the skinny kernel took 4.3 ms in an earlier run that day).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu
+from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, _iq2xxs_sign_masks, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import interpret_mode, module_for_current_mode
 
@@ -58,16 +86,20 @@ except ImportError:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 T = GGMLQuantizationType
-# type -> (code for the kernels, weights per scale group S, block bytes, block weights)
+# type -> (code for the kernels, weights per scale group S, block bytes, block weights, matvec unit weights)
 _TYPES = {
-    T.Q8_0: (8, 32, 34, 32),
-    T.Q2_K: (10, 16, 84, 256),
-    T.Q4_K: (12, 32, 144, 256),
-    T.IQ2_XXS: (16, 32, 66, 256),
+    T.Q8_0: (8, 32, 34, 32, 8),
+    T.Q2_K: (10, 16, 84, 256, 64),
+    T.Q4_K: (12, 32, 144, 256, 8),
+    T.IQ2_XXS: (16, 32, 66, 256, 32),
 }
 SUPPORTED = tuple(_TYPES)
-MATVEC_MAX_ROWS = 4  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
+MATVEC_MAX_ROWS = 16  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
 DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
+# Types whose matvec quantizes the activations to int8 (per 16 values) for integer dot products unless told
+# otherwise (DS4X_QUANT_ACT=float turns it off everywhere). IQ2_XXS has the path too but stays exact by default:
+# its speed is set by table gathers, and int8 gained 8% for 6 experts and lost 16% for one (measured).
+INT8_ACTIVATIONS = frozenset({T.Q2_K})
 
 
 _DEFINED_INTERPRETED = interpret_mode()
@@ -90,6 +122,7 @@ if HAVE_TRITON:
         # with bits 0x4B000000 | code is 2**23 + code, exactly
         return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
 
+    # ---- skinny-matrix tiles ------------------------------------------------------------------------
     # Tiles are built 4-D from the start ([BN, 1, 1, 1] row offsets, [1, G, 1, 1] groups,
     # [1, 1, W, 1] words, [1, 1, 1, V] values), so no layout conversion is needed between the
     # scale, word and value stages.
@@ -102,8 +135,7 @@ if HAVE_TRITON:
         boff = rowoff + blk.to(tl.int64) * 34
         d = _f16(wp, boff, m)
         wi = tl.arange(0, 16)[None, None, :, None]
-        words = tl.load((wp + boff + 2 + 2 * wi).to(tl.pointer_type(tl.int16)), mask=m, other=0,
-                        eviction_policy="evict_first").to(tl.int32)
+        words = tl.load((wp + boff + 2 + 2 * wi).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32)
         v = tl.arange(0, 2)[None, None, None, :]
         q = _magic(((words >> (8 * v)) & 255) ^ 128, 128.0)  # int8 = (byte ^ 128) - 128
         return q * d
@@ -123,7 +155,7 @@ if HAVE_TRITON:
         ml = dmin * _magic(sc >> 4, 0.0)
         wi = tl.arange(0, 4)[None, None, :, None]
         woff = boff + 16 + 32 * (j16 // 8) + 16 * (j16 % 2) + 4 * wi
-        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0, eviction_policy="evict_first")
+        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0)
         v = tl.arange(0, 4)[None, None, None, :]
         q = _magic((words >> (8 * v + 2 * ((j16 // 2) % 4))) & 3, 0.0)
         return dl * q - ml
@@ -148,50 +180,41 @@ if HAVE_TRITON:
         ml = dmin * _magic(mn, 0.0)
         wi = tl.arange(0, 8)[None, None, :, None]
         woff = boff + 16 + 32 * (i // 2) + 4 * wi
-        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0, eviction_policy="evict_first")
+        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0)
         v = tl.arange(0, 4)[None, None, None, :]
         q = _magic((words >> (8 * v + 4 * (i % 2))) & 15, 0.0)
         return dl * q - ml
 
     @triton.jit
-    def _tile_iq2_xxs(wp, tabp, rowoff, rmask, k0, K, G: tl.constexpr, TABLE: tl.constexpr):
+    def _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr):
         # [BN, G, 8, 4]: G groups of 32 = 4 grid entries of 8 (t = 2 * entry + half: 4 weights);
-        # signs: a 7-bit index + an even-parity 8th bit. TABLE=0: magnitudes from the grid as int32
-        # words (4 bytes), signs bit by bit; TABLE=1: the 4 signed values straight from a float
-        # table indexed by (grid entry, half, 4 sign bits): one 16-byte gather per 4 weights
+        # signs: a 7-bit index + an even-parity 8th bit; magnitudes from the grid as int32 words
         grp = k0 // 32 + tl.arange(0, G)[None, :, None, None]
         m = rmask & (grp * 32 < K)
         boff = rowoff + (grp // 8).to(tl.int64) * 66
         d = _f16(wp, boff, m)
         gb = boff + 2 + 8 * (grp % 8)
-        lo = tl.load((wp + gb + 4).to(tl.pointer_type(tl.int16)), mask=m, other=0,
-                     eviction_policy="evict_first").to(tl.int32) & 0xFFFF
-        hi = tl.load((wp + gb + 6).to(tl.pointer_type(tl.int16)), mask=m, other=0,
-                     eviction_policy="evict_first").to(tl.int32) & 0xFFFF
+        lo = tl.load((wp + gb + 4).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
+        hi = tl.load((wp + gb + 6).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
         aux = lo | (hi << 16)
         db = d * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
         t = tl.arange(0, 8)[None, None, :, None]
         sub = t // 2
         half = t % 2
-        idx = tl.load(wp + gb + sub, mask=m, other=0, eviction_policy="evict_first").to(tl.int32)
+        idx = tl.load(wp + gb + sub, mask=m, other=0).to(tl.int32)
         s7 = (aux >> (7 * sub)) & 127
         p = s7 ^ (s7 >> 4)
         p = p ^ (p >> 2)
         p = (p ^ (p >> 1)) & 1
         mask8 = s7 | (p << 7)
         v = tl.arange(0, 4)[None, None, None, :]
-        if TABLE:
-            nib = (mask8 >> (4 * half)) & 15
-            signed = tl.load(tabp + ((idx * 2 + half) * 16 + nib) * 4 + v)
-        else:
-            gw = tl.load(tabp + idx * 2 + half)
-            mag = _magic((gw >> (8 * v)) & 255, 0.0)
-            sbit = (mask8 >> (4 * half + v)) & 1
-            signed = tl.where(sbit == 1, -mag, mag)
-        return db * signed
+        gw = tl.load(gridp.to(tl.pointer_type(tl.int32)) + idx * 2 + half)
+        mag = _magic((gw >> (8 * v)) & 255, 0.0)
+        sbit = (mask8 >> (4 * half + v)) & 1
+        return db * tl.where(sbit == 1, -mag, mag)
 
     @triton.jit
-    def _tile(QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr, TABLE: tl.constexpr):
+    def _tile(QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr):
         if QTYPE == 8:
             out = _tile_q8_0(wp, rowoff, rmask, k0, K, G)
         elif QTYPE == 10:
@@ -199,67 +222,295 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _tile_q4_k(wp, rowoff, rmask, k0, K, G)
         else:
-            out = _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G, TABLE)
+            out = _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G)
+        return out
+
+    # ---- matvec units ------------------------------------------------------------------------------
+    # The matvec tile is [U, R]: U "units" along K (one per thread, spread over the lanes and warps)
+    # times R weight rows (in each thread's registers). A unit is the run of weights one thread decodes
+    # at once, sized so that its scales apply to whole in-thread sums: it loads its own bytes (plain
+    # 2- and 4-byte loads, never masked: rows past N read row N - 1 and U divides K's units), its x
+    # values (16-byte vector loads, shared by the R rows), and returns its R partial dot products.
+    # Everything stays in one layout, so no tile goes through shared memory until the final sum.
+
+    @triton.jit
+    def _ld16(p):
+        return tl.load(p.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+
+    @triton.jit
+    def _ld32(p):
+        return tl.load(p.to(tl.pointer_type(tl.int32)))
+
+    @triton.jit
+    def _h2f(h):
+        # the fp16 in the low 16 bits of an int32 -> float32
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _x4(xp, k):
+        # x[k .. k+3] (k [U, 1], a multiple of 4) as four float32 [U, 1]: one vector load, split in registers
+        v = tl.load(xp + k + tl.arange(0, 4)[None, :]).to(tl.float32)
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        return x0[:, None], x1[:, None], x2[:, None], x3[:, None]
+
+    @triton.jit
+    def _dot4f(q, sh: tl.constexpr, bits: tl.constexpr, xp, k):
+        # sum over bytes v of code((q >> (8v + sh)) & (2**bits - 1)) * x[k + v], and sum of x[k .. k+3]
+        x0, x1, x2, x3 = _x4(xp, k)
+        m: tl.constexpr = (1 << bits) - 1
+        s = (_magic((q >> sh) & m, 0.0) * x0 + _magic((q >> (8 + sh)) & m, 0.0) * x1
+             + _magic((q >> (16 + sh)) & m, 0.0) * x2 + _magic((q >> (24 + sh)) & m, 0.0) * x3)
+        return s, (x0 + x1) + (x2 + x3)
+
+    @triton.jit
+    def _qbits(v, inv):
+        # round(v * inv) in the low byte: adding 1.5 * 2**23 leaves the rounded integer in the low mantissa bits
+        return (v * inv + 12582912.0).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _pack4(a, b, c, d, INTERPRET: tl.constexpr):
+        # the low bytes of a, b, c, d as one little-endian word (three byte permutes on the GPU)
+        if INTERPRET:
+            out = (a & 255) | ((b & 255) << 8) | ((c & 255) << 16) | (d << 24)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t1, t2; prmt.b32 t1, $1, $2, 0x0040; prmt.b32 t2, $3, $4, 0x0040; "
+                "prmt.b32 $0, t1, t2, 0x5410; }", "=r,r,r,r,r", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
         return out
 
     @triton.jit
-    def _mv_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, koff, k0, K, G: tl.constexpr,
-                 TABLE: tl.constexpr):
-        # One K chunk of the matvec. The kernels loop with `for` when compiled (pipelined) and with
-        # `while` under the interpreter, whose `range` cannot take a runtime bound with numpy >= 2.
-        w = _tile(QTYPE, wp, gridp, rowoff, rmask, k0, K, G, TABLE)
-        xv = tl.load(xp + k0 + koff, mask=(k0 + koff) < K, other=0.0).to(tl.float32)
-        return acc + w * xv
+    def _xq16(xp, k, INTERPRET: tl.constexpr):
+        # x[k .. k+15] quantized to int8 for integer dot products (the int8-activation path): four words of
+        # 4 little-endian codes, the scale (x ~ scale * code) and the float sum of the 16 values
+        a0, a1, a2, a3 = _x4(xp, k)
+        b0, b1, b2, b3 = _x4(xp, k + 4)
+        c0, c1, c2, c3 = _x4(xp, k + 8)
+        d0, d1, d2, d3 = _x4(xp, k + 12)
+        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
+                          tl.maximum(tl.maximum(tl.abs(b0), tl.abs(b1)), tl.maximum(tl.abs(b2), tl.abs(b3))))
+        amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)),
+                                                      tl.maximum(tl.abs(c2), tl.abs(c3))),
+                                           tl.maximum(tl.maximum(tl.abs(d0), tl.abs(d1)),
+                                                      tl.maximum(tl.abs(d2), tl.abs(d3)))))
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        w0 = _pack4(_qbits(a0, inv), _qbits(a1, inv), _qbits(a2, inv), _qbits(a3, inv), INTERPRET)
+        w1 = _pack4(_qbits(b0, inv), _qbits(b1, inv), _qbits(b2, inv), _qbits(b3, inv), INTERPRET)
+        w2 = _pack4(_qbits(c0, inv), _qbits(c1, inv), _qbits(c2, inv), _qbits(c3, inv), INTERPRET)
+        w3 = _pack4(_qbits(d0, inv), _qbits(d1, inv), _qbits(d2, inv), _qbits(d3, inv), INTERPRET)
+        sx = (((a0 + a1) + (a2 + a3)) + ((b0 + b1) + (b2 + b3))) + (((c0 + c1) + (c2 + c3)) + ((d0 + d1) + (d2 + d3)))
+        return w0, w1, w2, w3, amax * (1.0 / 127.0), sx
+
+    @triton.jit
+    def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
+        # acc + the sum of the 4 products of the signed bytes of a and b (one IDP4A on the GPU)
+        if INTERPRET:
+            for i in tl.static_range(4):
+                acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            out = acc
+        else:
+            out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _mv_q8_0(rowp, c, xp):
+        # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4 (fp16 d, then 32 int8 at byte 2: the
+        # quarter is 4 uint16 words, 2-byte aligned only)
+        bp = rowp + (c // 4) * 34
+        qp = bp + 2 + (c % 4) * 8
+        s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for half in tl.static_range(2):
+            x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
+            a = _ld16(qp + 4 * half) ^ 0x8080  # int8 = (byte ^ 128) - 128
+            b = _ld16(qp + 4 * half + 2) ^ 0x8080
+            s += (_magic(a & 255, 128.0) * x0 + _magic(a >> 8, 128.0) * x1
+                  + _magic(b & 255, 128.0) * x2 + _magic(b >> 8, 128.0) * x3)
+        return s * _h2f(_ld16(bp))
+
+    @triton.jit
+    def _mv_q4_k(rowp, c, xp):
+        # unit: code word c % 8 of chunk ch = (c // 8) % 4 of block c // 32; its low nibbles are weights
+        # 64 ch + 4 (c % 8) + 0..3 (sub-block 2 ch), its high nibbles the same + 32 (sub-block 2 ch + 1)
+        ch = (c // 8) % 4
+        bp = rowp + (c // 32) * 144
+        dd = _ld32(bp)
+        s0 = _ld32(bp + 4)
+        s1 = _ld32(bp + 8)
+        s2 = _ld32(bp + 12)
+        q = _ld32(bp + 16 + 32 * ch + 4 * (c % 8))
+        k = (c // 32) * 256 + 64 * ch + 4 * (c % 8)
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for hi in tl.static_range(2):
+            sh = 8 * ((2 * ch + hi) % 4)  # sub-block i = 2 ch + hi reads byte i % 4 of the three scale words
+            u = (s0 >> sh) & 255
+            v = (s1 >> sh) & 255
+            t = (s2 >> sh) & 255
+            sc = tl.where(ch < 2, u & 63, (t & 15) | ((u >> 6) << 4))
+            mn = tl.where(ch < 2, v & 63, (t >> 4) | ((v >> 6) << 4))
+            dot, xs = _dot4f(q, 4 * hi, 4, xp, k + 32 * hi)
+            out += (_h2f(dd) * _magic(sc, 0.0)) * dot - (_h2f(dd >> 16) * _magic(mn, 0.0)) * xs
+        return out
+
+    @triton.jit
+    def _mv_q2_k(rowp, c, xp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # unit: code bytes 16 jj .. 16 jj + 15 (jj = c % 2) of half h = (c // 2) % 2 of block c // 4 (4 words).
+        # Bit pair kk of these bytes holds the 16 weights 128 h + 32 kk + 16 jj + 0..15, sub-block
+        # 8 h + 2 kk + jj, whose scale byte is byte jj + 2 (kk % 2) of scale word 2 h + kk // 2.
+        # w = d * (sc & 15) * q - dmin * (sc >> 4), so each sub-block adds d * sc_lo * sum(q x) - dmin * sc_hi * sum(x).
+        h = (c // 2) % 2
+        jj = c % 2
+        bp = rowp + (c // 4) * 84
+        dd = _ld32(bp + 80)
+        sw0 = _ld32(bp + 8 * h)
+        sw1 = _ld32(bp + 8 * h + 4)
+        qp = bp + 16 + 32 * h + 16 * jj
+        q0 = _ld32(qp)
+        q1 = _ld32(qp + 4)
+        q2 = _ld32(qp + 8)
+        q3 = _ld32(qp + 12)
+        k = (c // 4) * 256 + 128 * h + 16 * jj
+        a = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        b = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for kk in tl.static_range(4):
+            if kk < 2:
+                sc = (sw0 >> (8 * jj + 16 * kk)) & 255
+            else:
+                sc = (sw1 >> (8 * jj + 16 * (kk - 2))) & 255
+            if ACT8:
+                x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
+                isum = _dp4a((q0 >> (2 * kk)) & 0x03030303, x0, tl.zeros_like(q0), INTERPRET)
+                isum = _dp4a((q1 >> (2 * kk)) & 0x03030303, x1, isum, INTERPRET)
+                isum = _dp4a((q2 >> (2 * kk)) & 0x03030303, x2, isum, INTERPRET)
+                isum = _dp4a((q3 >> (2 * kk)) & 0x03030303, x3, isum, INTERPRET)
+                a += dx * (isum * (sc & 15)).to(tl.float32)
+            else:
+                s0, x0 = _dot4f(q0, 2 * kk, 2, xp, k + 32 * kk)
+                s1, x1 = _dot4f(q1, 2 * kk, 2, xp, k + 32 * kk + 4)
+                s2, x2 = _dot4f(q2, 2 * kk, 2, xp, k + 32 * kk + 8)
+                s3, x3 = _dot4f(q3, 2 * kk, 2, xp, k + 32 * kk + 12)
+                sx = (x0 + x1) + (x2 + x3)
+                a += ((s0 + s1) + (s2 + s3)) * _magic(sc & 15, 0.0)
+            b += sx * _magic(sc >> 4, 0.0)
+        return _h2f(dd) * a - _h2f(dd >> 16) * b
+
+    @triton.jit
+    def _mv_iq2_xxs(rowp, c, xp, gridp, signp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
+        # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads).
+        # gridp: int64 [256], grid entry g's 8 magnitudes as bytes; signp: int64 [128], sign index s's mask
+        # (byte j = 0xFF where weight j is negative, the 8th sign being the parity of the 7 stored ones)
+        bp = rowp + (c // 8) * 66
+        gp = bp + 2 + 8 * (c % 8)
+        g01 = _ld16(gp)
+        g23 = _ld16(gp + 2)
+        aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
+        db = _h2f(_ld16(bp)) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
+            if ACT8:
+                x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
+                pos = tl.zeros_like(aux)
+                neg = tl.zeros_like(aux)
+            else:
+                s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+            for e in tl.static_range(2):
+                j = 2 * half + e
+                if half == 0:
+                    gi = (g01 >> (8 * e)) & 255
+                else:
+                    gi = (g23 >> (8 * e)) & 255
+                mag = tl.load(gridp + gi)
+                m_lo = mag.to(tl.int32)
+                m_hi = (mag >> 32).to(tl.int32)
+                msk = tl.load(signp + ((aux >> (7 * j)) & 127))
+                s_lo = msk.to(tl.int32)
+                s_hi = (msk >> 32).to(tl.int32)
+                if ACT8:
+                    # sum(sign * mag * x) = sum(mag * x) - 2 sum over the negative weights of mag * x
+                    if e == 0:
+                        xa, xb = x0, x1
+                    else:
+                        xa, xb = x2, x3
+                    pos = _dp4a(m_hi, xb, _dp4a(m_lo, xa, pos, INTERPRET), INTERPRET)
+                    neg = _dp4a(m_hi & s_hi, xb, _dp4a(m_lo & s_lo, xa, neg, INTERPRET), INTERPRET)
+                else:
+                    for w in tl.static_range(2):
+                        if w == 0:
+                            mw, sw = m_lo, s_lo
+                        else:
+                            mw, sw = m_hi, s_hi
+                        x0, x1, x2, x3 = _x4(xp, c * 32 + 8 * j + 4 * w)
+                        for v in tl.static_range(4):
+                            mag_v = _magic((mw >> (8 * v)) & 255, 0.0)
+                            signed = tl.where(((sw >> (8 * v)) & 1) != 0, -mag_v, mag_v)
+                            if v == 0:
+                                s += signed * x0
+                            elif v == 1:
+                                s += signed * x1
+                            elif v == 2:
+                                s += signed * x2
+                            else:
+                                s += signed * x3
+            if ACT8:
+                out += dx * (pos - 2 * neg).to(tl.float32)
+            else:
+                out += s
+        return db * out
+
+    @triton.jit
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, signp, INTERPRET: tl.constexpr):
+        if QTYPE == 8:
+            out = _mv_q8_0(rowp, c, xp)
+        elif QTYPE == 10:
+            out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
+        elif QTYPE == 12:
+            out = _mv_q4_k(rowp, c, xp)
+        else:
+            out = _mv_iq2_xxs(rowp, c, xp, gridp, signp, ACT8, INTERPRET)
+        return out
+
+    @triton.jit
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, sign_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+                    stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
+                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pair = tl.program_id(1)
+        if HAS_IDS:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+        else:
+            e = 0
+        rows = pid_n * R + tl.arange(0, R)
+        # rows past N read row N - 1 (never stored), so no weight load needs a mask
+        rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+        xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
+        acc = tl.zeros((U, R), dtype=tl.float32)
+        if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
+            u0 = 0
+            while u0 < n_units:
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, INTERPRET)
+                u0 += U
+        else:
+            for u0 in range(0, n_units, U):  # U divides n_units (host side)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, INTERPRET)
+        y = tl.sum(acc, axis=0)
+        tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
     def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
-                 TABLE: tl.constexpr):
-        w = tl.reshape(_tile(QTYPE, wp, gridp, rowoff, rmask, k0, K, G, TABLE), (BN, BK)).to(DOT_DTYPE)
+                 ):
+        w = tl.reshape(_tile(QTYPE, wp, gridp, rowoff, rmask, k0, K, G), (BN, BK)).to(DOT_DTYPE)
         xm = valid[:, None] & ((k0 + kk) < K)[None, :]
         xv = tl.load(xp + k0 + kk[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
         return tl.dot(xv, tl.trans(w), acc, input_precision=PREC)
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, K, row_bytes, expert_bytes, stride_x, stride_y,
-                    X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr, S: tl.constexpr,
-                    W: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TABLE: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pair = tl.program_id(1)
-        G: tl.constexpr = BK // S
-        V: tl.constexpr = S // W
-        xrow = pair // X_DIV
-        if HAS_IDS:
-            e = tl.load(ids_ptr + pair).to(tl.int64)
-        else:
-            e = 0
-        wp = w_ptr + e * expert_bytes
-        rows = pid_n * BN + tl.arange(0, BN)
-        rmask = rows < N
-        r4 = rows[:, None, None, None]
-        rowoff = r4.to(tl.int64) * row_bytes
-        koff = (tl.arange(0, G)[None, :, None, None] * S + tl.arange(0, W)[None, None, :, None] * V
-                + tl.arange(0, V)[None, None, None, :])
-        xp = x_ptr + xrow.to(tl.int64) * stride_x
-        acc = tl.zeros((BN, G, W, V), dtype=tl.float32)
-        if INTERPRET:  # see _mv_step
-            k0 = 0
-            while k0 < K:
-                acc = _mv_step(acc, QTYPE, wp, grid_ptr, rowoff, r4 < N, xp, koff, k0, K, G, TABLE)
-                k0 += BK
-        else:
-            for k0 in range(0, K, BK):
-                acc = _mv_step(acc, QTYPE, wp, grid_ptr, rowoff, r4 < N, xp, koff, k0, K, G, TABLE)
-        y = tl.reduce(tl.reduce(tl.reduce(acc, 3, _add), 2, _add), 1, _add)
-        tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-    @triton.jit
     def _qmm_kernel(x_ptr, w_ptr, grid_ptr, c_expert, c_start, c_len, order_ptr, y_ptr, P, N, K, row_bytes,
                     expert_bytes, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, TABLE: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
         pid_n = tl.program_id(0)
         c = tl.program_id(1)
         G: tl.constexpr = BK // S
@@ -287,14 +538,15 @@ if HAVE_TRITON:
             k0 = 0
             while k0 < K:
                 acc = _mm_step(acc, QTYPE, wp, grid_ptr, rowoff, rmask, xp, valid, kk, k0, K, G, BN, BK, DOT_DTYPE,
-                               PREC, TABLE)
+                               PREC)
                 k0 += BK
         else:
             for k0 in range(0, K, BK):
                 acc = _mm_step(acc, QTYPE, wp, grid_ptr, rowoff, rmask, xp, valid, kk, k0, K, G, BN, BK, DOT_DTYPE,
-                               PREC, TABLE)
+                               PREC)
         yp = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + rows[None, :]
         tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rows < N)[None, :])
+
 
 
 def _kernels() -> Any:
@@ -317,39 +569,53 @@ def supports(w: GGMLTensor) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _grid_words(device: torch.device) -> torch.Tensor:
-    """IQ2_XXS grid as int32 [256 * 2]: entry g's 8 magnitudes, 4 bytes per word, little-endian."""
-    mags = _iq2xxs_grid_cpu().to(torch.uint8).contiguous()  # (256, 8) values 8 / 25 / 43
-    return mags.view(torch.int32).reshape(-1).to(device)
+def _grid_bytes(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS grid as int64 [256]: entry g's 8 magnitudes (8 / 25 / 43) as little-endian bytes (the
+    skinny kernel reads the same bytes as int32 pairs)."""
+    mags = _iq2xxs_grid_cpu().to(torch.uint8).contiguous()  # (256, 8)
+    return mags.view(torch.int64).reshape(-1).to(device)
 
 
 @lru_cache(maxsize=8)
-def _sign_table(device: torch.device) -> torch.Tensor:
-    """IQ2_XXS signed half-entries as float32 [256 * 2 * 16 * 4] (128 KiB): row (entry, half, s)
-    holds magnitudes 4*half..4*half+3 of the entry, negated where bit j of the 4-bit s is set."""
-    grid = _iq2xxs_grid_cpu().view(256, 2, 1, 4)
-    bits = (torch.arange(16).view(16, 1) >> torch.arange(4)) & 1
-    signs = (1.0 - 2.0 * bits.float()).view(1, 1, 16, 4)
-    return (grid * signs).reshape(-1).contiguous().to(device)
-
-
-IQ2_TABLE = False  # True: IQ2_XXS decode through _sign_table (a gather per 4 weights); unmeasured on GPU
+def _sign_bytes(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS sign masks as int64 [128]: for 7-bit sign index s, byte j = 0xFF where weight j is negative."""
+    bits = (_iq2xxs_sign_masks().view(128, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return (bits * 255).to(torch.uint8).contiguous().view(torch.int64).reshape(-1).to(device)
 
 
 def _dummy(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
-def matvec_config(qtype: GGMLQuantizationType, n: int, k: int) -> tuple[int, int, int]:
-    """(BN, BK, num_warps) for the matvec kernel: enough programs to fill the GPU, ~4K-8K weights
-    per program step."""
-    block = _TYPES[qtype][3]
-    bk = 1024 if k >= 1024 else max(block, 256)
-    bn = 8 if n >= 16384 else 4
-    bk = max(bk, block)
-    while bk > block and bk // 2 >= k:
-        bk //= 2
-    return bn, bk, 4
+def _fit_units(units: int, u: int) -> int:
+    """The largest power of two <= u that divides ``units`` (the matvec never masks a K step)."""
+    while u > 1 and units % u:
+        u //= 2
+    return u
+
+
+def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None) -> bool:
+    """Whether the matvec for ``qtype`` quantizes activations to int8: ``requested`` if given, else the
+    type's default (``INT8_ACTIVATIONS``) unless DS4X_QUANT_ACT=float."""
+    if requested is not None:
+        return requested and qtype in (T.Q2_K, T.IQ2_XXS)
+    return qtype in INT8_ACTIVATIONS and os.environ.get("DS4X_QUANT_ACT", "").lower() != "float"
+
+
+def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
+    """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
+    row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
+    on how many rows share the call. At least ~512 programs when the shape allows, each thread holding about
+    8 (unit, row) pairs per step so that many loads are in flight."""
+    unit = _TYPES[qtype][4]
+    units = k // unit
+    if unit >= 32:  # 2-bit types: many rows per thread amortize the activation decode (or quantization)
+        r = 8
+        u = _fit_units(units, 128)
+    else:
+        r = next((r for r in (8, 4) if -(-n // r) * slots >= 512), 2)
+        u = _fit_units(units, 1024 // r)
+    return r, u, max(1, min(4, u // 32))
 
 
 def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[int, int, int, int]:
@@ -360,12 +626,13 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
 
 
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
-            rows_per_weight: int, config: tuple[int, ...] | None = None, force: str | None = None,
-            table: bool | None = None) -> torch.Tensor:
+            rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
+            int8: bool | None = None) -> torch.Tensor:
     """y [n_pairs, N]: row p = x2[p // x_div] @ W[ids[p] if ids is not None else 0].T; ``rows_per_weight``
-    (rows a weight matrix meets, on average) picks the kernel unless ``force`` is "mv" or "mm"."""
+    (rows a weight matrix meets, on average) picks the kernel unless ``force`` is "mv" or "mm"; ``slots``:
+    products per activation row (see matvec_config)."""
     mod = _kernels()
-    code, s, _block_bytes, _ = _TYPES[w.qtype]
+    code, s, _block_bytes, _, unit = _TYPES[w.qtype]
     wr = w.raw
     n, k = w.shape[-2], w.shape[-1]
     expert_bytes = n * w.row_bytes if w.ndim == 3 else 0
@@ -373,24 +640,23 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     y = torch.empty((n_pairs, n), dtype=x2.dtype, device=dev)
     if n_pairs == 0 or n == 0:
         return y
-    table = IQ2_TABLE if table is None else table
-    if w.qtype == T.IQ2_XXS:
-        grid_t = _sign_table(dev) if table else _grid_words(dev)
-    else:
-        grid_t = _dummy(dev)
+    iq2 = w.qtype == T.IQ2_XXS
+    grid_t = _grid_bytes(dev) if iq2 else _dummy(dev)
     has_ids = ids is not None
     ids_t = ids.reshape(-1).to(torch.int32).contiguous() if has_ids else _dummy(dev)
     x2 = x2.contiguous()
     use_mv = force == "mv" or (force is None and rows_per_weight <= MATVEC_MAX_ROWS)
-    wv = 8 if w.qtype == T.IQ2_XXS else {8: 16, 10: 4, 12: 8}[code]
     if use_mv:
-        bn, bk, nw = config if config is not None else matvec_config(w.qtype, n, k)
-        grid = (triton.cdiv(n, bn), n_pairs)
-        mod._qmv_kernel[grid](x2, wr, grid_t, ids_t, y, n, k, w.row_bytes, expert_bytes, x2.stride(0),
-                              y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code, S=s, W=wv, BN=bn, BK=bk,
-                              TABLE=table, INTERPRET=interpret_mode(), num_warps=nw)
+        r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
+        n_units = k // unit
+        mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
+            x2, wr, grid_t, _sign_bytes(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
+            expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
+            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
+            num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
+    wv = 8 if iq2 else {8: 16, 10: 4, 12: 8}[code]
     dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x2.dtype]
     if interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
         dot_dtype = tl.float32
@@ -419,7 +685,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     mod._qmm_kernel[grid](x2, wr, grid_t, c_exp, c_start, c_len, order, y, n_pairs, n, k, w.row_bytes,
                           expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code, S=s,
                           W=wv, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot_dtype, PREC=prec,
-                          TABLE=table, INTERPRET=interpret_mode(), num_warps=nw)
+                          INTERPRET=interpret_mode(), num_warps=nw)
     return y
 
 
@@ -435,9 +701,9 @@ def _check(x: torch.Tensor, w: GGMLTensor, what: str) -> None:
 
 
 def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | None = None,
-                 force: str | None = None, table: bool | None = None) -> torch.Tensor:
+                 force: str | None = None, int8: bool | None = None) -> torch.Tensor:
     """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype. Above ``DOT_MAX_ROWS`` rows: dequantize
-    once (torch, on the device) and use the dense GEMM."""
+    once (torch, on the device) and use the dense GEMM. ``int8``: see :func:`int8_activations`."""
     _check(x, w, "quant_linear")
     if w.ndim != 2:
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
@@ -445,12 +711,12 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
         return torch.nn.functional.linear(x, w.dequantize(x.dtype))
-    return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], config, force, table).reshape(*lead, w.shape[0])
+    return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], 1, config, force, int8).reshape(*lead, w.shape[0])
 
 
 def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
                         config: tuple[int, ...] | None = None, force: str | None = None,
-                        table: bool | None = None) -> torch.Tensor:
+                        int8: bool | None = None) -> torch.Tensor:
     """Routed experts: ``x [T, K]``, ``w [E, N, K]``, ``ids [T, k]`` -> ``y [T, k, N]`` with
     ``y[t, j] = x[t] @ w[ids[t, j]].T``."""
     _check(x, w, "quant_matmul_routed")
@@ -458,12 +724,15 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
         raise ValueError(f"quant_matmul_routed: want x [T, K], w [E, N, K], ids [T, k]; got {list(x.shape)}, "
                          f"{list(w.shape)}, {list(ids.shape)}")
     t, kk = ids.shape
-    y = _launch(x, w, ids, kk, t * kk, t, config, force, table)
+    # rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
+    # step, also for the down projection's [T * k, 1] form
+    per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
+    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8)
     return y.reshape(t, kk, w.shape[1])
 
 
-def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *,
-                         config: tuple[int, ...] | None = None, force: str | None = None) -> torch.Tensor:
+def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config: tuple[int, ...] | None = None,
+                         force: str | None = None, int8: bool | None = None) -> torch.Tensor:
     """Block-diagonal product of kernels/linear.grouped_linear: x [T, G, in_g], w [G*out_g, in_g]."""
     _check(x, w, "quant_grouped_linear")
     t, g, kin = x.shape
@@ -473,26 +742,26 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *,
     out_g = w.shape[0] // groups
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin))
     ids = torch.arange(groups, device=x.device, dtype=torch.int32).repeat(t)
-    y = _launch(x.reshape(t * g, kin), wg, ids, 1, t * g, t, config, force)
+    y = _launch(x.reshape(t * g, kin), wg, ids, 1, t * g, t, g, config, force, int8)
     return y.reshape(t, g, out_g)
 
 
 # ---- benchmark (GPU): python -m ds4x.kernels.quant_matmul ---------------------------------------
 
-_BENCH_CASES = (  # (what, type, N, K, skinny M=64 too): DeepSeek-V4-Flash shapes, most wanted first
-    ("expert gate 4096->2048", T.IQ2_XXS, 2048, 4096, False),
-    ("expert down 2048->4096", T.Q2_K, 4096, 2048, False),
-    ("attn wo_b 8192->4096", T.Q8_0, 4096, 8192, True),
-    ("attn wq_a 4096->1024", T.Q8_0, 1024, 4096, False),
-    ("attn wq_b 1024->32768", T.Q8_0, 32768, 1024, False),
-    ("expert gate 4096->2048", T.Q4_K, 2048, 4096, False),
+# (what, type, N, K, form, extra matvec configs timed beside the default): DeepSeek-V4-Flash decode shapes.
+# "grouped": wo_a, 8 groups of [1024, 4096], one x row per group; "expert": one routed expert, then 6 experts
+# in one launch (the real decode step: gate/up share the token's x, down has one x row per expert)
+_BENCH_CASES: tuple[tuple[str, GGMLQuantizationType, int, int, str, tuple[tuple[int, int, int], ...]], ...] = (
+    ("attn wq_a 4096->1024", T.Q8_0, 1024, 4096, "linear", ((4, 256, 4), (8, 128, 4))),
+    ("attn wq_b 1024->32768", T.Q8_0, 32768, 1024, "linear", ((16, 128, 4),)),
+    ("attn wo_a 4096->8x1024 grouped", T.Q8_0, 8192, 4096, "grouped", ((4, 256, 4),)),
+    ("attn wo_b 8192->4096", T.Q8_0, 4096, 8192, "linear", ((4, 256, 4),)),
+    ("expert gate 4096->2048", T.IQ2_XXS, 2048, 4096, "expert", ((16, 128, 4),)),
+    ("expert down 2048->4096", T.Q2_K, 4096, 2048, "expert", ((16, 32, 1),)),
+    ("expert gate 4096->2048", T.Q4_K, 2048, 4096, "linear", ()),
 )
-_MV_CONFIGS = {  # (BN, BK, num_warps[, IQ2 sign table])
-    T.Q8_0: ((4, 1024, 4), (8, 1024, 4)),
-    T.Q2_K: ((4, 1024, 4), (8, 1024, 8)),
-    T.Q4_K: ((4, 1024, 4),),
-    T.IQ2_XXS: ((4, 1024, 4, True), (4, 1024, 4, False)),
-}
+_BENCH_ROWS = {(T.Q8_0, "attn wo_b 8192->4096"): (2, 4, 8, 16), (T.IQ2_XXS, "expert gate 4096->2048"): (8,)}
+"""Activation rows (tokens for routed experts) timed with both kernels, to place MATVEC_MAX_ROWS."""
 
 
 def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # pragma: no cover - needs a GPU
@@ -508,6 +777,7 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
@@ -535,7 +805,7 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
         with torch.cuda.graph(graph):
             for f in fns:
                 f()
-        ms = do_bench(graph.replay, warmup=20, rep=100, return_mode="median") / len(fns)
+        ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / len(fns)
         return ms * 1e3, nbytes / (ms * 1e-3) / 1e9
 
     def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -545,85 +815,118 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
 
     def record(**kw: Any) -> None:
         rows.append(kw)
-        if "us" in kw:
-            log(f"{kw['qtype']:8} {kw['what']:24} M={kw['m']:<3} {kw['kernel']:10} {str(kw['config']):16} "
-                f"{kw['us']:8.2f} us {kw['gbs']:7.0f} GB/s {kw['frac']:6.1%}  err {kw['err']:.1e}")
-        else:
-            log(f"{kw['qtype']:8} {kw['what']:24} {kw['kernel']}: {kw.get('error', '')}")
+        tol = 2e-2 if "int8" in kw["kernel"] or (kw["kernel"] == "mv" and int8_activations(T[kw["qtype"]])) else \
+            3e-3 if kw["kernel"] == "mm" else 1e-5
+        if not kw["err"] < tol:
+            check(f"{kw['qtype']} {kw['what']} M={kw['m']} {kw['kernel']} {kw['config']} parity", False,
+                  f"rel err {kw['err']:.1e} >= {tol:.0e}")
+        log(f"{kw['qtype']:8} {kw['what']:34} M={kw['m']:<2} {kw['kernel']:18} {str(kw['config']):14} "
+            f"{kw['us']:8.2f} us {kw['gbs']:6.0f} GB/s {kw['frac']:6.1%}  err {kw['err']:.1e}")
 
-    for what, qt, n, k, skinny in _BENCH_CASES:
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+        log(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+
+    def variants(qt: GGMLQuantizationType, n: int, k: int, pairs: int, extra: tuple) -> list[tuple[str, tuple, bool]]:
+        # the default config in float (and int8 where the type has it), the extra ones in the default mode
+        out = [("int8" if int8 else "f32", matvec_config(qt, n, k, pairs), int8)
+               for int8 in ((False, True) if qt in (T.Q2_K, T.IQ2_XXS) else (False,))]
+        label = "int8" if int8_activations(qt) else "f32"
+        return out + [(label, cfg, int8_activations(qt)) for cfg in extra if cfg != matvec_config(qt, n, k, pairs)]
+
+    for what, qt, n, k, form, extra in _BENCH_CASES:
         if time.perf_counter() - t_start > deadline_s:
-            record(qtype=qt.name, what=what, kernel="SKIPPED", error="deadline")
+            log(f"{qt.name} {what}: skipped (deadline)")
             continue
         try:
-            one = random_blocks(qt, (n, k), gen, std=0.02)
-            nbytes_w = one.numel()
-            copies = max(2, min(64, (256 << 20) // nbytes_w))
+            nbytes_w = quantized_nbytes(qt, (n, k))
+            copies = max(2, min(48, (256 << 20) // nbytes_w))
             ws = [GGMLTensor(random_blocks(qt, (n, k), gen, std=0.02), qt, (n, k)) for _ in range(copies)]
             wd = ws[0].dequantize().double()
-            # parity: matvec (fp32), skinny (tf32 and bf16), fresh random inputs each
-            x1 = torch.randn(1, k, device=dev, generator=gen)
-            e_mv = rel(quant_linear(x1, ws[0], force="mv"), x1.double() @ wd.T)
-            x16 = torch.randn(16, k, device=dev, generator=gen)
-            e_mm = rel(quant_linear(x16, ws[0], force="mm"), x16.double() @ wd.T)
-            xb = torch.randn(64 if skinny else 16, k, device=dev, generator=gen).bfloat16()
-            e_bf = rel(quant_linear(xb, ws[0], force="mm"), xb.double() @ wd.T)
-            log(f"{qt.name} {what}: parity mv fp32 {e_mv:.1e}, mm tf32 {e_mm:.1e}, mm bf16 {e_bf:.1e}")
-            ok = e_mv < 1e-5 and e_mm < 3e-3 and e_bf < 2e-2
-            if not ok:
-                record(qtype=qt.name, what=what, kernel="PARITY", error=f"FAILED {e_mv} {e_mm} {e_bf}")
-            best = None
-            for full in _MV_CONFIGS[qt]:
-                cfg, tb = full[:3], (full[3] if len(full) > 3 else None)
+            if form == "grouped":  # 8 groups of [n / 8, k], one activation row each
+                g = 8
+                x = torch.randn(1, g, k, device=dev, generator=gen)
+                ref = torch.einsum("tgi,goi->tgo", x.double(), wd.view(g, n // g, k))
+                for label, cfg, int8 in variants(qt, n // g, k, g, extra):
+                    err = rel(quant_grouped_linear(x, ws[0], g, config=cfg, force="mv", int8=int8), ref)
+                    us, gbs = timed([lambda x=x, w=w, g=g, c=cfg, i8=int8:
+                                     quant_grouped_linear(x, w, g, config=c, force="mv", int8=i8) for w in ws],
+                                    nbytes_w + 4 * g * (k + n // g))
+                    record(qtype=qt.name, what=what, m=1, kernel=f"grouped-mv {label}", config=cfg, us=us, gbs=gbs,
+                           frac=gbs / copy_bw, err=err)
+            else:
                 x = torch.randn(1, k, device=dev, generator=gen)
-                y = quant_linear(x, ws[1], config=cfg, force="mv", table=tb)
-                err = rel(y, x.double() @ ws[1].dequantize().double().T)
-                us, gbs = timed([lambda w=w, x=x, c=cfg, tb=tb: quant_linear(x, w, config=c, force="mv", table=tb)
-                                 for w in ws], nbytes_w + 4 * (k + n))
-                record(qtype=qt.name, what=what, m=1, kernel="matvec", config=full, us=us, gbs=gbs,
-                       frac=gbs / copy_bw, err=err)
-                if best is None or us < best[0]:
-                    best = (us, cfg, tb)
-            for m in (64,) if skinny else ():
-                x = torch.randn(m, k, device=dev, generator=gen).bfloat16()
-                err = rel(quant_linear(x, ws[1], force="mm"), x.double() @ ws[1].dequantize().double().T)
-                us, gbs = timed([lambda w=w, x=x: quant_linear(x, w, force="mm") for w in ws[: max(2, copies // 2)]],
-                                nbytes_w + 2 * m * (k + n))
-                record(qtype=qt.name, what=what, m=m, kernel="skinny-bf16", config=matmul_config(qt, m, n, k),
-                       us=us, gbs=gbs, frac=gbs / copy_bw, err=err)
-            if what.startswith("expert") and qt != T.Q4_K:
+                ref = x.double() @ wd.T
+                for label, cfg, int8 in variants(qt, n, k, 1, extra):
+                    err = rel(quant_linear(x, ws[0], config=cfg, force="mv", int8=int8), ref)
+                    us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8: quant_linear(x, w, config=c, force="mv", int8=i8)
+                                     for w in ws], nbytes_w + 4 * (k + n))
+                    record(qtype=qt.name, what=what, m=1, kernel=f"matvec {label}", config=cfg, us=us, gbs=gbs,
+                           frac=gbs / copy_bw, err=err)
+                # batch invariance: a row's result with 1, 3 and MATVEC_MAX_ROWS rows (matvec), and one more
+                # (skinny kernel)
+                xs = torch.randn(MATVEC_MAX_ROWS + 1, k, device=dev, generator=gen)
+                y1 = quant_linear(xs[:1], ws[0])
+                same = all(torch.equal(y1[0], quant_linear(xs[:m], ws[0])[0]) for m in (3, MATVEC_MAX_ROWS))
+                check(f"{qt.name} {what} batch invariance M=1, 3, {MATVEC_MAX_ROWS}", same, "bitwise")
+                ymm = quant_linear(xs, ws[0])
+                log(f"{qt.name} {what}: M={MATVEC_MAX_ROWS + 1} (skinny kernel) vs M=1 max diff "
+                    f"{float((y1[0] - ymm[0]).abs().max()):.1e}, skinny rel err {rel(ymm, xs.double() @ wd.T):.1e}")
+                for m in _BENCH_ROWS.get((qt, what), ()) if form == "linear" else ():
+                    xm = torch.randn(m, k, device=dev, generator=gen)
+                    for force in ("mv", "mm") if m >= 8 else ("mv",):
+                        cfg = matvec_config(qt, n, k) if force == "mv" else matmul_config(qt, m, n, k)
+                        us, gbs = timed([lambda x=xm, w=w, f=force: quant_linear(x, w, force=f) for w in ws],
+                                        nbytes_w + 4 * m * (k + n))
+                        err = rel(quant_linear(xm, ws[0], force=force), xm.double() @ wd.T)
+                        record(qtype=qt.name, what=what, m=m, kernel=force, config=cfg, us=us, gbs=gbs,
+                               frac=gbs / copy_bw, err=err)
+            if form == "expert":  # 6 routed experts in one launch
                 n_exp = 256
                 experts = GGMLTensor(random_blocks(qt, (n_exp, n, k), gen, std=0.02), qt, (n_exp, n, k))
-                x = torch.randn(1, k, device=dev, generator=gen)
-                id_sets = [torch.randperm(n_exp, device=dev, generator=gen)[:6].view(1, 6).int() for _ in range(16)]
-                y = quant_matmul_routed(x, experts, id_sets[0], config=best[1], table=best[2])
-                ref = torch.stack([x[0].double() @ experts[int(e)].dequantize().double().T for e in id_sets[0][0]])
-                err = rel(y[0], ref)
-                us, gbs = timed([lambda i=i, x=x, e=experts, c=best[1], tb=best[2]:
-                                 quant_matmul_routed(x, e, i, config=c, table=tb) for i in id_sets],
-                                6 * nbytes_w + 4 * (k + 6 * n))
-                record(qtype=qt.name, what=what + " x6 routed", m=1, kernel="routed-mv", config=(*best[1], best[2]),
-                       us=us, gbs=gbs, frac=gbs / copy_bw, err=err)
+                down = what.startswith("expert down")
+                x = torch.randn(6 if down else 1, k, device=dev, generator=gen)
+                id_sets = [torch.randperm(n_exp, device=dev, generator=gen)[:6].view(6, 1) if down
+                           else torch.randperm(n_exp, device=dev, generator=gen)[:6].view(1, 6) for _ in range(16)]
+                ref = torch.stack([x[j if down else 0].double() @ experts[int(e)].dequantize().double().T
+                                   for j, e in enumerate(id_sets[0].view(-1).tolist())])
+                for label, cfg, int8 in variants(qt, n, k, 6, extra):
+                    err = rel(quant_matmul_routed(x, experts, id_sets[0], config=cfg, int8=int8).view(6, n), ref)
+                    us, gbs = timed([lambda x=x, e=experts, i=i, c=cfg, i8=int8:
+                                     quant_matmul_routed(x, e, i, config=c, int8=i8) for i in id_sets],
+                                    6 * nbytes_w + 4 * (x.numel() + 6 * n))
+                    record(qtype=qt.name, what=what + " x6 routed", m=1, kernel=f"routed-mv {label}", config=cfg,
+                           us=us, gbs=gbs, frac=gbs / copy_bw, err=err)
+                for t in _BENCH_ROWS.get((qt, what), ()):  # t tokens, 6 experts each
+                    xt = torch.randn(t, k, device=dev, generator=gen)
+                    ids_t = [torch.randint(0, n_exp, (t, 6), device=dev, generator=gen) for _ in range(8)]
+                    ref = torch.stack([xt[p // 6].double() @ experts[int(e)].dequantize().double().T
+                                       for p, e in enumerate(ids_t[0].view(-1).tolist())])
+                    for force in ("mv",):  # the skinny kernel took 4.3 ms here
+                        us, gbs = timed([lambda x=xt, e=experts, i=i, f=force: quant_matmul_routed(x, e, i, force=f)
+                                         for i in ids_t], 6 * t * nbytes_w + 4 * t * (k + 6 * n))
+                        err = rel(quant_matmul_routed(xt, experts, ids_t[0], force=force).view(-1, n), ref)
+                        record(qtype=qt.name, what=what + " x6 routed", m=t, kernel=force, config=None, us=us,
+                               gbs=gbs, frac=gbs / copy_bw, err=err)
                 del experts
             del ws
             torch.cuda.empty_cache()
         except Exception as exc:  # keep measuring the other cases
-            record(qtype=qt.name, what=what, kernel="ERROR", error=f"{type(exc).__name__}: {exc}"[:300])
+            log(f"{qt.name} {what}: ERROR {type(exc).__name__}: {exc}"[:400])
+            checks.append({"check": f"{qt.name} {what}", "ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]})
     print("\n| type | case | M | kernel | config | us | GB/s | of copy | rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "us" in r:
-            print(f"| {r['qtype']} | {r['what']} | {r['m']} | {r['kernel']} | {r['config']} | {r['us']:.2f} | "
-                  f"{r['gbs']:.0f} | {r['frac']:.1%} | {r['err']:.1e} |")
-        else:
-            print(f"| {r['qtype']} | {r['what']} | | {r['kernel']} | {r.get('error', '')} | | | | |")
+        print(f"| {r['qtype']} | {r['what']} | {r['m']} | {r['kernel']} | {r['config']} | {r['us']:.2f} | "
+              f"{r['gbs']:.0f} | {r['frac']:.1%} | {r['err']:.1e} |")
+    print(f"checks failed: {[c['check'] for c in checks if not c['ok']]}")
     print(f"copy bandwidth {copy_bw:.0f} GB/s; triton {triton.__version__}, torch {torch.__version__}; "
           f"total {time.perf_counter() - t_start:.0f} s")
     if out_json:
         with open(out_json, "w") as f:
-            json.dump({"copy_gbs": copy_bw, "rows": rows, "gpu": torch.cuda.get_device_name()}, f, indent=1,
-                      default=str)
-    return 0
+            json.dump({"copy_gbs": copy_bw, "rows": rows, "checks": checks, "gpu": torch.cuda.get_device_name()},
+                      f, indent=1, default=str)
+    return 0 if all(c["ok"] for c in checks) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,6 +7,8 @@ see is never selected. Every fused or hierarchical variant must return the same 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -121,3 +123,56 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
     index = torch.nonzero_static(chosen, size=min(k, scores.shape[0]), fill_value=-1).squeeze(-1)
     valid = index >= 0
     return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+# ---- one query, many rows: radix select on the GPU ------------------------------------------------
+# The k-th largest score is found exactly by three histogram levels over the order-preserving 32-bit
+# code of the scores (11 + 11 + 10 bits); every row above it is selected, then the lowest-index rows
+# equal to it until k are taken. The output lists the selected rows in ascending index order (a prefix
+# count over the programs places each row), so it is deterministic. Five phases: on the GPU one launch
+# whose programs (at most one per multiprocessor, so all resident) meet at grid barriers; in the CPU
+# interpreter, which runs programs one after another, one launch per phase.
+
+# workspace (int32): [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64 the three
+# histograms (2048 + 2048 + 1024 bins); from 5184 per program the rows above / equal to the k-th score
+_MAX_PROGRAMS = 1024
+_WORKSPACE = 64 + 5120 + 2 * _MAX_PROGRAMS
+
+
+@functools.cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    """Per-device scratch of the radix select (zero between calls; one stream at a time)."""
+    return torch.zeros(_WORKSPACE, dtype=torch.int32, device=device)
+
+
+def radix_barrier_timeouts(device: torch.device) -> int:
+    """Grid barriers that gave up waiting since start-up (0 unless programs were not all resident)."""
+    return int(_workspace(device)[2])
+
+
+def select_topk_radix(scores: torch.Tensor, n_visible: int, k: int, fused: bool | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
+    `select_topk_keys`, listed in ascending row order. ``fused`` (default: on the GPU) runs the five phases in
+    one launch with grid barriers; otherwise one launch per phase."""
+    from ds4x.kernels.indexer import num_sms
+    from ds4x.kernels.triton_indexer import radix_kernel
+
+    n = scores.shape[0]
+    kk = min(k, n)
+    index = torch.empty(kk, dtype=torch.long, device=scores.device)
+    valid = torch.empty(kk, dtype=torch.bool, device=scores.device)
+    if kk == 0:
+        return index, valid
+    fused = scores.is_cuda if fused is None else fused
+    tile = max(256, 1 << (-(-n // num_sms(scores.device)) - 1).bit_length())
+    n_prog = -(-n // tile)
+    if n_prog > _MAX_PROGRAMS:
+        raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
+    args = (scores.contiguous().float(), n, min(n_visible, n), min(k, n_visible, n), kk, n_prog,
+            _workspace(scores.device), index, valid.view(torch.int8))
+    kp = 1 << (kk - 1).bit_length()
+    phases = [(0, 4)] if fused else [(i, i) for i in range(5)]
+    for first, last in phases:
+        radix_kernel[(n_prog,)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last, num_warps=4)
+    return index, valid

@@ -1,7 +1,15 @@
-"""Triton kernel of the decode attention over stored rows (imported only when a GPU path runs).
+"""Triton kernels of the decode attention over stored rows (imported only when a Triton path runs).
 
-The row is handled in 64-value chunks (one E4M3 scale block each, then the RoPE chunk) so every tile stays
-in registers; the eight chunks are written out because a Triton kernel cannot index a list of tiles.
+`partial_kernel`: one program per block of rows of one source (flash-decoding), all heads at once so each row
+is decoded once per pass. Rows are handled in 64-value chunks (one E4M3 scale block each, then the RoPE chunk); pass 1
+forms the logits, pass 2 decodes the chunks again for the weighted sum, so no tile outlives its chunk.
+`combine_kernel` merges the blocks' softmax states with the per-head sink logit.
+
+Precision on the GPU (SPLIT): a packed E4M3 value times its power-of-two scale is exact in bf16 and an FP16
+RoPE value is exact in fp16, so the keys enter the tensor cores exactly; the float32 query and
+probabilities are split into a high and a low part of that type (about 16 bits), fp32 accumulation. The
+CPU interpreter has no bf16 matmul: there the dots take float32 operands. Packed and unpacked rows give
+the same operands, hence bit-identical outputs.
 """
 
 import triton
@@ -9,147 +17,107 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk(base, ok, c: tl.constexpr, NOPE_CHUNKS: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr,
-           BLOCK: tl.constexpr, PACKED: tl.constexpr):
-    """Values [BLOCK, 64] of chunk ``c`` of the rows at ``base`` (a [BLOCK, 1] pointer), 0 where not ``ok``."""
+def _chunk(base, ok, c: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr,
+           SPLIT: tl.constexpr):
+    """Chunk ``c`` [BLOCK, 64] of the rows at ``base`` ([BLOCK, 1] pointers), 0 where not ``ok``: bf16 (non-RoPE)
+    or fp16 (RoPE) with SPLIT, else float32."""
     c64 = tl.arange(0, 64)
-    if PACKED:
-        if c < NOPE_CHUNKS:
+    if c < NOPE // 64:
+        if PACKED:
             b = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
-            e = (b >> 3) & 15
-            mant = b & 7
-            # E4M3FN: (8 + m) * 2^(e - 10), subnormal m * 2^-9; powers of two built from bits (exact)
-            p2 = ((e + 117) << 23).to(tl.float32, bitcast=True)
-            mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125, (8 + mant).to(tl.float32) * p2)
-            mag = tl.where((e == 15) & (mant == 7), float("nan"), mag)
+            # E4M3 code bits placed in a float32 (exponent field = the code's): value x 2^-120, the code's
+            # subnormals landing on float32 subnormals; then exact power-of-two products.
+            v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
             sb = tl.load(base + NOPE + 2 * (D - NOPE) + c, mask=ok[:, None], other=127).to(tl.int32)
             sc = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
             sc = tl.where(sb == 255, float("nan"), sc)
-            out = tl.where(b >= 128, -mag, mag) * sc
-        else:  # the RoPE values: little-endian FP16
+            out = v * sc
+        else:
+            out = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0.0)
+        if SPLIT:
+            out = out.to(tl.bfloat16)
+    else:  # the RoPE values: little-endian FP16
+        if PACKED:
             lo = tl.load(base + NOPE + 2 * c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
             hi = tl.load(base + NOPE + 2 * c64[None, :] + 1, mask=ok[:, None], other=0).to(tl.int32)
-            out = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        out = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0.0)
+            out = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            if not SPLIT:
+                out = out.to(tl.float32)
+        else:
+            out = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0.0)
+            if SPLIT:
+                out = out.to(tl.float16)
     return out
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr):
-    return tl.dot(a, b, input_precision=PREC)
+def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
+    """acc + a @ k (or a @ k^T): with SPLIT, ``a`` (float32) as high + low parts of ``k``'s type."""
+    if TRANS:
+        k = tl.trans(k)
+    if SPLIT:
+        hi = a.to(k.dtype)
+        lo = (a - hi.to(tl.float32)).to(k.dtype)
+        acc = tl.dot(hi, k, acc)
+        acc = tl.dot(lo, k, acc)
+    else:
+        acc = tl.dot(a, k, acc, input_precision="ieee")
+    return acc
 
 
 @triton.jit
-def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, row_stride, m_ptr, l_ptr, acc_ptr, scale, split_offset,
-                   ROWS: tl.constexpr, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
-                   NCHUNK: tl.constexpr, NOPE_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr,
-                   PREC: tl.constexpr):
-    # The row is handled in 64-value chunks (E4M3 scale blocks, then the RoPE chunk) so every tile stays in
-    # registers: decoded once per row tile, used for the logits and again for the weighted sum.
-    split = tl.program_id(0)
-    hg = tl.program_id(1)
-    offs_h = hg * HB + tl.arange(0, HB)
+def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset, H: tl.constexpr,
+                   HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr,
+                   PACKED: tl.constexpr, SPLIT: tl.constexpr):
+    blk = tl.program_id(0)
+    pid = blk + split_offset  # this block's slot in the partial states (one launch per row source)
+    offs_r = blk * BLOCK + tl.arange(0, BLOCK)
+    idx = tl.load(idx_ptr + offs_r, mask=offs_r < n, other=-1)
+    ok = idx >= 0
+    base = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride
+    offs_h = tl.arange(0, HP)
+    h_ok = offs_h < H
     c64 = tl.arange(0, 64)
     q_row = q_ptr + offs_h[:, None] * D + c64[None, :]
-    q_ok = offs_h[:, None] >= 0
-    q0 = tl.load(q_row + 0 * 64, mask=q_ok & (NCHUNK > 0), other=0.0)
-    q1 = tl.load(q_row + 1 * 64, mask=q_ok & (NCHUNK > 1), other=0.0)
-    q2 = tl.load(q_row + 2 * 64, mask=q_ok & (NCHUNK > 2), other=0.0)
-    q3 = tl.load(q_row + 3 * 64, mask=q_ok & (NCHUNK > 3), other=0.0)
-    q4 = tl.load(q_row + 4 * 64, mask=q_ok & (NCHUNK > 4), other=0.0)
-    q5 = tl.load(q_row + 5 * 64, mask=q_ok & (NCHUNK > 5), other=0.0)
-    q6 = tl.load(q_row + 6 * 64, mask=q_ok & (NCHUNK > 6), other=0.0)
-    q7 = tl.load(q_row + 7 * 64, mask=q_ok & (NCHUNK > 7), other=0.0)
-    m_i = tl.full([HB], float("-inf"), tl.float32)
-    l_i = tl.zeros([HB], tl.float32)
-    acc0 = tl.zeros([HB, 64], tl.float32)
-    acc1 = tl.zeros([HB, 64], tl.float32)
-    acc2 = tl.zeros([HB, 64], tl.float32)
-    acc3 = tl.zeros([HB, 64], tl.float32)
-    acc4 = tl.zeros([HB, 64], tl.float32)
-    acc5 = tl.zeros([HB, 64], tl.float32)
-    acc6 = tl.zeros([HB, 64], tl.float32)
-    acc7 = tl.zeros([HB, 64], tl.float32)
-    lo = split * ROWS
-    hi = tl.minimum(lo + ROWS, n)
-    for it in range(0, ROWS, BLOCK):
-        offs_r = lo + it + tl.arange(0, BLOCK)
-        idx = tl.load(idx_ptr + offs_r, mask=offs_r < hi, other=-1)
-        ok = idx >= 0
-        base = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * row_stride
-        s = tl.zeros([HB, BLOCK], tl.float32)
-        k0 = tl.zeros([BLOCK, 64], tl.float32)
-        k1 = tl.zeros([BLOCK, 64], tl.float32)
-        k2 = tl.zeros([BLOCK, 64], tl.float32)
-        k3 = tl.zeros([BLOCK, 64], tl.float32)
-        k4 = tl.zeros([BLOCK, 64], tl.float32)
-        k5 = tl.zeros([BLOCK, 64], tl.float32)
-        k6 = tl.zeros([BLOCK, 64], tl.float32)
-        k7 = tl.zeros([BLOCK, 64], tl.float32)
-        if NCHUNK > 0:
-            k0 = _chunk(base, ok, 0, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q0, tl.trans(k0), PREC)
-        if NCHUNK > 1:
-            k1 = _chunk(base, ok, 1, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q1, tl.trans(k1), PREC)
-        if NCHUNK > 2:
-            k2 = _chunk(base, ok, 2, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q2, tl.trans(k2), PREC)
-        if NCHUNK > 3:
-            k3 = _chunk(base, ok, 3, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q3, tl.trans(k3), PREC)
-        if NCHUNK > 4:
-            k4 = _chunk(base, ok, 4, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q4, tl.trans(k4), PREC)
-        if NCHUNK > 5:
-            k5 = _chunk(base, ok, 5, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q5, tl.trans(k5), PREC)
-        if NCHUNK > 6:
-            k6 = _chunk(base, ok, 6, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q6, tl.trans(k6), PREC)
-        if NCHUNK > 7:
-            k7 = _chunk(base, ok, 7, NOPE_CHUNKS, NOPE, D, BLOCK, PACKED)
-            s += _dot(q7, tl.trans(k7), PREC)
-        s = tl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if NCHUNK > 0:
-            acc0 = acc0 * alpha[:, None] + _dot(p, k0, PREC)
-        if NCHUNK > 1:
-            acc1 = acc1 * alpha[:, None] + _dot(p, k1, PREC)
-        if NCHUNK > 2:
-            acc2 = acc2 * alpha[:, None] + _dot(p, k2, PREC)
-        if NCHUNK > 3:
-            acc3 = acc3 * alpha[:, None] + _dot(p, k3, PREC)
-        if NCHUNK > 4:
-            acc4 = acc4 * alpha[:, None] + _dot(p, k4, PREC)
-        if NCHUNK > 5:
-            acc5 = acc5 * alpha[:, None] + _dot(p, k5, PREC)
-        if NCHUNK > 6:
-            acc6 = acc6 * alpha[:, None] + _dot(p, k6, PREC)
-        if NCHUNK > 7:
-            acc7 = acc7 * alpha[:, None] + _dot(p, k7, PREC)
-        m_i = m_new
-    out = split + split_offset
-    tl.store(m_ptr + out * H + offs_h, m_i)
-    tl.store(l_ptr + out * H + offs_h, l_i)
-    if NCHUNK > 0:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 0 * 64 + c64[None, :], acc0)
-    if NCHUNK > 1:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 1 * 64 + c64[None, :], acc1)
-    if NCHUNK > 2:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 2 * 64 + c64[None, :], acc2)
-    if NCHUNK > 3:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 3 * 64 + c64[None, :], acc3)
-    if NCHUNK > 4:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 4 * 64 + c64[None, :], acc4)
-    if NCHUNK > 5:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 5 * 64 + c64[None, :], acc5)
-    if NCHUNK > 6:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 6 * 64 + c64[None, :], acc6)
-    if NCHUNK > 7:
-        tl.store(acc_ptr + (out * H + offs_h)[:, None] * D + 7 * 64 + c64[None, :], acc7)
+    s = tl.zeros([HP, BLOCK], tl.float32)
+    for c in tl.static_range(D // 64):
+        q = tl.load(q_row + c * 64, mask=h_ok[:, None], other=0.0)
+        s = _dot_split(q, _chunk(base, ok, c, NOPE, D, PACKED, SPLIT), s, SPLIT, True)
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(s - m_safe[:, None])
+    tl.store(m_ptr + pid * HP + offs_h, m)
+    tl.store(l_ptr + pid * HP + offs_h, tl.sum(p, axis=1))
+    out = acc_ptr + (pid * HP + offs_h)[:, None] * D + c64[None, :]
+    for c in tl.static_range(D // 64):
+        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, PACKED, SPLIT), tl.zeros([HP, 64], tl.float32), SPLIT,
+                         False)
+        tl.store(out + c * 64, acc)
+
+
+@triton.jit
+def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.constexpr, D: tl.constexpr,
+                   SB: tl.constexpr, N_ITER: tl.constexpr):
+    """Program (head, 64-value chunk): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink - top))."""
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    offs = tl.arange(0, SB)
+    sink = tl.load(sinks_ptr + h).to(tl.float32)
+    top = sink
+    for i in range(N_ITER):  # a compile-time trip count (N_ITER * SB >= n_split): the interpreter needs one
+        s0 = i * SB
+        top = tl.maximum(top, tl.max(tl.load(m_ptr + (s0 + offs) * HP + h, mask=s0 + offs < n_split,
+                                             other=float("-inf")), 0))
+    denom = tl.exp(sink - top)
+    acc = tl.zeros([64], tl.float32)
+    c64 = tl.arange(0, 64)
+    for i in range(N_ITER):
+        s0 = i * SB
+        live = s0 + offs < n_split
+        w = tl.exp(tl.load(m_ptr + (s0 + offs) * HP + h, mask=live, other=float("-inf")) - top)  # 0 for empty blocks
+        denom += tl.sum(tl.load(l_ptr + (s0 + offs) * HP + h, mask=live, other=0.0) * w, 0)
+        part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + c * 64 + c64[None, :], mask=live[:, None],
+                       other=0.0)
+        acc += tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + h * D + c * 64 + c64, acc / denom)

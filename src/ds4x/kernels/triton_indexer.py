@@ -1,0 +1,235 @@
+"""Triton kernels of the decode-time indexer (imported only when a Triton path runs): scoring straight from
+packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact radix top-k (`radix_kernel`, see
+`ds4x.kernels.select`).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def exp2_f32(e):
+    """Exact 2^e as float32 for integer e in [-149, 127] (subnormals below -126)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 30)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def exp2_f16(e):
+    """2^e as fp16 for integer e <= 15: subnormal down to 2^-24, 0 below."""
+    normal = ((tl.maximum(e, -14) + 15) << 10).to(tl.int16)
+    sub = (1 << tl.minimum(tl.maximum(e + 24, 0), 15)).to(tl.int16)
+    bits = tl.where(e >= -14, normal, tl.where(e >= -24, sub, 0).to(tl.int16))
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def codes_fp16(words, j: tl.constexpr, sc16):
+    """Nibble ``j`` of every word (element 8w + j) as fp16: E2M1 x 2^-14 x ``sc16``."""
+    c = words >> (4 * j)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)  # magnitude to fp16 bits 9..11, sign to bit 15
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * sc16
+
+
+@triton.jit
+def codes_fp16_ptx(words, sc_bits):
+    """The eight ``codes_fp16`` tiles at once in PTX. Per word: the fp16 high byte of each even and odd
+    element by shifts/masks on all four bytes together (la, ua), then per output pair one byte permute,
+    a mask and one paired fp16 multiply by the block scale."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 la, ua, lb, ub, t, s;
+        shl.b32 la, $8, 4;  and.b32 la, la, 0x80808080;
+        shl.b32 t, $8, 1;   and.b32 t, t, 0x0E0E0E0E;  or.b32 la, la, t;
+        and.b32 ua, $8, 0x80808080;
+        shr.b32 t, $8, 3;   and.b32 t, t, 0x0E0E0E0E;  or.b32 ua, ua, t;
+        shl.b32 lb, $9, 4;  and.b32 lb, lb, 0x80808080;
+        shl.b32 t, $9, 1;   and.b32 t, t, 0x0E0E0E0E;  or.b32 lb, lb, t;
+        and.b32 ub, $9, 0x80808080;
+        shr.b32 t, $9, 3;   and.b32 t, t, 0x0E0E0E0E;  or.b32 ub, ub, t;
+        prmt.b32 s, $10, $11, 0x5410;
+        prmt.b32 $0, la, lb, 0x4000;  and.b32 $0, $0, 0xFF00FF00;  mul.rn.f16x2 $0, $0, s;
+        prmt.b32 $1, ua, ub, 0x4000;  and.b32 $1, $1, 0xFF00FF00;  mul.rn.f16x2 $1, $1, s;
+        prmt.b32 $2, la, lb, 0x5010;  and.b32 $2, $2, 0xFF00FF00;  mul.rn.f16x2 $2, $2, s;
+        prmt.b32 $3, ua, ub, 0x5010;  and.b32 $3, $3, 0xFF00FF00;  mul.rn.f16x2 $3, $3, s;
+        prmt.b32 $4, la, lb, 0x6020;  and.b32 $4, $4, 0xFF00FF00;  mul.rn.f16x2 $4, $4, s;
+        prmt.b32 $5, ua, ub, 0x6020;  and.b32 $5, $5, 0xFF00FF00;  mul.rn.f16x2 $5, $5, s;
+        prmt.b32 $6, la, lb, 0x7030;  and.b32 $6, $6, 0xFF00FF00;  mul.rn.f16x2 $6, $6, s;
+        prmt.b32 $7, ua, ub, 0x7030;  and.b32 $7, $7, 0xFF00FF00;  mul.rn.f16x2 $7, $7, s;
+        }
+        """,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        args=[words, sc_bits],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def score_tile(tile, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N: tl.constexpr,
+               PTX: tl.constexpr):
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs_n < n_rows
+    offs_w = tl.arange(0, 16)
+    base = rows_ptr + offs_n.to(tl.int64)[:, None] * 17
+    words = tl.load(base + offs_w[None, :], mask=ok[:, None], other=0)
+    sw = tl.load(base + 16, mask=ok[:, None], other=0x7F7F7F7F)  # [BLOCK_N, 1]: the four scale bytes
+    s0, s1, s2, s3 = sw & 255, (sw >> 8) & 255, (sw >> 16) & 255, (sw >> 24) & 255
+    smax = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+    blk = offs_w[None, :] // 4
+    s_b = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3)))
+    sc16 = exp2_f16(15 - (smax - s_b))  # [BLOCK_N, 16]: each word's block scale relative to the row's
+    if PTX:
+        k0, k1, k2, k3, k4, k5, k6, k7 = codes_fp16_ptx(words, sc16.to(tl.int16, bitcast=True).to(tl.int32))
+    else:
+        k0 = codes_fp16(words, 0, sc16)
+        k1 = codes_fp16(words, 1, sc16)
+        k2 = codes_fp16(words, 2, sc16)
+        k3 = codes_fp16(words, 3, sc16)
+        k4 = codes_fp16(words, 4, sc16)
+        k5 = codes_fp16(words, 5, sc16)
+        k6 = codes_fp16(words, 6, sc16)
+        k7 = codes_fp16(words, 7, sc16)
+    acc = tl.dot(k0, q0)
+    acc = tl.dot(k1, q1, acc)
+    acc = tl.dot(k2, q2, acc)
+    acc = tl.dot(k3, q3, acc)
+    acc = tl.dot(k4, q4, acc)
+    acc = tl.dot(k5, q5, acc)
+    acc = tl.dot(k6, q6, acc)
+    acc = tl.dot(k7, q7, acc)
+    # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
+    score = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * exp2_f32(tl.reshape(smax, [BLOCK_N]) - 128)
+    tl.store(out_ptr + offs_n, score, mask=ok)
+
+
+@triton.jit
+def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
+    """q_j[w, h] = q[h, 8w + j] in fp16 (exact for MXFP4 values once scaled per head)."""
+    q = tl.load(q_ptr + offs_h[None, :] * 128 + 8 * tl.arange(0, 16)[:, None] + j, mask=h_ok[None, :], other=0.0)
+    return (q * q_scale[None, :]).to(tl.float16)
+
+
+@triton.jit
+def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, n_iter, n_prog, scale, H: tl.constexpr,
+                 HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PERSISTENT: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_h = tl.arange(0, HP)
+    h_ok = offs_h < H
+    # Queries once per program: per head a power of two 2^(14 - e_h) brings max|q_h| into [2^14, 2^15).
+    q_all = tl.load(q_ptr + offs_h[:, None] * 128 + tl.arange(0, 128)[None, :], mask=h_ok[:, None], other=0.0)
+    qmax = tl.max(tl.abs(q_all), axis=1)
+    e_h = tl.where(qmax > 0, ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127, 0)
+    e_h = tl.minimum(tl.maximum(e_h, -110), 127)
+    wq = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0) * scale * exp2_f32(e_h - 14)
+    q_scale = exp2_f32(14 - e_h)
+    q0 = q_tile(q_ptr, 0, offs_h, h_ok, q_scale)
+    q1 = q_tile(q_ptr, 1, offs_h, h_ok, q_scale)
+    q2 = q_tile(q_ptr, 2, offs_h, h_ok, q_scale)
+    q3 = q_tile(q_ptr, 3, offs_h, h_ok, q_scale)
+    q4 = q_tile(q_ptr, 4, offs_h, h_ok, q_scale)
+    q5 = q_tile(q_ptr, 5, offs_h, h_ok, q_scale)
+    q6 = q_tile(q_ptr, 6, offs_h, h_ok, q_scale)
+    q7 = q_tile(q_ptr, 7, offs_h, h_ok, q_scale)
+    if PERSISTENT:  # grid-stride over row tiles, queries prepared once (the interpreter cannot loop to a runtime bound)
+        for it in range(0, n_iter):
+            score_tile(pid + it * n_prog, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N,
+                       PTX)
+    else:
+        score_tile(pid, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N, PTX)
+
+
+@triton.jit
+def grid_sync(ws_ptr, target):
+    tl.debug_barrier()  # this program's phase is complete
+    tl.atomic_add(ws_ptr, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+    spins = tl.full([], 0, tl.int32)
+    while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
+        seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if seen < target:
+        tl.atomic_add(ws_ptr + 2, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def threshold(ws_ptr, level: tl.constexpr, NB: tl.constexpr, need):
+    """Highest bin whose suffix count reaches ``need`` and the count strictly above it."""
+    b = tl.arange(0, NB)
+    h = tl.load(ws_ptr + 64 + level * 2048 + b, cache_modifier=".cg")
+    suffix = tl.cumsum(h, 0, reverse=True)
+    t = tl.max(tl.where(suffix >= need, b, -1), 0)
+    return t, tl.sum(tl.where(b > t, h, 0), 0)
+
+
+@triton.jit
+def radix_kernel(scores_ptr, n, n_visible, need, kk, nprog, ws_ptr, index_ptr, valid_ptr,
+                 TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * TILE + tl.arange(0, TILE)
+    vis = rows < n_visible
+    s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0 (they compare equal)
+    bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    u = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)  # order-preserving code
+    b1 = (u >> 21).to(tl.int32)
+    b2 = ((u >> 10) & 2047).to(tl.int32)
+    b3 = (u & 1023).to(tl.int32)
+    if FIRST == 0:
+        h = tl.histogram(b1, 2048, mask=vis)
+        tl.atomic_add(ws_ptr + 64 + tl.arange(0, 2048), h, mask=h > 0, sem="relaxed")
+        if LAST > 0:
+            grid_sync(ws_ptr, nprog)
+    if LAST >= 1:
+        t1, above1 = threshold(ws_ptr, 0, 2048, need)
+        m1 = vis & (b1 == t1)
+        if FIRST <= 1:
+            h = tl.histogram(b2, 2048, mask=m1)
+            tl.atomic_add(ws_ptr + 64 + 2048 + tl.arange(0, 2048), h, mask=h > 0, sem="relaxed")
+            if LAST > 1:
+                grid_sync(ws_ptr, 2 * nprog)
+    if LAST >= 2:
+        t2, above2 = threshold(ws_ptr, 1, 2048, need - above1)
+        m2 = m1 & (b2 == t2)
+        if FIRST <= 2:
+            h = tl.histogram(b3, 1024, mask=m2)
+            tl.atomic_add(ws_ptr + 64 + 4096 + tl.arange(0, 1024), h, mask=h > 0, sem="relaxed")
+            if LAST > 2:
+                grid_sync(ws_ptr, 3 * nprog)
+    if LAST >= 3:
+        t3, above3 = threshold(ws_ptr, 2, 1024, need - above1 - above2)
+        kth = (t1.to(tl.int64) << 21) | (t2.to(tl.int64) << 10) | t3.to(tl.int64)
+        ties_taken = need - above1 - above2 - above3  # rows equal to the k-th score that are selected
+        gt = vis & (u > kth)
+        eq = vis & (u == kth)
+        if FIRST <= 3:
+            tl.store(ws_ptr + 64 + 5120 + pid, tl.sum(gt.to(tl.int32), 0))
+            tl.store(ws_ptr + 64 + 5120 + 1024 + pid, tl.sum(eq.to(tl.int32), 0))
+            if LAST > 3:
+                grid_sync(ws_ptr, 4 * nprog)
+    if LAST == 4:
+        p = tl.arange(0, 1024)
+        before = p < pid
+        gt_before = tl.sum(tl.load(ws_ptr + 64 + 5120 + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        eq_before = tl.sum(tl.load(ws_ptr + 64 + 6144 + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        eq_i = eq.to(tl.int32)
+        tie_rank = eq_before + tl.cumsum(eq_i, 0) - eq_i
+        sel = gt | (eq & (tie_rank < ties_taken))
+        sel_i = sel.to(tl.int32)
+        slot = gt_before + tl.minimum(eq_before, ties_taken) + tl.cumsum(sel_i, 0) - sel_i
+        tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+        tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
+        if pid == 0:  # slots no visible row fills
+            pad = need + tl.arange(0, KP)
+            tl.store(index_ptr + pad, tl.zeros([KP], tl.int64), mask=pad < kk)
+            tl.store(valid_ptr + pad, tl.zeros([KP], tl.int8), mask=pad < kk)
+        # the last program to finish leaves the workspace zeroed for the next call
+        if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+            z = tl.arange(0, 1024)
+            for i in tl.static_range(5):
+                tl.store(ws_ptr + 64 + i * 1024 + z, tl.zeros([1024], tl.int32))
+            tl.atomic_xchg(ws_ptr, 0)
+            tl.atomic_xchg(ws_ptr + 1, 0)
