@@ -189,7 +189,7 @@ def test_synthetic_streaming_q2(tiny_k, tmp_path):
     cfg, _ = tiny_k
     path = tmp_path / "syn.gguf"
     seen = []
-    write_synthetic_gguf(path, cfg, "q2", seed=3, progress=lambda n, i, total: seen.append(n))
+    write_synthetic_gguf(path, cfg, "q2", seed=3, progress=lambda p: seen.append(p.name))
     cfg_g, w, meta = load_gguf(path)
     assert cfg_g == cfg
     assert meta["ds4x.synthetic"] is True and "SYNTHETIC" in meta["ds4x.synthetic.note"]

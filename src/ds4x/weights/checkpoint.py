@@ -5,6 +5,9 @@ Two tensor namings are accepted and mapped onto the canonical names of ``names.p
   weights may be FP8 E4M3 with a UE8M0 scale per 128x128 block and routed experts FP4 E2M1 (two per
   byte) with a UE8M0 scale per 32 values; both are dequantized exactly on load;
 - transformers' (``model.layers.N.self_attn.q_a_proj.weight``, ``mlp.experts.gate_up_proj``, ...).
+
+:func:`open_checkpoint` validates a directory from the headers and reads tensors one at a time (what
+``ds4x convert`` streams from); :func:`load_checkpoint` reads them all (what the engine runs on).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -113,9 +117,22 @@ class _SafetensorsDir:
     def names(self) -> list[str]:
         return list(self.where)
 
-    def get(self, name: str) -> torch.Tensor:
+    def header(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """safetensors dtype string (``F32``, ``F8_E4M3``, ``I8``, ...) and torch shape, without reading data."""
         try:
-            return self.where[name].get_tensor(name)  # type: ignore[attr-defined]
+            s = self.where[name].get_slice(name)  # type: ignore[attr-defined]
+            dtype, shape = s.get_dtype(), tuple(s.get_shape())
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor '{name}': {exc}") from None
+        if dtype == "F4":  # safetensors counts FP4 values, torch's float4_e2m1fn_x2 holds two per element
+            shape = (*shape[:-1], shape[-1] // 2)
+        return dtype, shape
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor, or only ``index`` of it (read from the mapped file without the rest)."""
+        try:
+            h = self.where[name]
+            return h.get_tensor(name) if index is None else h.get_slice(name)[index]  # type: ignore[attr-defined]
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor '{name}': {exc}") from None
 
@@ -147,94 +164,165 @@ def _canonical(name: str) -> str:
     return f"layers.{m.group(1)}.{rest}"
 
 
-def _read_tensors(st: _SafetensorsDir, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical or per-expert name, float tensor) for every tensor, FP8/FP4 dequantized."""
-    names = set(st.names())
-    scales = {s for n in names if n.endswith(".weight") and (s := _scale_name(names, n)) is not None}
-    I = cfg.moe_intermediate_size
-    for n in sorted(names):
-        if n in scales or _IGNORED.search(n):
-            continue
-        t = st.get(n)
-        scale_name = _scale_name(names, n) if n.endswith(".weight") else None
-        if scale_name is not None:
-            scale = st.get(scale_name)
-            if t.dtype == torch.float8_e4m3fn:
-                t = dequantize_fp8_block_weight(t, scale)
-            elif t.dtype in (torch.int8, torch.uint8) or "float4" in str(t.dtype):
-                t = dequantize_fp4_expert_weight(t, scale)
-            else:
-                raise CheckpointError(f"tensor '{n}' has a scale '{scale_name}' but dtype {t.dtype}")
-        elif t.dtype == torch.float8_e4m3fn:
+@dataclass(frozen=True)
+class _Part:
+    """Where a canonical tensor, or one expert of a stacked one, is stored in the checkpoint."""
+
+    name: str  # checkpoint tensor name
+    shape: tuple[int, ...]  # after dequantization and slicing
+    kind: str = "plain"  # plain, fp8 (128x128 UE8M0 blocks) or fp4 (E2M1 pairs, UE8M0 per 32)
+    scale: str | None = None
+    rows: slice | None = None  # the gate or up half of transformers' fused gate_up_proj (dim 1)
+
+
+_FP8_DTYPES = ("F8_E4M3",)
+_FP4_DTYPES = ("I8", "U8", "F4")  # official experts are int8 on disk; F4 is float4_e2m1fn_x2
+
+
+def _stored_part(st: _SafetensorsDir, names: set[str], n: str) -> _Part:
+    """Classify checkpoint tensor ``n`` from its header: plain, or FP8/FP4 with its scale."""
+    dtype, shape = st.header(n)
+    scale = _scale_name(names, n) if n.endswith(".weight") else None
+    if scale is None:
+        if dtype in _FP8_DTYPES:
             raise CheckpointError(f"FP8 tensor '{n}' has no scale tensor")
-        name = _canonical(n)
-        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, H]
-            if t.dim() != 3 or t.shape[1] != 2 * I:
-                raise CheckpointError(f"tensor '{n}' has shape {list(t.shape)}, expected [E, {2 * I}, H]")
-            p = name[: -len("mlp.experts.gate_up_proj")]
-            yield p + "ffn.experts.w1", t[:, :I]
-            yield p + "ffn.experts.w3", t[:, I:]
-        elif name.endswith("mlp.experts.down_proj"):
-            yield name[: -len("mlp.experts.down_proj")] + "ffn.experts.w2", t
-        else:
-            yield name, t
+        return _Part(n, shape)
+    if dtype in _FP8_DTYPES:
+        return _Part(n, shape, "fp8", scale)
+    if dtype in _FP4_DTYPES:
+        return _Part(n, (*shape[:-1], 2 * shape[-1]), "fp4", scale)
+    raise CheckpointError(f"tensor '{n}' has a scale '{scale}' but dtype {dtype}")
 
 
-def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and canonical weights (working dtype; fp32-by-contract tensors fp32) from a directory."""
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """The canonical tensors of a checkpoint directory, each read only when asked for.
+
+    Opening checks names, shapes and experts from the safetensors headers alone; ``ckpt[name]`` (or
+    :meth:`load`) then reads and dequantizes that one tensor from the memory-mapped files (a stacked
+    routed-expert tensor is filled expert by expert), so a consumer that drops each tensor after use,
+    such as ``ds4x convert``, never holds more than one.
+    """
+
+    def __init__(self, cfg: ModelConfig, st: _SafetensorsDir, parts: dict[str, _Part | list[_Part]]):
+        self.cfg = cfg
+        self._st = st
+        self._parts = parts
+        self.shapes = expected_shapes(cfg)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.load(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def _read(self, p: _Part) -> torch.Tensor:
+        t = self._st.get(p.name, None if p.rows is None else (slice(None), p.rows))
+        if p.kind == "fp8":
+            return dequantize_fp8_block_weight(t, self._st.get(p.scale))  # type: ignore[arg-type]
+        if p.kind == "fp4":
+            return dequantize_fp4_expert_weight(t, self._st.get(p.scale))  # type: ignore[arg-type]
+        return t
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Tensor ``name`` on the CPU in ``dtype`` (float32-by-contract tensors float32, expert ids int64)."""
+        part = self._parts[name]
+        if is_integer_tensor(name):
+            t = self._read(part)  # type: ignore[arg-type]
+            if t.is_floating_point():
+                raise CheckpointError(f"tensor '{name}' must be integer, got {t.dtype}")
+            if int(t.min()) < 0 or int(t.max()) >= self.cfg.n_routed_experts:
+                raise CheckpointError(f"tensor '{name}' holds expert ids outside [0, {self.cfg.n_routed_experts})")
+            return t.to(torch.int64)
+        dt = torch.float32 if keeps_fp32(name) else dtype
+        if isinstance(part, _Part):
+            return self._read(part).to(dt)
+        out = torch.empty(self.shapes[name], dtype=dt)
+        for e, p in enumerate(part):
+            out[e] = self._read(p)  # one expert in flight, never a list of them
+        return out
+
+
+def open_checkpoint(path: str | Path) -> LazyCheckpoint:
+    """A checkpoint directory as a :class:`LazyCheckpoint`: validated, nothing read but the headers."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint path {root} is not a directory")
     cfg = load_config(root)
     st = _SafetensorsDir(root)
-    source = _read_tensors(st, cfg)
-
+    names = set(st.names())
+    scales = {s for n in names if n.endswith(".weight") and (s := _scale_name(names, n)) is not None}
     want = expected_shapes(cfg)
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    I = cfg.moe_intermediate_size
+    parts: dict[str, _Part | list[_Part]] = {}
+    experts: dict[str, dict[int, _Part]] = {}
     unexpected: list[str] = []
-    for name, t in source:
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(f"layers.{m.group(1)}.ffn.experts.{m.group(3)}", {})[int(m.group(2))] = t
+    for n in sorted(names):
+        if n in scales or _IGNORED.search(n):
             continue
-        if name not in want:
-            # hash layers in some exports carry an unused routing bias; anything else is reported
-            if not name.endswith("ffn.gate.bias"):
-                unexpected.append(name)
-            continue
-        out[name] = t
+        part = _stored_part(st, names, n)
+        name = _canonical(n)
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, H]
+            if len(part.shape) != 3 or part.shape[1] != 2 * I:
+                raise CheckpointError(f"tensor '{n}' has shape {list(part.shape)}, expected [E, {2 * I}, H]")
+            if part.kind != "plain":
+                raise CheckpointError(f"tensor '{n}': quantized fused gate_up_proj is not supported")
+            p, half = name[: -len("mlp.experts.gate_up_proj")], (part.shape[0], I, part.shape[2])
+            found = [(p + "ffn.experts.w1", replace(part, shape=half, rows=slice(0, I))),
+                     (p + "ffn.experts.w3", replace(part, shape=half, rows=slice(I, 2 * I)))]
+        elif name.endswith("mlp.experts.down_proj"):
+            found = [(name[: -len("mlp.experts.down_proj")] + "ffn.experts.w2", part)]
+        else:
+            found = [(name, part)]
+        for cname, cpart in found:
+            m = _EXPERT.match(cname)
+            if m:
+                experts.setdefault(f"layers.{m.group(1)}.ffn.experts.{m.group(3)}", {})[int(m.group(2))] = cpart
+            elif cname in want:
+                parts[cname] = cpart
+            elif not cname.endswith("ffn.gate.bias"):
+                # hash layers in some exports carry an unused routing bias; anything else is reported
+                unexpected.append(cname)
     for name, per_expert in experts.items():
         n_exp = cfg.n_routed_experts
         missing = [e for e in range(n_exp) if e not in per_expert]
         if missing:
             raise CheckpointError(f"checkpoint is missing expert tensors {name.replace('experts.', 'experts.{e}.')}"
                                   f" for experts {missing[:8]}{'...' if len(missing) > 8 else ''}")
-        out[name] = torch.stack([per_expert[e] for e in range(n_exp)])
+        if name not in want:
+            unexpected.append(name)
+            continue
+        parts[name] = [per_expert[e] for e in range(n_exp)]
     if unexpected:
         log.warning("ignoring %d tensors not used by DeepSeek-V4: %s", len(unexpected), ", ".join(unexpected[:5]))
 
-    missing = [n for n in want if n not in out]
+    missing = [n for n in want if n not in parts]
     if missing:
         raise CheckpointError(
             f"checkpoint {root} is missing {len(missing)} tensors, e.g. '{missing[0]}' "
             f"(expected shape {list(want[missing[0]])})"
         )
     for name, shape in want.items():
-        t = out[name]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)}, expected {list(shape)}")
-        if is_integer_tensor(name):
-            if t.is_floating_point():
-                raise CheckpointError(f"tensor '{name}' must be integer, got {t.dtype}")
-            if int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts:
-                raise CheckpointError(f"tensor '{name}' holds expert ids outside [0, {cfg.n_routed_experts})")
-            out[name] = t.to(device=device, dtype=torch.int64)
-        else:
-            out[name] = t.to(device=device, dtype=torch.float32 if keeps_fp32(name) else dtype)
-    return cfg, out
+        part = parts[name]
+        for p, expect in ([(part, shape)] if isinstance(part, _Part) else [(q, shape[1:]) for q in part]):
+            if p.shape != expect:
+                shown = name if isinstance(part, _Part) else p.name
+                raise CheckpointError(f"tensor '{shown}' has shape {list(p.shape)}, expected {list(expect)}")
+    return LazyCheckpoint(cfg, st, parts)
+
+
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Config and canonical weights (working dtype; fp32-by-contract tensors fp32) from a directory,
+    all in memory; :func:`open_checkpoint` gives them one at a time."""
+    ckpt = open_checkpoint(path)
+    return ckpt.cfg, {name: ckpt.load(name, dtype).to(device) for name in ckpt}
 
 
 def to_hf_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,10 +5,13 @@
   ggml's reference quantizer); Q4_K / Q2_K / IQ2_XXS use the simple round-to-nearest quantizers
   below (real quantizations of the given weights, no importance matrix, so lower quality than
   ds4's own quantizer), or, with ``synthetic=True``, random valid blocks.
+  ``weights`` may be a lazy mapping (``open_checkpoint``): each tensor is read, encoded and written
+  in turn, so converting a checkpoint holds one tensor, not the model.
 - :func:`write_synthetic_gguf`: a synthetic model of any config (the full-size Flash included)
   streamed tensor by tensor, never holding the model in RAM: plain tensors come from
-  :mod:`ds4x.weights.synthetic`, quantized ones from :func:`ds4x.formats.ggml.random_blocks`.
-  Its metadata says so (``ds4x.synthetic = true``, a note, the seed): it is for benchmarks only.
+  :mod:`ds4x.weights.synthetic`, quantized ones from :func:`ds4x.formats.ggml.random_blocks`, on the
+  CPU or the GPU. Its metadata says so (``ds4x.synthetic = true``, a note, the seed): it is for
+  benchmarks only.
 
 Metadata follows ds4 (``deepseek4.*`` keys, ``tokenizer.ggml.*`` byte-level BPE). Without a
 tokenizer a synthetic one is written (special tokens, the 256 byte symbols, filler merges).
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -238,8 +241,13 @@ def quantize_iq2_xxs(x: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], x.shape[-1] // QK_K * 66)
 
 
-def encode_tensor(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """``x`` (logical torch shape) as GGML bytes ``uint8 [*shape[:-1], row_bytes]`` (CPU)."""
+def encode_tensor(x: torch.Tensor, qtype: GGMLQuantizationType, chunk_values: int = 1 << 24) -> torch.Tensor:
+    """``x`` (logical torch shape) as GGML bytes ``uint8 [*shape[:-1], row_bytes]`` (CPU).
+
+    Block types are quantized ``chunk_values`` values (whole rows) at a time: the quantizers' temporaries
+    are several times their input, and every block depends on its own values only, so the bytes are the
+    same as in one go while the peak stays near the size of ``x``.
+    """
     x = x.detach().cpu()
     if qtype == T.I32:
         return x.to(torch.int32).contiguous().view(torch.uint8).reshape(*x.shape[:-1], -1)
@@ -253,7 +261,12 @@ def encode_tensor(x: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
         raise ValueError(f"cannot write type {qtype.name}")
     if x.shape[-1] % quantized_block(qtype):
         raise ValueError(f"{qtype.name}: rows of {x.shape[-1]} values are not whole blocks")
-    return quantizers[qtype](x.float())
+    rows = x.reshape(-1, x.shape[-1])
+    step = max(1, chunk_values // x.shape[-1])
+    out = torch.empty((rows.shape[0], quantized_nbytes(qtype, (x.shape[-1],))), dtype=torch.uint8)
+    for i in range(0, rows.shape[0], step):
+        out[i : i + step] = quantizers[qtype](rows[i : i + step].float())
+    return out.reshape(*x.shape[:-1], -1)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -428,15 +441,30 @@ def write_metadata(w: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra:
 
 # ---- writing -----------------------------------------------------------------------------------
 
-TensorSource = Callable[[], torch.Tensor]  # -> encoded bytes uint8 [*shape[:-1], row_bytes]
+TensorSource = Callable[[], torch.Tensor]  # -> encoded bytes uint8 [*shape[:-1], row_bytes], any device
+
+
+@dataclass(frozen=True)
+class WriteProgress:
+    """Where a GGUF write stands after tensor ``index`` (1-based) of ``count``."""
+
+    name: str  # GGUF name of the tensor just written
+    index: int
+    count: int
+    bytes_done: int  # tensor data written so far
+    bytes_total: int  # tensor data of the whole file
+
+
+ProgressFn = Callable[[WriteProgress], None]
 
 
 def _write(path: Path, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dict[str, Any],
            plan: Iterable[tuple[str, tuple[int, ...], GGMLQuantizationType, TensorSource]],
-           progress: Callable[[str, int, int], None] | None = None,
+           progress: ProgressFn | None = None,
            metadata_hook: Callable[[Any], None] | None = None) -> None:
-    """Header from ``plan`` (name, torch shape, type, lazy bytes), then each tensor's bytes in turn.
-    ``metadata_hook(writer)`` may edit the metadata before it is written (tests build bad files)."""
+    """Header from ``plan`` (name, torch shape, type, lazy bytes), then each tensor's bytes in turn, so
+    only one tensor's bytes exist at a time. ``metadata_hook(writer)`` may edit the metadata before it is
+    written (tests build bad files)."""
     from gguf import GGUFWriter
 
     plan = list(plan)
@@ -445,27 +473,32 @@ def _write(path: Path, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dic
     write_metadata(w, cfg, vocab, name, extra)
     if metadata_hook is not None:
         metadata_hook(w)
+    total = 0
     for gname, shape, qt, _src in plan:
         nbytes = quantized_nbytes(qt, shape)
+        total += nbytes
         w.add_tensor_info(gname, (*shape[:-1], nbytes // max(1, math.prod(shape[:-1]))), np.dtype(np.uint8),
                           nbytes, raw_dtype=qt)
     try:
         w.write_header_to_file(path)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        done = 0
         for i, (gname, shape, qt, src) in enumerate(plan):
             data = src()
             want = quantized_nbytes(qt, shape)
             if data.dtype != torch.uint8 or data.numel() != want:
                 raise GGUFError(f"tensor '{gname}': encoder gave {data.numel()} bytes, expected {want}")
-            w.write_tensor_data(data.contiguous().reshape(-1).numpy())
+            w.write_tensor_data(data.contiguous().reshape(-1).cpu().numpy())
+            del data  # before the next tensor is made: one tensor's bytes at a time
+            done += want
             if progress:
-                progress(gname, i + 1, len(plan))
+                progress(WriteProgress(gname, i + 1, len(plan), done, total))
     finally:
         w.close()
 
 
-def _canonical_plan(cfg: ModelConfig, weights: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _canonical_plan(cfg: ModelConfig, weights: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     want = dict(expected_shapes(cfg))
     for i in sorted({int(k.split(".")[1]) for k in weights if k.startswith("mtp.") and k.split(".")[1].isdigit()}):
         want.update(mtp_expected_shapes(cfg, i))
@@ -476,11 +509,13 @@ PlanEntry = tuple[str, tuple[int, ...], GGMLQuantizationType, TensorSource]
 
 
 def tensor_plan(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor | GGMLTensor], policy: TypePolicy | str = "q2", *,
+    cfg: ModelConfig, weights: Mapping[str, torch.Tensor | GGMLTensor], policy: TypePolicy | str = "q2", *,
     synthetic: bool = False, seed: int = 0,
 ) -> list[PlanEntry]:
     """(GGUF name, torch shape, type, lazy encoder) for every tensor of ``cfg`` (MTP ones too when
-    ``weights`` has them), in canonical order; the encoders run only when the file is written."""
+    ``weights`` has them), in canonical order; the encoders run only when the file is written and look
+    ``weights[name]`` up then, so a lazy mapping (:class:`ds4x.weights.checkpoint.LazyCheckpoint`) is
+    read one tensor at a time."""
     pol = TypePolicy.preset(policy) if isinstance(policy, str) else policy
     want = _canonical_plan(cfg, weights)
     missing = [c for c in want if c not in weights]
@@ -508,7 +543,7 @@ def tensor_plan(
 def write_gguf(
     path: str | Path,
     cfg: ModelConfig,
-    weights: dict[str, torch.Tensor | GGMLTensor],
+    weights: Mapping[str, torch.Tensor | GGMLTensor],
     policy: TypePolicy | str = "q2",
     *,
     vocab: GGUFVocab | None = None,
@@ -518,6 +553,7 @@ def write_gguf(
     extra: dict[str, Any] | None = None,
     plan: list[PlanEntry] | None = None,
     metadata_hook: Callable[[Any], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> None:
     """Write canonical ``weights`` of ``cfg`` as a ds4-layout GGUF.
 
@@ -538,7 +574,7 @@ def write_gguf(
     meta.setdefault("ds4x.quantizer", quantizer)
     if plan is None:
         plan = tensor_plan(cfg, weights, policy, synthetic=synthetic, seed=seed)
-    _write(Path(path), cfg, vocab, name, meta, plan, metadata_hook=metadata_hook)
+    _write(Path(path), cfg, vocab, name, meta, plan, progress, metadata_hook)
 
 
 def _synthetic_labels(seed: int) -> dict[str, Any]:
@@ -573,14 +609,18 @@ def synthetic_tensor_bytes(canonical: str, shape: tuple[int, ...], qtype: GGMLQu
 
 def write_synthetic_gguf(
     path: str | Path, cfg: ModelConfig, policy: TypePolicy | str = "q2", seed: int = 0,
-    progress: Callable[[str, int, int], None] | None = None, name: str | None = None,
+    progress: ProgressFn | None = None, name: str | None = None, device: torch.device | str = "cpu",
 ) -> None:
     """SYNTHETIC model of ``cfg`` streamed to ``path`` one tensor at a time (peak memory is one
     tensor, so the full-size Flash works): plain tensors from ds4x.weights.synthetic's rules,
-    quantized ones as random valid blocks of the same spread. Labelled synthetic in the metadata."""
+    quantized ones as random valid blocks of the same spread. Labelled synthetic in the metadata.
+
+    The values come from a generator on ``device`` (``cuda`` makes the blocks on the GPU, the same
+    bytes :func:`ds4x.weights.synthetic_gguf.synthetic_quantized_weights` builds there): a seed gives
+    the same file on the same kind of device, but CPU and CUDA streams differ."""
     pol = TypePolicy.preset(policy) if isinstance(policy, str) else policy
     want = expected_shapes(cfg)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def source(c: str, shape: tuple[int, ...], qt: GGMLQuantizationType) -> TensorSource:
         return lambda: synthetic_tensor_bytes(c, shape, qt, cfg, g)
