@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Train the embedded default model: a small DeepSeek-V4 with every feature, on Python sources.
 
-Architecture (``--preset default``, 8.2M parameters): 6 layers: 2 sliding-window layers, then CSA
-(ratio 4, Lightning indexer with index_topk 64, below the 512+ compressed rows of any training context)
+Architecture (``--preset default``, 10.9M parameters): 6 layers: 2 sliding-window layers, then CSA
+(ratio 4, Lightning indexer with index_topk 64, below the 128+ compressed rows of any training context)
 and HCA (ratio 16) alternating; the first 2 MoE layers hash-routed, the rest score-routed; 8 routed experts
 top-2 plus the shared expert; mHC with hc_mult 4; YaRN on the compressed layers. head_dim 128 = 64 nope + 64
 RoPE and index_head_dim 128, so ds4x's native cache applies.
@@ -13,8 +13,10 @@ Data: the Python sources of this machine's standard library and installed packag
 root, e.g. ``json/decoder.py``); training files whose content equals a held-out file are dropped too.
 A byte-level BPE tokenizer (``tokenizers``; <bos>=0, <eos>=1, <pad>=2) is trained on training text.
 Documents are ``<bos> file <eos>``; a share of every batch is a synthetic long-context retrieval task
-(``key = value`` lines planted through code, then ``assert key == value`` for each, in shuffled order;
-the answers weigh more in the loss). Contexts grow from 2048 to 4096 to 8192 tokens (time-based phases).
+(``key = value`` lines planted through code at every depth, then each asked in shuffled order by repeating
+the fact line's prefix ``key =`` at the start of a line, answered by `` value``; the answers weigh more in
+the loss). The fact format comes from ``ds4x.runtime.quality``, which the recall gate uses too. Time-based
+phases: first short sequences (512 tokens) dense in facts, then 2048, 4096 and 8192 tokens.
 
 Training uses transformers' ``DeepseekV4ForCausalLM`` with three additions: an exact but memory-light
 attention (the sliding window evaluated block-wise instead of a dense S x S matrix), a KL loss that trains
@@ -27,7 +29,7 @@ rewritten every ``--save-every`` seconds into ``--out``, with tokenizer.json, he
 
     PYTHONPATH=src python scripts/train_tiny.py --out /tmp/tiny_v4                       # GPU
     PYTHONPATH=src python scripts/train_tiny.py --preset debug --device cpu --wall-budget 90 \\
-        --max-train-mb 2 --vocab 1024 --phases 0.6:256:4,1:512:2 --out /tmp/dbg          # CPU smoke run
+        --max-train-mb 2 --vocab 1024 --phases 0.3:128:8:0.8,1:256:2 --out /tmp/dbg      # CPU smoke run
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -74,7 +77,7 @@ def model_config(preset: str, vocab: int) -> ModelConfig:
         return ModelConfig(
             vocab_size=vocab, hidden_size=256, num_layers=len(ratios), num_heads=8, head_dim=128, rope_head_dim=64,
             q_lora_rank=128, o_groups=4, o_lora_rank=64, n_routed_experts=8, n_shared_experts=1,
-            n_experts_per_tok=2, moe_intermediate_size=64, attn_kinds=kinds(ratios), compress_ratios=ratios,
+            n_experts_per_tok=2, moe_intermediate_size=128, attn_kinds=kinds(ratios), compress_ratios=ratios,
             mlp_hash=(True, True, False, False, False, False), sliding_window=128, index_n_heads=16,
             index_head_dim=128, index_topk=64, hc_mult=4, hc_sinkhorn_iters=20,
             compress_rope_scaling=YarnScaling(4.0, 4096, 32.0, 1.0), max_position_embeddings=16384,
@@ -306,11 +309,11 @@ def encode_docs(tok, texts: list[str]) -> np.ndarray:  # noqa: ANN001
 class Batcher:
     """Batches of plain code windows and synthetic retrieval documents (token level)."""
 
-    def __init__(self, stream: np.ndarray, tok, seed: int, retrieval_frac: float, answer_weight: float):  # noqa: ANN001
+    def __init__(self, stream: np.ndarray, tok, seed: int, answer_weight: float, max_facts: int):  # noqa: ANN001
         self.stream, self.tok = stream, tok
         self.rng = np.random.default_rng(seed)
         self.prng = random.Random(seed)
-        self.retrieval_frac, self.answer_weight = retrieval_frac, answer_weight
+        self.answer_weight, self.max_facts = answer_weight, max_facts
         vocab = tok.get_vocab_size()
         self.ends_nl = np.zeros(vocab, dtype=bool)
         for i in range(vocab):
@@ -326,40 +329,46 @@ class Batcher:
         return self.stream[start : start + n]
 
     def retrieval(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` tokens: <bos>, code with facts planted after line ends, then every fact asked in turn."""
-        n_facts = int(self.rng.integers(2, 13))
+        """``n`` tokens: <bos>, code with facts planted after line ends, then every fact asked in turn.
+
+        A question is the fact line's prefix at the start of a line (`quality.fact_question`); its answer
+        is the rest of that line (value and newline), weighted ``answer_weight`` in the loss.
+        """
+        n_facts = int(self.rng.integers(2, self.max_facts + 1))
         while True:
             facts = Q.distinct_facts(self.prng, n_facts)
-            lines = [self.enc(Q.fact_line(k, v)) for k, v in facts]
+            lines = {k: self.enc(Q.fact_line(k, v)) for k, v in facts}
             qs: list[int] = []
             qw: list[float] = []
-            for k, v in self.prng.sample(facts, len(facts)):
-                a, b = self.enc(Q.fact_question(k)), self.enc(Q.fact_answer(v)) + self.nl
-                qs += a + b
-                qw += [1.0] * len(a) + [self.answer_weight] * len(b)
-            fill = n - 1 - len(self.nl) - sum(map(len, lines)) - len(qs)
+            for k, _ in self.prng.sample(facts, len(facts)):
+                q = self.enc(Q.fact_question(k))
+                assert lines[k][: len(q)] == q, "the question must repeat the fact line's tokens"
+                qs += lines[k]
+                qw += [1.0] * len(q) + [self.answer_weight] * (len(lines[k]) - len(q))
+            fill = n - 1 - len(self.nl) - sum(map(len, lines.values())) - len(qs)
             if fill >= n // 4 or n_facts == 1:
                 break
             n_facts -= 1
         filler = self.window(max(fill, 1))
-        cands = np.nonzero(self.ends_nl[filler[:-1]])[0] + 1  # insert before position c (after a line end)
-        if len(cands) < n_facts:
-            cands = np.arange(1, len(filler))
+        # insertion points, all at line starts (the question repeats a fact's tokens only there): right after
+        # <bos> or after a token that ends a line; short windows may have fewer than facts, then facts stack
+        c = np.concatenate([[0], np.nonzero(self.ends_nl[filler[:-1]])[0] + 1])
         # one fact per equal slice of the insertion points, so every depth is covered
-        picks = sorted(int(self.rng.choice(part)) for part in np.array_split(cands, n_facts) if len(part))
-        ids, w, prev = [BOS], [1.0], 0
-        for p, line in zip(picks, lines, strict=False):
+        bounds = [len(c) * i // n_facts for i in range(n_facts + 1)]
+        picks = [int(self.rng.choice(c[lo : max(hi, lo + 1)])) for lo, hi in itertools.pairwise(bounds)]
+        ids, prev = [BOS], 0
+        for p, line in zip(picks, lines.values(), strict=True):
             ids += filler[prev:p].tolist() + line
             prev = p
         ids += filler[prev:].tolist() + self.nl + qs
         w = [1.0] * (len(ids) - len(qs)) + qw
         return np.array(ids[:n], dtype=np.int64), np.array(w[:n], dtype=np.float32)
 
-    def batch(self, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [b, s+1] and per-target weights [b, s]."""
+    def batch(self, b: int, s: int, retrieval_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [b, s+1] and per-target weights [b, s]; a share ``retrieval_frac`` of the rows is retrieval."""
         ids, ws = [], []
         for _ in range(b):
-            if self.rng.random() < self.retrieval_frac:
+            if self.rng.random() < retrieval_frac:
                 x, w = self.retrieval(s + 1)
             else:
                 x, w = self.window(s + 1).astype(np.int64), np.ones(s + 1, dtype=np.float32)
@@ -370,12 +379,13 @@ class Batcher:
 
 # ---- training -------------------------------------------------------------------------------------
 
-def parse_phases(text: str) -> list[tuple[float, int, int]]:
-    """'0.5:2048:16,0.8:4096:8,1:8192:4' -> [(end fraction, seq, batch), ...]."""
+def parse_phases(text: str, retrieval_frac: float) -> list[tuple[float, int, int, float]]:
+    """'0.2:512:64:0.7,1:2048:16' -> [(end fraction, seq, batch, retrieval share), ...]; a phase without
+    the fourth field uses ``retrieval_frac``."""
     out = []
     for part in text.split(","):
-        f, s, b = part.split(":")
-        out.append((float(f), int(s), int(b)))
+        f, s, b, *r = part.split(":")
+        out.append((float(f), int(s), int(b), float(r[0]) if r else retrieval_frac))
     return out
 
 
@@ -400,7 +410,7 @@ def evaluate(model, heldout: np.ndarray, batcher_eval: Batcher, amp, dev, length
     for length in lengths:
         ok = tot = 0
         for _ in range(2):
-            x, w = batcher_eval.batch(2, length)
+            x, w = batcher_eval.batch(2, length, 1.0)
             x, w = x.to(dev), w.to(dev)
             _, _, hit = lm_loss(model, x, w, amp)
             for row in range(x.shape[0]):  # a question is right when every answer token is
@@ -438,7 +448,7 @@ def pick_experts_impl(model, batcher: Batcher, s: int, b: int, amp, dev) -> tupl
     timings: dict[str, float] = {}
     if dev.type != "cuda" or not hasattr(model, "set_experts_implementation"):
         return "eager", timings
-    x, w = batcher.batch(b, s)
+    x, w = batcher.batch(b, s, 0.0)
     x, w = x.to(dev), w.to(dev)
     for impl in ("grouped_mm", "eager"):
         try:
@@ -481,7 +491,7 @@ def ds4x_eval(path: Path, device: str, deadline: float, lengths: list[int]) -> d
             for mode in ("float", "native"):
                 if time.time() > deadline:
                     break
-                r = Q.recall(engine, text, n_ctx, n_prompts=2, n_facts=8, cache=mode, seed=1)
+                r = Q.recall(engine, text, n_ctx, n_prompts=2, n_facts=10, cache=mode, seed=1)
                 res[f"recall_{n_ctx}_{mode}"] = f"{r.correct}/{r.asked}"
                 log(f"ds4x recall {n_ctx} {mode}: {r.correct}/{r.asked} misses {r.misses[:3]}")
     except Exception as exc:  # the training result stands without these numbers
@@ -500,10 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=float, default=100.0)
     ap.add_argument("--max-train-mb", type=float, default=150.0)
     ap.add_argument("--tokenizer-mb", type=float, default=24.0)
-    ap.add_argument("--phases", default="0.5:2048:16,0.8:4096:8,1:8192:4")
+    ap.add_argument("--phases", default="0.15:512:64:0.75,0.45:2048:16,0.7:4096:8,1:8192:4",
+                    help="end fraction of the time:sequence length:batch[:retrieval share], comma-separated")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--retrieval-frac", type=float, default=0.4)
+    ap.add_argument("--retrieval-frac", type=float, default=0.5, help="retrieval share of phases that name none")
+    ap.add_argument("--max-facts", type=int, default=16, help="facts per retrieval document: 2 to this")
     ap.add_argument("--answer-weight", type=float, default=4.0)
     ap.add_argument("--bias-speed", type=float, default=1e-3, help="expert score-correction bias update")
     ap.add_argument("--shard-mib", type=float, default=10.0)
@@ -515,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     out = Path(args.out)
-    phases = parse_phases(args.phases)
+    phases = parse_phases(args.phases, args.retrieval_frac)
     torch.manual_seed(args.seed)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -580,9 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         r.register_buffer("_load", torch.zeros(cfg.n_routed_experts, device=dev), persistent=False)
         r.register_forward_hook(count_load)
 
-    batcher = Batcher(stream, tok, args.seed, args.retrieval_frac, args.answer_weight)
-    eval_batcher = Batcher(held_stream if len(held_stream) > 20_000 else stream, tok, args.seed + 1, 1.0,
-                           args.answer_weight)
+    batcher = Batcher(stream, tok, args.seed, args.answer_weight, args.max_facts)
+    eval_batcher = Batcher(held_stream if len(held_stream) > 20_000 else stream, tok, args.seed + 1,
+                           args.answer_weight, args.max_facts)
     impl, impl_timings = pick_experts_impl(model, batcher, phases[0][1], phases[0][2], amp, dev)
     log(f"experts implementation: {impl} {impl_timings}")
 
@@ -605,19 +617,19 @@ def main(argv: list[str] | None = None) -> int:
     span = max(t_end - t_start, 1.0)
     step, tokens_seen, last_save = 0, 0, time.time()
     batch_scale = {i: 1.0 for i in range(len(phases))}
-    lengths = sorted({s for _, s, _ in phases} | {phases[0][1]})
+    lengths = sorted({p[1] for p in phases})
     while True:
         now = time.time()
         frac = (now - t_start) / span
         if frac >= 1.0:
             break
-        ph = next(i for i, (f, _, _) in enumerate(phases) if frac < f or i == len(phases) - 1)
-        _, seq, bsz = phases[ph]
+        ph = next(i for i, p in enumerate(phases) if frac < p[0] or i == len(phases) - 1)
+        _, seq, bsz, rfrac = phases[ph]
         bsz = max(1, int(bsz * batch_scale[ph]))
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, w = batcher.batch(bsz, seq)
+        x, w = batcher.batch(bsz, seq, rfrac)
         x, w = x.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
         try:
             patches.kl_terms.clear()

@@ -41,15 +41,15 @@ def test_default_model_has_every_feature_and_fits_the_native_cache():
     assert cfg.hc_mult == 4 and cfg.compress_rope_scaling is not None
     assert cfg.native_cache_error() is None
     log = json.loads((MODEL / "train_log.json").read_text())
-    trained_ctx = max(seq for _, seq, _ in log["phases"])
+    trained_ctx = max(phase[1] for phase in log["phases"])  # (end fraction, length, batch, retrieval share)
     assert cfg.index_topk < trained_ctx // 4  # the indexer really selects at training length
-    assert 4_000_000 < sum(t.numel() for t in weights.values()) < 10_000_000
+    assert 4_000_000 < sum(t.numel() for t in weights.values()) < 17_000_000  # CPU CI runs it: at most ~2x 8.2M
 
 
 def test_artifact_files_are_small():
     files = [f for f in MODEL.iterdir() if f.is_file()]
     assert all(f.stat().st_size <= 16 * 2**20 for f in files)
-    assert sum(f.stat().st_size for f in files if "safetensors" in f.name) < 20_000_000
+    assert sum(f.stat().st_size for f in files if "safetensors" in f.name) < 40_000_000
 
 
 def test_train_log_records_command_time_curve_and_split():
@@ -92,6 +92,15 @@ def test_healed_prompt_moves_the_trailing_space_into_the_first_token(engine):
     allowed = [engine.tokenizer.decode([i]) for i in range(engine.cfg.vocab_size) if mask[i]]
     assert " main" in allowed or " get" in allowed
     assert all(a.startswith(" ") and not a[1].isspace() for a in allowed)
+
+
+def test_question_repeats_the_fact_lines_tokens(engine):
+    # the gate encodes the question apart from the prompt; training builds it as the fact line's prefix
+    tok = engine.tokenizer
+    for key, value in Q.distinct_facts(random.Random(0), 20):
+        question, answer = tok.encode(Q.fact_question(key)), tok.encode(Q.fact_answer(value) + "\n")
+        assert tok.encode(Q.fact_line(key, value)) == question + answer
+        assert tok.encode("x = 1\n" + Q.fact_line(key, value)) == tok.encode("x = 1\n") + question + answer
 
 
 def test_recall_prompt_plants_every_fact_once(engine, heldout):
@@ -137,7 +146,8 @@ def test_def_prompt_continues_as_python(engine):
 
 # ---- the figures of docs/TRAINING.md (slow: about 2 minutes on 2 cores) ------------------------------------
 
-NO_RECALL = pytest.mark.xfail(strict=True, reason="tiny_v4 did not learn retrieval (0% at 2K and 8K, docs/TRAINING.md)")
+NO_RECALL = pytest.mark.xfail(
+    strict=True, reason="tiny_v4's key lookup only began to form (0-1 of 20 at 2K and 8K, docs/TRAINING.md)")
 
 
 @pytest.mark.slow
@@ -156,7 +166,7 @@ def test_greedy_agreement_over_256_tokens(engine):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tiny_v4 writes parseable functions 1 time in 20 (docs/TRAINING.md)")
+@pytest.mark.xfail(strict=True, reason="tiny_v4 writes parseable functions 5 times in 20 (docs/TRAINING.md)")
 def test_sampled_function_bodies_parse(engine):
     res = Q.parse_rate(engine, n=20, seed=0)
     assert all(s.startswith("def") for s in res.samples)

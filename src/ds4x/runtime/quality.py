@@ -7,7 +7,7 @@ All functions run on the CPU (and on CUDA) through the public engine:
 - `perplexity_delta`: the relative perplexity change between two cache semantics (``float`` vs ``native``);
 - `greedy_agreement`: how far two configurations (engine, cache, chunking) agree when decoding greedily;
 - `recall`: facts (``key = value`` lines) planted through a long prompt of held-out code, then asked for at
-  the end (``assert key ==`` -> `` value``);
+  the end by repeating the fact line's prefix on a line of its own (``key =`` -> `` value``);
 - `parse_rate`: how many sampled functions (prompt ``def ``, token-healed; cut at the next statement at the
   function's own level) ``ast.parse`` accepts.
 
@@ -62,17 +62,22 @@ def fact_value(rng: random.Random) -> str:
     return str(rng.randint(1000, 9999))
 
 
-def fact_line(key: str, value: str) -> str:
-    return f"{key} = {value}\n"
-
-
 def fact_question(key: str) -> str:
-    """The question ends before the answer's leading space, as byte-level BPE attaches it to the number."""
-    return f"assert {key} =="
+    """The question: the fact line's own prefix (``misty_falcon =``), asked at the start of a line.
+
+    It repeats the fact's token sequence exactly, so answering is copying what followed it (an induction
+    lookup); it ends before the answer's leading space, as byte-level BPE attaches that to the number.
+    """
+    return f"{key} ="
 
 
 def fact_answer(value: str) -> str:
     return f" {value}"
+
+
+def fact_line(key: str, value: str) -> str:
+    """A planted fact, ``misty_falcon = 4821``: by construction the question followed by the answer."""
+    return fact_question(key) + fact_answer(value) + "\n"
 
 
 def distinct_facts(rng: random.Random, n: int) -> list[tuple[str, str]]:
