@@ -28,8 +28,11 @@ checkpoint (ds4x ``save_checkpoint``, transformers naming, bf16 with fp32 norms/
 rewritten every ``--save-every`` seconds into ``--out``, with tokenizer.json, heldout.txt and train_log.json.
 
     PYTHONPATH=src python scripts/train_tiny.py --out /tmp/tiny_v4                       # GPU
-    PYTHONPATH=src python scripts/train_tiny.py --preset debug --device cpu --wall-budget 90 \\
+    PYTHONPATH=src python scripts/train_tiny.py --preset debug --device cpu --threads 1 --wall-budget 90 \\
         --max-train-mb 2 --vocab 1024 --phases 0.3:128:8:0.8,1:256:2 --out /tmp/dbg      # CPU smoke run
+
+``--init DIR`` continues from a ds4x model directory (its config, weights and tokenizer) instead of starting
+over; docs/TRAINING.md gives the next run's command.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def model_config(preset: str, vocab: int) -> ModelConfig:
             vocab_size=vocab, hidden_size=64, num_layers=len(ratios), num_heads=2, head_dim=128, rope_head_dim=64,
             q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4, n_shared_experts=1,
             n_experts_per_tok=2, moe_intermediate_size=32, attn_kinds=kinds(ratios), compress_ratios=ratios,
-            mlp_hash=(True, False, False, False), sliding_window=16, index_n_heads=16, index_head_dim=128,
+            mlp_hash=(True, False, False, False), sliding_window=64, index_n_heads=16, index_head_dim=128,
             index_topk=8, hc_mult=4, hc_sinkhorn_iters=20, compress_rope_scaling=YarnScaling(4.0, 256, 32.0, 1.0),
             max_position_embeddings=1024, bos_token_id=BOS, eos_token_ids=(EOS,),
         )
@@ -185,6 +188,23 @@ class Patches:
         logq = torch.where(vis, logq, torch.zeros_like(logq))
         kl = (torch.xlogy(target, target) - target * logq).sum(-1)  # [B, S]
         self.kl_terms.append(kl.sum() / (B * has.sum()))
+
+
+def load_init(path: Path, seed: int) -> tuple[ModelConfig, torch.nn.Module, dict]:
+    """(config, training model holding the weights of the ds4x model directory ``path``, its provenance)."""
+    from ds4x.weights.checkpoint import to_hf_names
+
+    cfg, weights = load_checkpoint(path, dtype=torch.float32)
+    model = build_model(cfg, seed)
+    # strict: every parameter and buffer (hash tables, expert biases) must come from the checkpoint
+    model.load_state_dict(to_hf_names(weights), strict=True)
+    info: dict = {"path": str(path), "sha1": hashlib.sha1(b"".join(
+        f.read_bytes() for f in sorted(path.glob("*.safetensors")))).hexdigest()}
+    log_file = path / "train_log.json"
+    if log_file.exists():
+        prev = json.loads(log_file.read_text())
+        info.update({k: prev.get(k) for k in ("command", "steps", "tokens", "init")})
+    return cfg, model, info
 
 
 def build_model(cfg: ModelConfig, seed: int):  # noqa: ANN201
@@ -328,11 +348,13 @@ class Batcher:
         start = int(self.rng.integers(0, len(self.stream) - n))
         return self.stream[start : start + n]
 
-    def retrieval(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def retrieval(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``n`` tokens: <bos>, code with facts planted after line ends, then every fact asked in turn.
 
         A question is the fact line's prefix at the start of a line (`quality.fact_question`); its answer
-        is the rest of that line (value and newline), weighted ``answer_weight`` in the loss.
+        is the rest of that line (value and newline), weighted ``answer_weight`` in the loss. The third
+        array holds, for each answer token, how far back (in tokens) the fact line it copies starts, and -1
+        elsewhere: answers within the sliding window need no compressed attention, the others do.
         """
         n_facts = int(self.rng.integers(2, self.max_facts + 1))
         while True:
@@ -340,9 +362,11 @@ class Batcher:
             lines = {k: self.enc(Q.fact_line(k, v)) for k, v in facts}
             qs: list[int] = []
             qw: list[float] = []
+            asked: list[tuple[str, int, int]] = []  # (key, offset in qs, answer length)
             for k, _ in self.prng.sample(facts, len(facts)):
                 q = self.enc(Q.fact_question(k))
                 assert lines[k][: len(q)] == q, "the question must repeat the fact line's tokens"
+                asked.append((k, len(qs), len(lines[k]) - len(q)))
                 qs += lines[k]
                 qw += [1.0] * len(q) + [self.answer_weight] * (len(lines[k]) - len(q))
             fill = n - 1 - len(self.nl) - sum(map(len, lines.values())) - len(qs)
@@ -356,25 +380,36 @@ class Batcher:
         # one fact per equal slice of the insertion points, so every depth is covered
         bounds = [len(c) * i // n_facts for i in range(n_facts + 1)]
         picks = [int(self.rng.choice(c[lo : max(hi, lo + 1)])) for lo, hi in itertools.pairwise(bounds)]
-        ids, prev = [BOS], 0
-        for p, line in zip(picks, lines.values(), strict=True):
-            ids += filler[prev:p].tolist() + line
+        ids, prev, at = [BOS], 0, {}
+        for p, (k, line) in zip(picks, lines.items(), strict=True):
+            ids += filler[prev:p].tolist()
+            at[k] = len(ids)
+            ids += line
             prev = p
-        ids += filler[prev:].tolist() + self.nl + qs
-        w = [1.0] * (len(ids) - len(qs)) + qw
-        return np.array(ids[:n], dtype=np.int64), np.array(w[:n], dtype=np.float32)
+        ids += filler[prev:].tolist() + self.nl
+        q0 = len(ids)
+        ids += qs
+        w = [1.0] * q0 + qw
+        dist = np.full(len(ids), -1, dtype=np.int64)
+        for k, off, n_ans in asked:
+            end = q0 + off + len(lines[k])
+            dist[end - n_ans : end] = q0 + off - at[k]
+        return np.array(ids[:n], dtype=np.int64), np.array(w[:n], dtype=np.float32), dist[:n]
 
-    def batch(self, b: int, s: int, retrieval_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [b, s+1] and per-target weights [b, s]; a share ``retrieval_frac`` of the rows is retrieval."""
-        ids, ws = [], []
+    def batch(self, b: int, s: int, retrieval_frac: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [b, s+1], per-target weights [b, s] and per-target fact distances [b, s] (-1: not an answer);
+        a share ``retrieval_frac`` of the rows is retrieval."""
+        ids, ws, ds = [], [], []
         for _ in range(b):
             if self.rng.random() < retrieval_frac:
-                x, w = self.retrieval(s + 1)
+                x, w, d = self.retrieval(s + 1)
             else:
                 x, w = self.window(s + 1).astype(np.int64), np.ones(s + 1, dtype=np.float32)
+                d = np.full(s + 1, -1, dtype=np.int64)
             ids.append(x)
-            ws.append(w[1:])
-        return torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(ws))
+            ws.append(w[1:])  # target t is token t+1: its weight and distance
+            ds.append(d[1:])
+        return torch.from_numpy(np.stack(ids)), torch.from_numpy(np.stack(ws)), torch.from_numpy(np.stack(ds))
 
 
 # ---- training -------------------------------------------------------------------------------------
@@ -398,6 +433,27 @@ def lm_loss(model, ids: torch.Tensor, weights: torch.Tensor, amp) -> tuple[torch
     return (nll * weights).sum() / weights.sum(), nll.detach(), hit
 
 
+def answers(hit: torch.Tensor, dist: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(whole answer right, fact distance) per answer of a batch: an answer is a run of answer targets
+    (``dist >= 0``), right when every one of its tokens is the argmax."""
+    h, d = hit.cpu().numpy(), dist.cpu().numpy()
+    ok, far = [], []
+    for row in range(d.shape[0]):
+        idx = np.nonzero(d[row] >= 0)[0]
+        for g in np.split(idx, np.nonzero(np.diff(idx) > 1)[0] + 1) if len(idx) else []:
+            ok.append(bool(h[row, g].all()))
+            far.append(int(d[row, g[0]]))
+    return np.array(ok, dtype=bool), np.array(far, dtype=np.int64)
+
+
+def answer_stats(ok: np.ndarray, dist: np.ndarray, window: int) -> dict:
+    """Whole answers right, split by whether the fact lies within the sliding window (None: no such answer)."""
+    near = dist < window
+    return {"answers_near": round(float(ok[near].mean()), 3) if near.any() else None,
+            "answers_far": round(float(ok[~near].mean()), 3) if (~near).any() else None,
+            "n_near": int(near.sum()), "n_far": int((~near).sum())}
+
+
 @torch.no_grad()
 def evaluate(model, heldout: np.ndarray, batcher_eval: Batcher, amp, dev, lengths: list[int]) -> dict:  # noqa: ANN001
     model.eval()
@@ -408,19 +464,12 @@ def evaluate(model, heldout: np.ndarray, batcher_eval: Batcher, amp, dev, length
     _, nll, _ = lm_loss(model, x, torch.ones(n, s, device=dev), amp)
     out["heldout_loss"] = float(nll.mean())
     for length in lengths:
-        ok = tot = 0
+        ok = []
         for _ in range(2):
-            x, w = batcher_eval.batch(2, length, 1.0)
-            x, w = x.to(dev), w.to(dev)
-            _, _, hit = lm_loss(model, x, w, amp)
-            for row in range(x.shape[0]):  # a question is right when every answer token is
-                ans = (w[row] > 1).cpu().numpy()
-                idx = np.nonzero(ans)[0]
-                groups = np.split(idx, np.nonzero(np.diff(idx) > 1)[0] + 1) if len(idx) else []
-                for g in groups:
-                    tot += 1
-                    ok += int(bool(hit[row, torch.from_numpy(g).to(dev)].all()))
-        out[f"recall_tf_{length}"] = ok / max(tot, 1)
+            x, w, dist = batcher_eval.batch(2, length, 1.0)
+            _, _, hit = lm_loss(model, x.to(dev), w.to(dev), amp)
+            ok.append(answers(hit, dist)[0])
+        out[f"recall_tf_{length}"] = float(np.concatenate(ok).mean())
     model.train()
     return out
 
@@ -448,7 +497,7 @@ def pick_experts_impl(model, batcher: Batcher, s: int, b: int, amp, dev) -> tupl
     timings: dict[str, float] = {}
     if dev.type != "cuda" or not hasattr(model, "set_experts_implementation"):
         return "eager", timings
-    x, w = batcher.batch(b, s, 0.0)
+    x, w, _ = batcher.batch(b, s, 0.0)
     x, w = x.to(dev), w.to(dev)
     for impl in ("grouped_mm", "eager"):
         try:
@@ -503,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to (re)write")
     ap.add_argument("--preset", default="default", choices=["default", "debug"])
+    ap.add_argument("--init", help="continue from this ds4x model directory (its config, weights and tokenizer; "
+                                   "--preset and --vocab are then ignored)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--wall-budget", type=float, default=500.0, help="seconds from start to the final save")
@@ -523,12 +574,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-budget", type=float, default=50.0, help="seconds for ds4x's quality gates at the end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
 
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     out = Path(args.out)
     phases = parse_phases(args.phases, args.retrieval_frac)
     torch.manual_seed(args.seed)
+    if args.threads > 0:  # on a shared CPU, more threads than free cores make every op many times slower
+        torch.set_num_threads(args.threads)
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -548,15 +602,21 @@ def main(argv: list[str] | None = None) -> int:
 
     train_docs, held_docs, data_stats = collect(int(args.max_train_mb * 2**20), args.seed)
     log(f"data {json.dumps({k: v for k, v in data_stats.items() if k != 'roots'})} roots {data_stats['roots']}")
-    tok_texts, size = [], 0
-    for _, t in train_docs:
-        if size >= args.tokenizer_mb * 2**20:
-            break
-        tok_texts.append(t)
-        size += len(t)
-    tok = train_tokenizer(tok_texts, args.vocab)
+    if args.init:  # continued training keeps the tokenizer the weights were trained with
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.init) / "tokenizer.json"))
+        log(f"tokenizer: vocab {tok.get_vocab_size()} from {args.init}")
+    else:
+        tok_texts, size = [], 0
+        for _, t in train_docs:
+            if size >= args.tokenizer_mb * 2**20:
+                break
+            tok_texts.append(t)
+            size += len(t)
+        tok = train_tokenizer(tok_texts, args.vocab)
+        log(f"tokenizer: vocab {tok.get_vocab_size()} trained on {size / 2**20:.1f} MiB")
     vocab = tok.get_vocab_size()
-    log(f"tokenizer: vocab {vocab} trained on {size / 2**20:.1f} MiB")
     stream = encode_docs(tok, [t for _, t in train_docs])
     held_for_eval, size = [], 0
     for _, t in held_docs:  # enough held-out text for the evaluations during training
@@ -577,9 +637,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "heldout.txt").write_text("\n\n".join(sample), encoding="utf-8")
 
-    cfg = model_config(args.preset, vocab)
     patches = Patches()
-    model = build_model(cfg, args.seed).to(dev)
+    init_info = None
+    if args.init:
+        cfg, model, init_info = load_init(Path(args.init), args.seed)
+        model.to(dev)
+        log(f"initialised from {json.dumps(init_info)}")
+    else:
+        cfg = model_config(args.preset, vocab)
+        model = build_model(cfg, args.seed).to(dev)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params:,} parameters, {cfg.layer_summary()}")
@@ -610,14 +676,20 @@ def main(argv: list[str] | None = None) -> int:
                         "% 50 == 0; training files whose content equals a held-out file are dropped; "
                         "heldout.txt holds whole held-out files of <= 24 KB, sorted by path, joined by a blank line",
         "params": n_params, "config": cfg.to_hf_dict(), "phases": phases, "lr": args.lr,
-        "retrieval_frac": args.retrieval_frac, "answer_weight": args.answer_weight, "loss_curve": [], "evals": [],
+        "retrieval_frac": args.retrieval_frac, "answer_weight": args.answer_weight, "max_facts": args.max_facts,
+        "warmup": args.warmup, "init": init_info, "loss_curve": [], "evals": [],
     }
+    lengths = sorted({p[1] for p in phases})
+    if args.init:  # where training starts: comparable with the last evaluation in the init model's log
+        ev = evaluate(model, held_stream, eval_batcher, amp, dev, lengths)
+        ev.update(step=0, time_s=0.0)
+        train_log["evals"].append(ev)
+        log(f"eval {json.dumps(ev)}")
     t_start = time.time()
     t_end = T0 + args.wall_budget - args.reserve
     span = max(t_end - t_start, 1.0)
     step, tokens_seen, last_save = 0, 0, time.time()
     batch_scale = {i: 1.0 for i in range(len(phases))}
-    lengths = sorted({p[1] for p in phases})
     while True:
         now = time.time()
         frac = (now - t_start) / span
@@ -629,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, w = batcher.batch(bsz, seq, rfrac)
+        x, w, dist = batcher.batch(bsz, seq, rfrac)
         x, w = x.to(dev, non_blocking=True), w.to(dev, non_blocking=True)
         try:
             patches.kl_terms.clear()
@@ -653,12 +725,13 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         tokens_seen += bsz * seq
         if step % args.log_every == 0:
-            ans = w > 1
+            ans = dist.to(dev) >= 0
             entry = {"step": step, "time_s": round(time.time() - t_start, 1), "tokens": tokens_seen, "seq": seq,
                      "batch": bsz, "lr": lr, "loss": round(float(loss.detach()), 4),
                      "text_loss": round(float(nll[~ans].mean()), 4),
                      "indexer_kl": round(float(kl.detach()), 4),
-                     "answer_acc": round(float(hit[ans].float().mean()), 3) if bool(ans.any()) else None}
+                     "answer_acc": round(float(hit[ans].float().mean()), 3) if bool(ans.any()) else None,
+                     **answer_stats(*answers(hit, dist), cfg.sliding_window)}
             train_log["loss_curve"].append(entry)
             log(json.dumps(entry))
         if time.time() - last_save > args.save_every:
@@ -681,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         model.cpu()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        lens = [n for n in (2048, 8192) if n <= cfg.max_position_embeddings] if args.preset == "default" else [256]
+        lens = [n for n in (2048, 8192) if n <= cfg.max_position_embeddings] or [256]  # 256: the debug preset
         train_log["ds4x_eval"] = ds4x_eval(out, str(dev), time.time() + args.eval_budget, lens)
         log(f"ds4x eval {json.dumps(train_log['ds4x_eval'])}")
         (out / "train_log.json").write_text(json.dumps(train_log, indent=1) + "\n")

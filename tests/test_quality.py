@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from ds4x.assets import default_model_path
 from ds4x.config import CSA, HCA, SLIDING
@@ -101,6 +102,29 @@ def test_question_repeats_the_fact_lines_tokens(engine):
         question, answer = tok.encode(Q.fact_question(key)), tok.encode(Q.fact_answer(value) + "\n")
         assert tok.encode(Q.fact_line(key, value)) == question + answer
         assert tok.encode("x = 1\n" + Q.fact_line(key, value)) == tok.encode("x = 1\n") + question + answer
+
+
+def test_training_answers_copy_the_planted_fact(engine, heldout):
+    # scripts/train_tiny.py's retrieval rows: every answer target is the token its fact distance back, and
+    # only answers carry the answer weight (a shifted label or weight would train on the wrong token)
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    tt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    tok = engine.tokenizer._tok
+    batcher = tt.Batcher(tt.encode_docs(tok, [heldout[:60_000]]), tok, seed=0, answer_weight=4.0, max_facts=16)
+    x, w, dist = (t.numpy() for t in batcher.batch(4, 512, 1.0))
+    rows, targets = np.nonzero(dist >= 0)
+    assert len(targets) > 4 * 2 * 3  # at least 2 facts of 3+ answer tokens per row
+    assert (x[rows, targets + 1] == x[rows, targets + 1 - dist[rows, targets]]).all()
+    assert (w[dist >= 0] == 4.0).all() and (w[dist < 0] == 1.0).all()
+    ok, far = tt.answers(torch.ones(x[:, 1:].shape, dtype=torch.bool), torch.from_numpy(dist))
+    assert ok.all() and len(ok) == len(np.split(targets, np.nonzero(np.diff(targets) != 1)[0] + 1))
 
 
 def test_recall_prompt_plants_every_fact_once(engine, heldout):
