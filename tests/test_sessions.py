@@ -28,8 +28,9 @@ def _logits_by_chunks(engine, ids, chunks, cache="float"):
 
 # float: only float reduction order differs between chunkings. native: a last-bit difference can move a
 # value across an E4M3/MXFP4 rounding boundary, so the agreement is looser (bit-exact chunking is the
-# packed cache's `exact` prefill mode).
-@pytest.mark.parametrize("cache, tol", [("float", 1e-5), ("native", 5e-4)])
+# packed cache's `exact` prefill mode). How far such a flip moves the logits depends on the prompt and on the
+# last bits of everything before it (measured 1e-4 to 1e-3 for most prompts of this length, 1e-1 for one).
+@pytest.mark.parametrize("cache, tol", [("float", 1e-5), ("native", 2e-3)])
 def test_one_chunk_irregular_chunks_and_token_by_token_agree(engine, cache, tol):
     ids = _prompt(150, engine.cfg.vocab_size)
     whole = _logits_by_chunks(engine, ids, [150], cache)

@@ -9,11 +9,19 @@ their own kernels here, so the model layer never touches a weight's storage dire
   weights in safetensors give the same logits.
 - CUDA: :mod:`ds4x.kernels.quant_matmul` multiplies straight from the packed blocks. Set
   ``DS4X_QUANT_KERNEL=torch`` to force the reference there too.
+
+Inside ``rowwise_products()`` every product computes each row on its own (batch invariance): a matmul
+library picks its kernel, and so its reduction order, by the number of rows, so a row's result otherwise
+depends on how many other rows share the call. Row by row, a batched step gives each row exactly what a
+batch of one gives it (the server's decode steps use this on the CPU; it reads the weight once per row).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +29,29 @@ import torch.nn.functional as F
 from ds4x.formats.ggml_tensor import GGMLTensor
 
 Weight = torch.Tensor | GGMLTensor
+
+_ROWWISE: ContextVar[bool] = ContextVar("ds4x_rowwise_products", default=False)
+
+
+@contextmanager
+def rowwise_products(enabled: bool = True) -> Iterator[None]:
+    """Within the block (this thread/context), ``linear`` and ``grouped_linear`` compute each row alone."""
+    token = _ROWWISE.set(enabled)
+    try:
+        yield
+    finally:
+        _ROWWISE.reset(token)
+
+
+def rowwise_enabled() -> bool:
+    return _ROWWISE.get()
+
+
+def _by_row(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ wt [in, out], one [1, in] x [in, out] product per row (one batched call; the expanded
+    weight is a view, not a copy)."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    return torch.bmm(rows, wt.expand(rows.shape[0], *wt.shape)).view(*x.shape[:-1], wt.shape[-1])
 
 
 def _quant_kernels(w: GGMLTensor):  # -> module or None
@@ -43,12 +74,19 @@ def quant_kernel_name(w: Weight) -> str:
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T in x's dtype."""
+    rowwise = _ROWWISE.get()
     if isinstance(weight, GGMLTensor):
         qm = _quant_kernels(weight)
         if qm is not None:
+            if rowwise:
+                rows = x.reshape(-1, x.shape[-1])
+                out = torch.cat([qm.quant_linear(rows[i : i + 1], weight) for i in range(rows.shape[0])])
+                return out.view(*x.shape[:-1], -1)
             return qm.quant_linear(x, weight)
-        return F.linear(x, weight.dequantize(x.dtype))
-    return F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)
+        dense = weight.dequantize(x.dtype)
+    else:
+        dense = weight.to(x.dtype) if weight.dtype != x.dtype else weight
+    return _by_row(x, dense.t()) if rowwise else F.linear(x, dense)
 
 
 def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor:
@@ -56,10 +94,14 @@ def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor
     if isinstance(weight, GGMLTensor):
         qm = _quant_kernels(weight)
         if qm is not None:
+            if _ROWWISE.get():
+                return torch.cat([qm.quant_grouped_linear(x[i : i + 1], weight, groups) for i in range(x.shape[0])])
             return qm.quant_grouped_linear(x, weight, groups)
         w = weight.dequantize(x.dtype).view(groups, -1, weight.shape[-1])
-        return torch.einsum("tgi,goi->tgo", x, w)
-    w = weight.view(groups, -1, weight.shape[-1]).to(x.dtype)
+    else:
+        w = weight.view(groups, -1, weight.shape[-1]).to(x.dtype)
+    if _ROWWISE.get():
+        return torch.stack([_by_row(x[:, g], w[g].t()) for g in range(groups)], dim=1)
     return torch.einsum("tgi,goi->tgo", x, w)
 
 

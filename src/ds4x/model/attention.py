@@ -11,6 +11,10 @@ grouped output projection (G groups -> o_lora each -> hidden).
 
 Rows are read from the cache's stores (float, native or packed); the arithmetic after the read is the
 same for every storage, which is what makes packed and native-unpacked logits bit-identical.
+
+Batching: one call serves the tokens of several caches (``Segment``s of the batch). The projections, norms,
+RoPE and output projection are token-local and run over the whole batch; writing rows, the compressors,
+indexer selection and attention over stored rows run per cache. A single session is the batch of one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ds4x.kernels.attention import attention_decode_triton
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
-from ds4x.kernels.select import select_topk, select_topk_blocked
+from ds4x.kernels.select import select_topk, select_topk_radix
 from ds4x.model.cache import LayerState, ModelCache, RowStore
 from ds4x.model.norms import rms_norm
 from ds4x.model.rope import apply_rope, cos_sin
@@ -56,37 +60,55 @@ def _emit_windows(proj: RowStore, ape: torch.Tensor, first: int, last: int, rati
     return (k * g.softmax(dim=1)).sum(dim=1)
 
 
-def _compress(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, proj: RowStore, rows: RowStore,
+def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torch.Tensor, norm: torch.Tensor,
               p0: int, ratio: int, overlap: bool, width: int, cfg: ModelConfig,
               rope: tuple[torch.Tensor, float]) -> int:
-    """Store this chunk's compressor projections, emit rows for windows that closed; return the row count."""
-    T = x.shape[0]
-    kv = linear(x, w[prefix + "wkv.weight"]).float()
-    gate = linear(x, w[prefix + "wgate.weight"]).float()
-    proj.write(p0, torch.cat([kv, gate], dim=-1))
+    """Store one cache's compressor projections [T, kv | gate] from p0, emit rows for windows that closed;
+    return the row count."""
+    T = projected.shape[0]
+    proj.write(p0, projected)
     first, last = p0 // ratio, (p0 + T) // ratio
     if last > first:
-        pooled = _emit_windows(proj, w[prefix + "ape"], first, last, ratio, overlap, width)
-        normed = rms_norm(pooled, w[prefix + "norm.weight"], cfg.rms_norm_eps)
-        positions = torch.arange(first, last, device=x.device) * ratio  # RoPE at each window's first token
+        pooled = _emit_windows(proj, ape, first, last, ratio, overlap, width)
+        normed = rms_norm(pooled, norm, cfg.rms_norm_eps)
+        positions = torch.arange(first, last, device=projected.device) * ratio  # RoPE at each window's first token
         cos, sin = cos_sin(rope, positions)
         rows.write(first, apply_rope(normed, cos, sin))
     return last
 
 
+def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The compressor's per-token [kv | gate] projections, float32 (token-local: runs over the whole batch)."""
+    return torch.cat([linear(x, w[prefix + "wkv.weight"]).float(), linear(x, w[prefix + "wgate.weight"]).float()],
+                     dim=-1)
+
+
+@dataclass
+class Segment:
+    """One cache's share of a batched pass: rows [start, start + length) of the batch, at positions
+    cache.length .. cache.length + length - 1."""
+
+    cache: ModelCache
+    start: int
+    length: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.length)
+
+
 @dataclass
 class _Step:
-    """What the attention of one layer knows after writing this step's rows (shared by both key paths)."""
+    """What the attention of one layer knows about one cache after writing this step's rows (shared by both
+    key paths)."""
 
     layer: int
-    x: torch.Tensor  # block input [T, hidden]
-    q_res: torch.Tensor  # q_lora residual [T, q_lora]
     positions: torch.Tensor  # [T]
     p0: int  # first of the T positions
     lo: int  # oldest raw position any of the T queries sees
     n_rows: int  # compressed rows emitted so far
-    cos: torch.Tensor
-    sin: torch.Tensor
+    index_q: torch.Tensor | None  # CSA: indexer queries [T, H, D] as the cache scores them
+    index_w: torch.Tensor | None  # CSA: indexer head weights [T, H] (x H^-1/2)
     w: dict[str, torch.Tensor]
     cfg: ModelConfig
     cache: ModelCache
@@ -103,48 +125,60 @@ class _Step:
     def sinks(self) -> torch.Tensor:
         return self.w[f"layers.{self.layer}.attn.attn_sink"]
 
-    def indexer_query(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [T, H, D] as the cache scores them, and head weights [T, H] (x H^-1/2)."""
-        cfg, p = self.cfg, f"layers.{self.layer}.attn.indexer."
-        q = linear(self.q_res, self.w[p + "wq_b.weight"]).view(-1, cfg.index_n_heads, cfg.index_head_dim)
-        q = self.cache.indexer_query(apply_rope(q, self.cos, self.sin))
-        return q, linear(self.x, self.w[p + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
-
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
-              cache: ModelCache, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """One attention block for the T tokens at ``positions`` (consecutive, starting at cache.length)."""
+              segments: list[Segment], rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """One attention block for a batch of N tokens x [N, hidden] at ``positions`` [N].
+
+    ``segments`` split the batch by cache (each segment's positions are consecutive from its cache.length).
+    Token-local work (projections, norms, RoPE, the output projection) runs over all N rows at once; the
+    cache writes, compressors, indexer selection and attention over stored rows run per segment.
+    """
     p = f"layers.{layer}.attn."
-    st: LayerState = cache.layers[layer]
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
-    T, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
-    p0 = cache.length  # the first position, as a host int (reading positions[0] would sync the GPU)
+    N, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
     cos, sin = cos_sin(rope, positions)
 
     q_res = rms_norm(linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
-    q = linear(q_res, w[p + "wq_b.weight"]).view(T, nh, hd)
+    q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)
     q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), cos, sin).float()
-    kv = rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps)
-    st.raw.write(p0, apply_rope(kv, cos, sin))
-
-    n_rows = 0
+    kv = apply_rope(rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps), cos, sin)
+    comp = idx = index_q = index_w = None
     if kind in (CSA, HCA):
-        assert st.comp_proj is not None and st.comp_rows is not None
-        n_rows = _compress(x, w, p + "compressor.", st.comp_proj, st.comp_rows, p0, ratio, kind == CSA, hd, cfg,
-                           rope)
-        if kind == CSA:
+        comp = _compressor_projection(x, w, p + "compressor.")
+    if kind == CSA:
+        idx = _compressor_projection(x, w, p + "indexer.compressor.")
+        ip = p + "indexer."
+        index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
+        index_q = apply_rope(index_q, cos, sin)
+        index_w = linear(x, w[ip + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+
+    outs = []
+    for seg in segments:
+        cache, r = seg.cache, seg.rows
+        st: LayerState = cache.layers[layer]
+        p0 = cache.length  # the first position, as a host int (reading positions[0] would sync the GPU)
+        st.raw.write(p0, kv[r])
+        n_rows = 0
+        if comp is not None:
+            assert st.comp_proj is not None and st.comp_rows is not None
+            n_rows = _compress(comp[r], st.comp_proj, st.comp_rows, w[p + "compressor.ape"],
+                               w[p + "compressor.norm.weight"], p0, ratio, kind == CSA, hd, cfg, rope)
+        if idx is not None:
             assert st.idx_proj is not None and st.idx_rows is not None
-            _compress(x, w, p + "indexer.compressor.", st.idx_proj, st.idx_rows, p0, ratio, True,
-                      cfg.index_head_dim, cfg, rope)
-    step = _Step(layer, x, q_res, positions, p0, max(0, p0 - cfg.sliding_window + 1), n_rows, cos, sin, w, cfg,
-                 cache)
-    if T == 1 and cache.mode != "float" and use_triton(x.device):
-        out = _decode_triton(step, q[0])[None]
-    else:
-        out = _attend_reference(step, q)
+            _compress(idx[r], st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
+                      w[p + "indexer.compressor.norm.weight"], p0, ratio, True, cfg.index_head_dim, cfg, rope)
+        step = _Step(layer, positions[r], p0, max(0, p0 - cfg.sliding_window + 1), n_rows,
+                     None if index_q is None else cache.indexer_query(index_q[r]),
+                     None if index_w is None else index_w[r], w, cfg, cache)
+        if seg.length == 1 and cache.mode != "float" and use_triton(x.device):
+            outs.append(_decode_triton(step, q[r][0])[None])
+        else:
+            outs.append(_attend_reference(step, q[r]))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
-    grouped = grouped_linear(out.reshape(T, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
-    return linear(grouped.reshape(T, -1), w[p + "wo_b.weight"])
+    grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
+    return linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
 
 
 def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
@@ -157,9 +191,9 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     if step.kind == HCA:
         sources.append((st.comp_rows.data, torch.arange(n_rows, device=dev)))
     elif step.kind == CSA and n_rows:
-        qi, wi = step.indexer_query()
-        scores = indexer_scores_triton(qi[0], wi[0], st.idx_rows.data, n_rows, packed)
-        index, valid = select_topk_blocked(scores, n_rows, cfg.index_topk)
+        assert step.index_q is not None and step.index_w is not None
+        scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
+        index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
         sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
     return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
@@ -181,8 +215,8 @@ def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
             shared.append(st.comp_rows.read(0, n_rows))
             visible.append(row_visible)
         else:
-            qi, wi = step.indexer_query()
-            scores = indexer_scores(qi, wi, st.idx_rows.read, n_rows)
+            assert step.index_q is not None and step.index_w is not None
+            scores = indexer_scores(step.index_q, step.index_w, st.idx_rows.read, n_rows)
             index, picked_ok = select_topk(scores, row_visible, cfg.index_topk)
             picked = st.comp_rows.gather(index)
             if step.cache.selections is not None:

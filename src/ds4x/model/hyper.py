@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import ModelConfig
+from ds4x.kernels.linear import linear
+from ds4x.model.activations import sigmoid
 from ds4x.model.norms import rms_norm
 
 
@@ -19,11 +21,11 @@ def hc_pre(
     """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n])."""
     n = cfg.hc_mult
     flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
-    mixes = flat @ fn.float().t()
+    mixes = linear(flat, fn.float())
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    pre = sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
+    post = 2 * sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + cfg.hc_eps
     eps = cfg.hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
@@ -44,5 +46,5 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             cfg: ModelConfig) -> torch.Tensor:
     """Final collapse of the n streams [T, n, H] -> [T, H]."""
     flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
-    pre = torch.sigmoid((flat @ fn.float().t()) * scale.float() + base.float()) + cfg.hc_eps
+    pre = sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + cfg.hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

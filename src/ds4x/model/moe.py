@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import Weight, has_routed_kernel, linear, routed_linear
+from ds4x.kernels.linear import Weight, has_routed_kernel, linear, routed_linear, rowwise_enabled
+from ds4x.model.activations import sigmoid, silu, softplus
 
 
 def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
     if func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return softplus(logits).sqrt()
     if func == "softmax":
         return logits.softmax(dim=-1)
-    return torch.sigmoid(logits)
+    return sigmoid(logits)
 
 
 def route(
@@ -35,7 +35,7 @@ def route(
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def experts_by_expert(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
@@ -69,7 +69,8 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     """x [T, H] -> routed experts (weighted) + shared expert."""
     ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
-    fused = has_routed_kernel(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS
+    # row-wise products (batch invariance) must not switch paths with the batch size: by slot is per row
+    fused = has_routed_kernel(w1) and (ids.numel() <= BY_SLOT_MAX_PAIRS or rowwise_enabled())
     out = (experts_by_slot if fused else experts_by_expert)(x, w1, w3, w2, ids, weights, cfg.swiglu_limit)
     s = prefix + "shared_experts."
     h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)

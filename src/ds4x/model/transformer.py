@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import embedding, linear
-from ds4x.model.attention import attention
+from ds4x.kernels.linear import embedding, linear, rowwise_products
+from ds4x.model.attention import Segment, attention
 from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
 from ds4x.model.moe import moe
@@ -25,36 +27,64 @@ class Transformer:
     def new_cache(self, ctx: int, mode: str = "float", chunk: int = 512) -> ModelCache:
         return ModelCache(self.cfg, ctx, self.device, mode, chunk)
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, all_logits: bool = False) -> torch.Tensor:
         """Evaluate ``tokens`` [T] at positions cache.length.. and advance the cache.
 
         Returns float32 logits of the last token [V] (or of every token [T, V] with ``all_logits``).
         """
+        logits = self.forward_batch([tokens], [cache], all_logits)
+        return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: Sequence[torch.Tensor], caches: Sequence[ModelCache], all_logits: bool = False,
+                      rowwise: bool = False) -> torch.Tensor:
+        """Evaluate ``tokens[i]`` (1-D, at least one token) after ``caches[i]`` for every i in one pass.
+
+        The caches may hold different lengths; each advances by its own tokens. Token-local work runs over
+        all rows together, attention over each cache's rows (:func:`ds4x.model.attention.attention`).
+        Returns float32 logits of each cache's last token [B, V] (of every token [sum T_i, V] with
+        ``all_logits``, in batch order). With ``rowwise`` every product computes each row alone
+        (:func:`ds4x.kernels.linear.rowwise_products`), so a session's rows do not depend on the others.
+        """
+        if len(tokens) != len(caches) or not caches:
+            raise ValueError(f"forward_batch needs one token list per cache, got {len(tokens)} for {len(caches)}")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a cache appears twice in one batch")
+        segments, start = [], 0
+        for cache, t in zip(caches, tokens, strict=True):
+            n = int(t.shape[0])
+            if n == 0:
+                raise ValueError("forward needs at least one token per cache")
+            cache.check_room(n)
+            segments.append(Segment(cache, start, n))
+            start += n
+        ids = torch.cat([t.reshape(-1) for t in tokens]).to(self.device)
+        positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.length, device=self.device)
+                               for s in segments])
+        with rowwise_products(rowwise):
+            return self._forward(ids, positions, segments, all_logits)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                 all_logits: bool) -> torch.Tensor:
         cfg, w = self.cfg, self.w
-        T = tokens.shape[0]
-        if T == 0:
-            raise ValueError("forward needs at least one token")
-        cache.check_room(T)
-        tokens = tokens.to(self.device)
-        positions = torch.arange(cache.length, cache.length + T, device=self.device)
-        x = embedding(w["embed.weight"], tokens, self.dtype)
-        streams = x.unsqueeze(1).expand(T, cfg.hc_mult, cfg.hidden_size).contiguous()
+        N = ids.shape[0]
+        x = embedding(w["embed.weight"], ids, self.dtype)
+        streams = x.unsqueeze(1).expand(N, cfg.hc_mult, cfg.hidden_size).contiguous()
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             block_in, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"],
                                           w[p + "hc_attn_scale"], cfg)
             h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
-            out = attention(h, w, i, positions, cfg, cache, self.rope[rope_kind(cfg, i)])
+            out = attention(h, w, i, positions, cfg, segments, self.rope[rope_kind(cfg, i)])
             streams = hc_post(streams, out, post, comb)
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
                                           w[p + "hc_ffn_scale"], cfg)
             h = rms_norm(block_in, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-            out = moe(h, w, p + "ffn.", tokens, cfg, cfg.is_hash_layer(i))
+            out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i))
             streams = hc_post(streams, out, post, comb)
-        cache.length += T
-        if not all_logits:
-            streams = streams[-1:]
+        for s in segments:
+            s.cache.length += s.length
+        if not all_logits:  # each cache's last token
+            streams = streams[[s.start + s.length - 1 for s in segments]]
         h = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg)
-        logits = linear(rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["head.weight"]).float()
-        return logits if all_logits else logits[0]
+        return linear(rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["head.weight"]).float()

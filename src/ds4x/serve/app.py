@@ -4,10 +4,11 @@ Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST
 (streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or one JSON body),
 ``GET /metrics`` (Prometheus text).
 
-Scope of this first slice: one engine, and requests are served **one at a time**: an asyncio lock is held
-for the whole request and every decode step runs in a worker thread, so the event loop stays responsive
-(``/health``, ``/metrics``, disconnect detection) while a request generates. Continuous batching, prefix
-reuse across requests and tool-call parsing are later work. Each request gets a fresh session.
+Requests are served with continuous batching by one engine worker thread (:mod:`ds4x.serve.scheduler`): each
+request gets its own session, decode steps are batched over all generating requests, prompts are evaluated in
+chunks between them, and admission is bounded by a KV-memory budget and a wait queue (past it: 429; while
+shutting down: 503). A client that disconnects frees its session before the next step. Prefix reuse across
+requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
 
 Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
 one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
@@ -26,24 +27,29 @@ Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ds4x.runtime.engine import Engine, GenerationStats
+from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
-from ds4x.runtime.tokenizer import TextStream
+from ds4x.serve.scheduler import Generation, Job, Piece, Rejected, Scheduler, default_kv_budget, queue_delivery
+
+if TYPE_CHECKING:
+    from ds4x.runtime.prefix_cache import PrefixCache
 
 _MAX_INT = 2**31 - 1
 
@@ -124,109 +130,61 @@ class ChatRequest(_SamplingRequest):
 
 @dataclass
 class Metrics:
-    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    cancelled: int = 0
-    running: int = 0
-    waiting: int = 0
+    """Counters of the HTTP side (the event loop); the engine's own come from the scheduler."""
 
-    def render(self) -> str:
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
+
+    def render(self, scheduler: Scheduler | None) -> str:
         lines = ["# HELP ds4x_requests_total HTTP requests answered, by endpoint and status.",
                  "# TYPE ds4x_requests_total counter"]
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f'ds4x_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
-        for name, kind, help_, value in (
-            ("ds4x_prompt_tokens_total", "counter", "Prompt tokens evaluated.", self.prompt_tokens),
-            ("ds4x_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            ("ds4x_requests_cancelled_total", "counter", "Generations stopped by a client disconnect.",
-             self.cancelled),
-            ("ds4x_requests_running", "gauge", "Requests generating now.", self.running),
-            ("ds4x_requests_waiting", "gauge", "Requests waiting for the engine.", self.waiting),
-        ):
+        if scheduler is None:
+            return "\n".join(lines) + "\n"
+        st, g = scheduler.stats, scheduler.gauges()
+        values = [
+            ("ds4x_prompt_tokens_total", "counter", "Prompt tokens evaluated (reused prefix tokens excluded).",
+             st.prompt_tokens),
+            ("ds4x_generation_tokens_total", "counter", "Tokens generated.", st.generation_tokens),
+            ("ds4x_requests_cancelled_total", "counter", "Requests dropped because the client went away.",
+             st.cancelled),
+            ("ds4x_requests_failed_total", "counter", "Requests ended by an engine error.", st.failed),
+            ("ds4x_decode_steps_total", "counter", "Batched decode steps.", st.steps),
+            ("ds4x_requests_running", "gauge", "Requests holding a session (admitted).", g["running"]),
+            ("ds4x_requests_waiting", "gauge", "Requests queued for admission.", g["waiting"]),
+            ("ds4x_kv_bytes_in_use", "gauge", "Planned cache bytes of the admitted sessions.", g["kv_bytes_in_use"]),
+            ("ds4x_kv_budget_bytes", "gauge", "Cache bytes the scheduler may admit.", g["kv_budget_bytes"]),
+            ("ds4x_max_batch", "gauge", "Most requests decoded together.", scheduler.max_batch),
+            ("ds4x_max_queue", "gauge", "Most requests waiting before 429.", scheduler.max_queue),
+        ]
+        pc = scheduler.prefix_cache
+        if pc is not None:
+            values += [
+                ("ds4x_prefix_cache_hits_total", "counter", "Requests that started from a stored prefix.",
+                 st.prefix_hits),
+                ("ds4x_prefix_cache_misses_total", "counter", "Requests that found no usable stored prefix.",
+                 st.prefix_misses),
+                ("ds4x_prefix_reused_tokens_total", "counter",
+                 "Prompt tokens taken from stored sessions instead of evaluated.", st.reused_tokens),
+                ("ds4x_prefix_cache_resident_bytes", "gauge", "Bytes of stored sessions in memory.",
+                 pc.resident_bytes),
+            ]
+        for name, kind, help_, value in values:
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += st.batch_size.render("ds4x_batch_size", "Requests per batched decode step.")
+        lines += st.ttft.render("ds4x_time_to_first_token_seconds", "From arrival to the first token.")
+        lines += st.itl.render("ds4x_inter_token_latency_seconds", "Between consecutive tokens of a request.")
         return "\n".join(lines) + "\n"
-
-
-# ---- generation ---------------------------------------------------------------------------------
-
-@dataclass
-class Piece:
-    text: str
-    ids: list[int]
-    finish: str | None = None  # "stop" or "length" on the last piece
-
-
-@dataclass
-class Job:
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams
-    stops: list[str]
-    ignore_eos: bool
-    text: bool  # detokenize (False: a model without a tokenizer; ids only)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-def _holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-def _first_stop(text: str, stops: list[str]) -> int:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
-def run_job(engine: Engine, job: Job, ctx: int, cache: str) -> Iterator[Piece]:
-    """Generate ``job`` in a fresh session; one piece per token (text may be empty while held back: an
-    incomplete UTF-8 character or a possible stop-string prefix), the last with ``finish`` set."""
-    session = engine.new_session(ctx=ctx, cache=cache, announce=False)
-    eos = set(engine.cfg.eos_token_ids)
-    stream = TextStream(engine.tokenizer) if job.text and engine.tokenizer is not None else None
-    pending, ids = "", []
-    stop_ids = () if job.ignore_eos else None
-    for token, _ in session.generate(job.prompt, job.max_tokens, job.params, stop_ids=stop_ids, stats=job.stats):
-        ids.append(token)
-        if stream is not None and (job.ignore_eos or token not in eos):
-            pending += stream.push(token)
-        if job.stops:
-            hit = _first_stop(pending, job.stops)
-            if hit >= 0:
-                job.stats.stop_reason = "stop"
-                yield Piece(pending[:hit], ids, "stop")
-                return
-            cut = len(pending) - _holdback(pending, job.stops)
-        else:
-            cut = len(pending)
-        if cut or not job.text:
-            yield Piece(pending[:cut], ids)
-            pending, ids = pending[cut:], []
-        else:
-            yield Piece("", [])  # a step without output: lets the caller check for a disconnect
-    if stream is not None:
-        pending += stream.flush()
-    finish = "length" if job.stats.stop_reason in ("length", "context") else "stop"
-    hit = _first_stop(pending, job.stops) if job.stops else -1
-    if hit >= 0:
-        pending, finish = pending[:hit], "stop"
-    yield Piece(pending, ids, finish)
 
 
 # ---- the app ------------------------------------------------------------------------------------
 
 class Server:
-    """The state behind the app: the engine, its lock, the metrics; request -> prompt ids -> job."""
+    """The state behind the app: the engine, its scheduler, the metrics; request -> prompt ids -> job."""
 
-    def __init__(self, engine: Engine, model_name: str, ctx: int, cache: str):
+    def __init__(self, engine: Engine, model_name: str, ctx: int, cache: str, scheduler: Scheduler | None = None):
         self.engine, self.model_name, self.ctx, self.cache = engine, model_name, ctx, cache
-        self.lock = anyio.Lock()
+        self.scheduler = scheduler
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -236,19 +194,21 @@ class Server:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    def _encode(self, text: str, bos: bool = True) -> list[int]:
+    def _encode(self, text: str, bos: bool = True, param: str = "prompt") -> list[int]:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        ids = tok.encode(text)
+        try:
+            ids = tok.encode(text)
+        except UnicodeError as exc:  # e.g. a lone surrogate escape (\udc80) in the JSON string
+            raise APIError(400, f"the text is not valid Unicode: {exc}", param=param) from None
         return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
 
     def completion_prompt(self, req: CompletionRequest) -> tuple[list[int], bool]:
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported (batching is not implemented)",
-                               param="prompt")
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self._encode(prompt), self.engine.tokenizer is not None
@@ -266,8 +226,8 @@ class Server:
                 text = render_chat(messages, req.thinking)
             except (ValueError, TypeError) as exc:
                 raise APIError(400, str(exc), param="messages") from None
-            return self._encode(text, bos=False)  # the rendering starts with BOS
-        return self._encode("\n".join(_content_text(m["content"]) for m in messages))
+            return self._encode(text, bos=False, param="messages")  # the rendering starts with BOS
+        return self._encode("\n".join(_content_text(m["content"]) for m in messages), param="messages")
 
     def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None) -> Job:
         if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
@@ -296,41 +256,53 @@ class Server:
             raise APIError(400, str(exc)) from None
         return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text)
 
-    async def pieces(self, request: Request, job: Job) -> AsyncIterator[Piece]:
-        """Run ``job`` under the engine lock, one decode step per worker-thread call; stop when the client
-        disconnects."""
-        done = False
-        self.metrics.waiting += 1
-        waiting = True
+    def submit(self, job: Job) -> tuple[Generation | None, asyncio.Queue]:
+        """Hand ``job`` to the scheduler (or raise the APIError of a refusal); its pieces arrive on the queue."""
+        assert self.scheduler is not None
+        queue, put = queue_delivery(asyncio.get_running_loop())
+        if job.max_tokens == 0:  # nothing to generate: no session needed
+            put(Piece("", [], "length"))
+            return None, queue
         try:
-            async with self.lock:
-                self.metrics.waiting -= 1
-                waiting = False
-                self.metrics.running += 1
-                gen = run_job(self.engine, job, self.ctx, self.cache)
+            return self.scheduler.submit(job, put), queue
+        except Rejected as exc:
+            type_ = "rate_limit_error" if exc.status == 429 else "server_error"
+            raise APIError(exc.status, exc.message, type_, code=exc.code) from None
+
+    def cancel(self, handle: Generation | None) -> None:
+        if handle is not None and self.scheduler is not None:
+            self.scheduler.cancel(handle)
+
+    async def pieces(self, request: Request, handle: Generation | None,
+                     queue: asyncio.Queue) -> AsyncIterator[Piece]:
+        """The pieces of a submitted job until its last one; a client that goes away cancels it."""
+        done, checked = False, time.monotonic()
+        try:
+            while True:
                 try:
-                    while not await request.is_disconnected():
-                        piece = await anyio.to_thread.run_sync(next, gen, None)
-                        if piece is None:
-                            done = True
-                            break
-                        yield piece
-                        if piece.finish is not None:
-                            done = True
-                            break
-                finally:
-                    gen.close()
-                    self.metrics.running -= 1
-                    self.metrics.prompt_tokens += job.stats.prompt_tokens
-                    self.metrics.generation_tokens += job.stats.generated
-                    if not done:
-                        self.metrics.cancelled += 1
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= 0.5:  # also while pieces keep coming (a non-streamed body)
+                    if await request.is_disconnected():
+                        return
+                    checked = time.monotonic()
+                if item is None:
+                    continue
+                if isinstance(item, Rejected):
+                    raise APIError(item.status, item.message, "server_error", code=item.code)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    done = True
+                    return
         finally:
-            if waiting:
-                self.metrics.waiting -= 1
+            if not done:
+                self.cancel(handle)
 
     def usage(self, job: Job) -> dict[str, int]:
-        p, g = len(job.prompt), job.stats.generated
+        p, g = len(job.prompt), job.generated
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
@@ -366,12 +338,33 @@ def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str |
     return (f"{where}: {e.get('msg', 'invalid value')}" if where else str(e.get("msg", "invalid request"))), param
 
 
-def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``model_name``; sessions of ``ctx`` tokens with ``cache``."""
+def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill_chunk: int = 256,
+               max_batch: int = 32, max_queue: int = 128, kv_budget: int | None = None,
+               batch_invariant: bool | None = None, prefix_cache: PrefixCache | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``model_name``; sessions of ``ctx`` tokens with ``cache``.
+
+    Scheduling (:class:`~ds4x.serve.scheduler.Scheduler`): prompts in chunks of ``prefill_chunk``, at most
+    ``max_batch`` sessions decoding together within ``kv_budget`` bytes of planned cache (default
+    :func:`~ds4x.serve.scheduler.default_kv_budget`), at most ``max_queue`` waiting. ``batch_invariant``:
+    row-by-row products in the decode step (default: on the CPU). The worker thread runs while the app does
+    (its lifespan).
+    """
     if ctx <= 0 or ctx > engine.cfg.max_position_embeddings:
         raise ValueError(f"ctx must be in [1, {engine.cfg.max_position_embeddings}], got {ctx}")
-    server = Server(engine, model_name, ctx, cache)
-    app = FastAPI(title="ds4x", description="OpenAI-compatible DeepSeek-V4 server")
+    budget = default_kv_budget(engine.model.device) if kv_budget is None else kv_budget
+    scheduler = Scheduler(engine, ctx, cache, prefill_chunk=prefill_chunk, max_batch=max_batch, max_queue=max_queue,
+                          kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache)
+    server = Server(engine, model_name, ctx, cache, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="ds4x", description="OpenAI-compatible DeepSeek-V4 server", lifespan=lifespan)
     app.state.server = server
 
     def count(endpoint: str, status: int) -> None:
@@ -379,7 +372,8 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI
 
     def error(exc: APIError, endpoint: str) -> JSONResponse:
         count(endpoint, exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -413,7 +407,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         count("/metrics", 200)
-        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(server.metrics.render(scheduler), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -432,6 +426,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI
                 prompt, text = server.completion_prompt(req)
                 max_tokens = 16 if req.max_tokens is None else req.max_tokens
             job = server.make_job(req, prompt, text, max_tokens)
+            handle, queue = server.submit(job)
         except APIError as exc:
             return error(exc, endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -459,9 +454,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI
             async def events() -> AsyncIterator[str]:
                 first = True
                 try:
-                    async for piece in server.pieces(request, job):
-                        if not piece.text and not piece.ids and piece.finish is None:
-                            continue
+                    async for piece in server.pieces(request, handle, queue):
                         chunk = {**head, "choices": [choice(piece, first)]}
                         if first and req.return_token_ids:
                             chunk["prompt_token_ids"] = job.prompt
@@ -470,22 +463,27 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str) -> FastAPI
                         first = False
                         yield _sse(chunk)
                 except Exception as exc:  # the stream has started: report in band
-                    yield _sse(APIError(500, f"generation failed: {exc}", "server_error").body())
+                    err = exc if isinstance(exc, APIError) else APIError(500, str(exc), "server_error")
+                    yield _sse(err.body())
                     return
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": server.usage(job)})
                 yield "data: [DONE]\n\n"
 
             count(endpoint, 200)
+            # the background task runs however the response ends, even if the stream never started
             return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(server.cancel, handle))
 
         parts: list[Piece] = []
         try:
-            async for piece in server.pieces(request, job):
+            async for piece in server.pieces(request, handle, queue):
                 parts.append(piece)
+        except APIError as exc:
+            return error(exc, endpoint)
         except Exception as exc:
-            return error(APIError(500, f"generation failed: {exc}", "server_error"), endpoint)
+            return error(APIError(500, str(exc), "server_error"), endpoint)
         finish = parts[-1].finish if parts else None
         whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish)
         body = {**head, "choices": [choice(whole)], "usage": server.usage(job)}

@@ -1,0 +1,105 @@
+"""Batched steps over sessions of different lengths (runtime/batch.py) against stepping each session alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4x.model.activations import sigmoid, silu, softplus
+from ds4x.runtime.batch import step_sessions
+from ds4x.runtime.engine import Engine
+
+TEXTS = ["def fib(n):", "import numpy as np\n", "The quick brown fox", "class Stack:\n    def push(self, x):",
+         "Hello"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load("default", device="cpu")
+
+
+def _pairs(engine: Engine, cache: str, n: int) -> tuple[list, list, list[int]]:
+    """Two identical sets of sessions holding prompts of different lengths, and each one's greedy next token."""
+    alone = [engine.new_session(ctx=512, cache=cache, prefill_chunk=64, announce=False) for _ in range(n)]
+    batch = [engine.new_session(ctx=512, cache=cache, prefill_chunk=64, announce=False) for _ in range(n)]
+    for text, a, b in zip(TEXTS, alone, batch, strict=False):
+        ids = engine.tokenizer.encode(text)
+        a.prefill(ids)
+        b.prefill(ids)
+    return alone, batch, [int(a.logits.argmax()) for a in alone]
+
+
+@pytest.mark.parametrize("cache", ["float", "native", "packed"])
+def test_rowwise_batched_step_is_bit_identical_to_stepping_alone(engine: Engine, cache: str) -> None:
+    alone, batch, tokens = _pairs(engine, cache, 5)
+    want = [a.step(t) for a, t in zip(alone, tokens, strict=True)]
+    got = step_sessions([(s, [t]) for s, t in zip(batch, tokens, strict=True)], rowwise=True)
+    for w, g, a, b in zip(want, got, alone, batch, strict=True):
+        assert torch.equal(w, g)
+        assert b.tokens == a.tokens and b.cache.length == a.cache.length
+
+
+def test_plain_batched_step_within_tolerance(engine: Engine) -> None:
+    """Without row-wise products the matmuls see B rows instead of 1, so the last float bits may differ
+    (float cache; measured up to 7e-7 of the largest logit over 64 steps of 8 sessions)."""
+    alone, batch, tokens = _pairs(engine, "float", 5)
+    want = [a.step(t) for a, t in zip(alone, tokens, strict=True)]
+    got = step_sessions([(s, [t]) for s, t in zip(batch, tokens, strict=True)])
+    for w, g in zip(want, got, strict=True):
+        assert float((w - g).abs().max() / w.abs().max()) < 1e-5
+
+
+def test_prefill_chunks_and_decode_rows_share_a_call(engine: Engine) -> None:
+    """A prompt chunk of one session and decode rows of others in one call: each gets what it gets alone."""
+    alone, batch, tokens = _pairs(engine, "packed", 3)
+    chunk = engine.tokenizer.encode(" and then some more text")
+    items = [(alone[0], chunk), (alone[1], [tokens[1]]), (alone[2], [tokens[2]])]
+    want = [step_sessions([item], rowwise=True)[0] for item in items]
+    got = step_sessions([(b, ids) for b, (_, ids) in zip(batch, items, strict=True)], rowwise=True)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+
+
+def test_greedy_64_steps_batched_equals_alone(engine: Engine) -> None:
+    alone, batch, tokens = _pairs(engine, "packed", 3)
+    ta, tb = list(tokens), list(tokens)
+    for _ in range(64):
+        ta = [int(a.step(t).argmax()) for a, t in zip(alone, ta, strict=True)]
+        tb = [int(x.argmax()) for x in step_sessions([(s, [t]) for s, t in zip(batch, tb, strict=True)],
+                                                     rowwise=True)]
+        assert ta == tb
+    assert [a.tokens for a in alone] == [b.tokens for b in batch]
+
+
+def test_batch_errors(engine: Engine) -> None:
+    s = engine.new_session(ctx=16, cache="packed", prefill_chunk=8, announce=False)
+    other = engine.new_session(ctx=16, cache="packed", prefill_chunk=8, announce=False)
+    with pytest.raises(ValueError, match="at least one session"):
+        step_sessions([])
+    with pytest.raises(ValueError, match="at least one token"):
+        step_sessions([(s, [5]), (other, [])])
+    with pytest.raises(ValueError, match="twice"):
+        step_sessions([(s, [5]), (s, [6])])
+    with pytest.raises(ValueError, match="vocabulary"):
+        step_sessions([(s, [5]), (other, [10**6])])
+    with pytest.raises(ValueError, match="prefill chunk"):
+        step_sessions([(s, list(range(5, 15)))])
+    step_sessions([(s, list(range(5, 13)))])
+    step_sessions([(s, [5, 6, 7, 8])])
+    with pytest.raises(ValueError, match="context"):
+        step_sessions([(other, [5]), (s, list(range(5, 13)))])
+    # nothing was evaluated by the refused calls
+    assert other.cache.length == 0 and len(s.tokens) == s.cache.length == 12
+
+
+def test_activations_do_not_depend_on_the_tensor_size() -> None:
+    """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
+    x = torch.randn(37, 24) * 6
+    for f in (sigmoid, silu, softplus):
+        whole = f(x)
+        assert torch.equal(whole, torch.cat([f(x[i : i + 1]) for i in range(x.shape[0])]))
+        assert torch.equal(whole[5, 3], f(x[5, 3]))
+    assert torch.allclose(sigmoid(x), torch.sigmoid(x), rtol=1e-6, atol=1e-7)
+    assert torch.allclose(silu(x), torch.nn.functional.silu(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(softplus(x), torch.nn.functional.softplus(x), rtol=1e-6, atol=1e-6)
+    assert softplus(torch.tensor([100.0, -100.0])).tolist() == [100.0, pytest.approx(3.7e-44, abs=1e-43)]

@@ -1,0 +1,333 @@
+"""The server's scheduler under concurrency: a real uvicorn server on a loopback port (in this process, so several
+configurations start quickly), driven by the ``openai`` client and raw httpx, on the synthetic ``tiny`` model."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from ds4x.runtime.engine import Engine  # noqa: E402
+from ds4x.runtime.sampling import SamplingParams  # noqa: E402
+from ds4x.serve import create_app  # noqa: E402
+from ds4x.serve.scheduler import Job, Rejected, Scheduler  # noqa: E402
+
+CTX, CHUNK = 512, 32
+PROMPTS = ["def f(x):", "hello world", "The quick brown fox jumps", "a", "import os\nimport sys\n", "1 2 3 4 5 6",
+           "class A:\n    pass\n" * 3, "zzz"]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.load("tiny", device="cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live(engine: Engine, **options) -> Iterator[tuple[str, Scheduler]]:
+    """A uvicorn server for ``create_app(engine, "tiny", CTX, "packed", **options)`` on a free loopback port:
+    (its URL, its scheduler)."""
+    app = create_app(engine, "tiny", CTX, "packed", **{"prefill_chunk": CHUNK, **options})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", app.state.server.scheduler
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m is not None, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def _wait_for(cond, what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _expected(engine: Engine, text: str, n: int) -> list[int]:
+    """Greedy tokens of one session alone, evaluated in the server's chunks."""
+    tok = engine.tokenizer
+    s = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
+    return [t for t, _ in s.generate([tok.bos_id, *tok.encode(text)], n, SamplingParams(), stop_ids=())]
+
+
+async def _stream(client: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, list[int], str]:
+    text, ids, finish = "", [], None
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for chunk in stream:
+        (c,) = chunk.choices
+        text += c.text
+        ids += c.model_extra["token_ids"]
+        finish = c.finish_reason or finish
+    return text, ids, finish
+
+
+async def _whole(client: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, list[int], str]:
+    out = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    (c,) = out.choices
+    assert out.usage.completion_tokens == n
+    return c.text, c.model_extra["token_ids"], c.finish_reason
+
+
+def test_concurrent_streams_are_separate_and_match_their_non_streamed_rerun(engine: Engine) -> None:
+    n = 12
+    with live(engine) as (base, _):
+        async def main() -> tuple[list, list]:
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+            streamed = await asyncio.gather(*[_stream(client, p, n) for p in PROMPTS])
+            # the reruns overlap each other differently, and with fresh streams of other prompts
+            whole = await asyncio.gather(*[_whole(client, p, n) for p in PROMPTS],
+                                         *[_stream(client, p[::-1] + "!", n) for p in PROMPTS[:4]])
+            return streamed, whole[: len(PROMPTS)]
+
+        streamed, whole = asyncio.run(main())
+        assert _metric(base, "ds4x_requests_running") == 0 and _metric(base, "ds4x_kv_bytes_in_use") == 0
+        assert _metric(base, 'ds4x_batch_size_bucket{le="4"}') < _metric(base, "ds4x_batch_size_count")  # batched
+    for prompt, s, w in zip(PROMPTS, streamed, whole, strict=True):
+        assert s == w
+        assert s[2] == "length" and len(s[1]) == n
+        assert s[1] == _expected(engine, prompt, n)  # the same tokens as the session alone
+    assert len({tuple(s[1]) for s in streamed}) > len(PROMPTS) // 2  # separate outputs, not one stream copied
+
+
+def test_queue_full_gets_429_and_a_disconnect_frees_the_session(engine: Engine) -> None:
+    with live(engine, max_batch=1, max_queue=1) as (base, _):
+        long = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # held: dropping the iterator would close the connection
+            next(line for line in lines if line.startswith("data: "))  # it is generating
+            assert _metric(base, "ds4x_requests_running") == 1
+            queued: dict = {}
+            waiter = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+                f"{base}/v1/completions", json={"prompt": "y", "max_tokens": 3, "temperature": 0}, timeout=60)))
+            waiter.start()
+            _wait_for(lambda: _metric(base, "ds4x_requests_waiting") == 1, "the second request to queue")
+            full = httpx.post(f"{base}/v1/completions", json={"prompt": "z", "max_tokens": 3}, timeout=30)
+            assert full.status_code == 429 and full.headers["retry-after"]
+            err = full.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "queue_full"
+            oc = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+            with pytest.raises(openai.RateLimitError):
+                oc.completions.create(model="tiny", prompt="z", max_tokens=3)
+        # the stream's client went away: its session is freed and the queued request runs
+        waiter.join(60)
+        assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 3
+        _wait_for(lambda: _metric(base, "ds4x_requests_running") == 0, "the sessions to be freed")
+        assert _metric(base, "ds4x_kv_bytes_in_use") == 0 and _metric(base, "ds4x_requests_cancelled_total") == 1
+        assert _metric(base, "ds4x_generation_tokens_total") < 400 + 3
+        assert _metric(base, "ds4x_kv_budget_bytes") > 0
+
+
+def test_disconnect_mid_stream_frees_the_session_at_once(engine: Engine) -> None:
+    with live(engine) as (base, _):
+        others = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True} for p in PROMPTS[:3]]
+        with httpx.Client(timeout=60) as client:
+            req = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+            with client.stream("POST", f"{base}/v1/completions", json=req) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+            _wait_for(lambda: _metric(base, "ds4x_requests_cancelled_total") == 1, "the cancellation", 10)
+            assert _metric(base, "ds4x_requests_running") == 0 and _metric(base, "ds4x_kv_bytes_in_use") == 0
+            assert _metric(base, "ds4x_generation_tokens_total") < 400
+            for body in others:  # and the server goes on serving
+                assert client.post(f"{base}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 6
+
+
+def test_prefix_reuse_hit_gives_the_same_tokens(engine: Engine) -> None:
+    from ds4x.runtime.prefix_cache import PrefixCache
+
+    prompt = "Once upon a time there was a small model that read the same prompt twice."
+    with live(engine, prefix_cache=PrefixCache(engine, 2**28)) as (base, _):
+        oc = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+
+        def ask(text: str) -> list[int]:
+            out = oc.completions.create(model="tiny", prompt=text, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+            return out.choices[0].model_extra["token_ids"]
+
+        first = ask(prompt)
+        assert _metric(base, "ds4x_prefix_cache_hits_total") == 0
+        evaluated = _metric(base, "ds4x_prompt_tokens_total")
+        assert ask(prompt) == first
+        assert _metric(base, "ds4x_prefix_cache_hits_total") == 1
+        n = len(prompt) + 1  # BOS + one token per byte
+        reused = (n - 1) // CHUNK * CHUNK  # the longest stored prefix, cut to a chunk boundary
+        assert reused > 0 and _metric(base, "ds4x_prefix_reused_tokens_total") == reused
+        assert _metric(base, "ds4x_prompt_tokens_total") - evaluated == n - reused
+        longer = prompt + " And then it read more."
+        assert ask(longer) == _expected(engine, longer, 8)
+        assert _metric(base, "ds4x_prefix_cache_hits_total") == 2
+    assert first == _expected(engine, prompt, 8)
+
+
+BAD = [
+    b"{not json",
+    b'{"prompt": "\xff\xfe\xfd", "max_tokens": 2}',  # not UTF-8
+    b'{"prompt": "\\udc80", "max_tokens": 2}',  # a lone surrogate
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "top_p": Infinity}',
+    b'{"prompt": "x", "max_tokens": 1e400}',
+    b'{"prompt": "x", "max_tokens": 100000}',
+    b'{"prompt": [1, "a"]}',
+    b'{"prompt": "x", "model": "nope"}',
+    b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    b'{"messages": [{"role": "user"}], "max_tokens": -5}',
+    b'{"prompt": "x", "seed": -1}',
+    b'{"prompt": "x", "stop": [""]}',
+    b"",
+]
+
+
+def test_hostile_requests_under_load_get_4xx_and_streams_stay_correct(engine: Engine) -> None:
+    n = 10
+    with live(engine) as (base, _):
+        async def main() -> tuple[list, list]:
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+            async with httpx.AsyncClient(timeout=60) as raw:
+                bad = [raw.post(f"{base}/v1/{'chat/' if b'messages' in body else ''}completions", content=body,
+                                headers={"content-type": "application/json"}) for body in BAD]
+                results = await asyncio.gather(*[_stream(client, p, n) for p in PROMPTS[:4]], *bad)
+            return results[:4], results[4:]
+
+        streams, answers = asyncio.run(main())
+        for body, r in zip(BAD, answers, strict=True):
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], body
+        assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok"}
+        assert _metric(base, "ds4x_requests_failed_total") == 0
+    for prompt, s in zip(PROMPTS, streams, strict=False):
+        assert s[1] == _expected(engine, prompt, n)
+
+
+def test_shutdown_answers_503(engine: Engine) -> None:
+    with live(engine) as (base, scheduler):
+        scheduler.stop()
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+def test_scheduler_admission_by_kv_budget(engine: Engine) -> None:
+    from ds4x.model.cache import plan_cache
+
+    per = plan_cache(engine.cfg, CTX, CHUNK, "packed")["total"]
+    with pytest.raises(ValueError, match="smaller than one session"):
+        Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=per - 1)
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, max_batch=8, max_queue=2, kv_budget=2 * per + 1)
+    job = Job([0, 5, 6], 4, SamplingParams(), [], True, True)
+    got: list = []
+    running = [sched.submit(job, got.append) for _ in range(2)]  # the budget holds two sessions
+    queued = [sched.submit(job, got.append) for _ in range(2)]
+    assert sched.gauges() == {"waiting": 2, "running": 2, "kv_bytes_in_use": 2 * per, "kv_budget_bytes": 2 * per + 1}
+    with pytest.raises(Rejected) as exc:
+        sched.submit(job, got.append)
+    assert exc.value.status == 429
+    sched.cancel(running[0])
+    sched.cancel(queued[1])
+    sched.start()
+    deadline = time.monotonic() + 30
+    while sum(p.finish is not None for p in got if not isinstance(p, Exception)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sched.stop()
+    assert sched.stats.cancelled == 2 and sched.gauges()["kv_bytes_in_use"] == 0
+    with pytest.raises(Rejected) as exc:
+        sched.submit(job, got.append)
+    assert exc.value.status == 503
+
+
+def test_a_long_prompt_is_evaluated_between_decode_steps(engine: Engine) -> None:
+    """A running stream gets a token after every prefill chunk of a newcomer's long prompt (no stall)."""
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    events: list[tuple[str, object]] = []
+    running = sched.submit(Job([0, 5, 6], 300, SamplingParams(), [], True, False), lambda p: events.append(("a", p)))
+    sched.start()
+    try:
+        _wait_for(lambda: len(events) >= 3, "the first stream to generate")
+        prompt = [0, *torch.randint(3, 259, (400,), generator=torch.Generator().manual_seed(0)).tolist()]
+        mark = len(events)
+        sched.submit(Job(prompt, 2, SamplingParams(), [], True, False), lambda p: events.append(("b", p)))
+        _wait_for(lambda: any(who == "b" for who, _ in events[mark:]), "the long prompt's first token", 60)
+        first = next(i for i, (who, _) in enumerate(events) if i >= mark and who == "b")
+        chunks = -(-len(prompt) // CHUNK)
+        assert sum(who == "a" for who, _ in events[mark:first]) >= chunks - 1
+    finally:
+        sched.cancel(running)
+        sched.stop()
+
+
+def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds4x.serve.scheduler as sched_mod
+
+    real, calls = sched_mod.sample, []
+
+    def flaky(logits, params, generator=None):  # noqa: ANN001
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(sched_mod, "sample", flaky)
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    got: dict[int, list] = {0: [], 1: []}
+    for k in got:
+        sched.submit(Job([0, 5 + k, 6], 5, SamplingParams(), [], True, False), got[k].append)
+    sched.start()
+    try:
+        _wait_for(lambda: all(out and (isinstance(out[-1], Exception) or out[-1].finish) for out in got.values()),
+                  "both requests to end")
+    finally:
+        sched.stop()
+    failed = [k for k, out in got.items() if isinstance(out[-1], Exception)]
+    assert len(failed) == 1 and "injected" in str(got[failed[0]][-1])
+    ok = got[1 - failed[0]]
+    assert ok[-1].finish == "length" and sum(len(p.ids) for p in ok) == 5
+    assert sched.stats.failed == 1 and sched.gauges()["kv_bytes_in_use"] == 0
+
+
+def test_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from ds4x.cli.serve import main, parse_bytes
+
+    assert parse_bytes("123") == 123 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5 GB") == 1.5e9
+    assert parse_bytes("8gib") == 8 * 2**30
+    for bad in ("", "-1", "12 parsecs", "GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    # a budget below one session's cache is refused before listening
+    assert main(["-m", "tiny", "--device", "cpu", "--ctx", "512", "--kv-budget", "1KiB", "-q"]) == 2
+    assert "smaller than one session's cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["-m", "tiny", "--max-batch", "0"])
