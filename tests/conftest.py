@@ -7,6 +7,10 @@ import torch
 # (the interpreter cannot call triton's own library functions if triton first loaded in compiled mode).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The test models are tiny: intra-op threads only contend with each other and with the server processes the
+    # tests start (which inherit this), measured 20x slower on 2 busy cores; one thread each.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
