@@ -57,3 +57,28 @@ def test_bf16_streams_round_once():
 def test_supported_needs_power_of_two_streams():
     s = torch.zeros(1, 3, 8)
     assert not hk.supported(s, 3)
+
+
+def test_model_with_fused_mhc_matches_reference(monkeypatch):
+    """The whole model (default trained model, packed cache) with the fused mHC kernels forced on (interpreter
+    on CPU) against the reference ops: same greedy tokens, logits within float32 rounding."""
+    from ds4x.model import hyper
+    from ds4x.runtime.engine import Engine
+
+    engine = Engine.load("default", device="cpu")
+    prompt = engine.tokenizer.encode("def add(a, b):\n    return")
+
+    def run() -> tuple[torch.Tensor, list[int]]:
+        s = engine.new_session(64, cache="packed", announce=False)
+        logits = s.prefill(prompt)
+        first, out = logits.clone(), []
+        for _ in range(6):
+            out.append(int(logits.argmax()))
+            logits = s.step(out[-1])
+        return first, out
+
+    ref_logits, ref_tokens = run()
+    monkeypatch.setattr(hyper, "use_fused", lambda streams: hk.supported(streams, streams.shape[1]))
+    fast_logits, fast_tokens = run()
+    assert fast_tokens == ref_tokens
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-3, atol=1e-3)

@@ -10,15 +10,25 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import linear
+from ds4x.kernels import hyper as fused
+from ds4x.kernels.dispatch import use_triton
+from ds4x.kernels.linear import linear, rowwise_enabled
 from ds4x.model.activations import sigmoid
 from ds4x.model.norms import rms_norm
+
+
+def use_fused(streams: torch.Tensor) -> bool:
+    """The fused Triton kernels serve mHC on CUDA (one launch instead of ~100 small ops per call); not for
+    batch-invariant (rowwise) steps, whose guarantee is defined on the reference ops."""
+    return use_triton(streams.device) and fused.supported(streams, streams.shape[1]) and not rowwise_enabled()
 
 
 def hc_pre(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n])."""
+    if use_fused(streams):
+        return fused.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     n = cfg.hc_mult
     flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
     mixes = linear(flat, fn.float())
@@ -38,6 +48,8 @@ def hc_pre(
 
 def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
+    if use_fused(streams):
+        return fused.hc_post_fused(streams, block_out, post, comb)
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
 
