@@ -38,7 +38,7 @@ from .rows import (
     check_indexer_input,
     check_kv_input,
 )
-from .triton_mode import interpret_mode, module_for_current_mode
+from .triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
 __all__ = [
     "pack_kv_rows_triton",
@@ -48,16 +48,6 @@ __all__ = [
 ]
 
 BLOCK_ROWS = 16
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAVE_TRITON = False
 
 # triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported.
 # Remember the mode; a call made in the other mode loads a private copy of this file

@@ -12,6 +12,16 @@ import os
 import sys
 from types import ModuleType
 
+try:  # the kernel modules take triton from here (None without it: their torch paths still import)
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
 _COPIES: dict[tuple[str, bool], ModuleType] = {}
 
 

@@ -20,17 +20,7 @@ from typing import Any
 
 import torch
 
-from ds4x.formats.triton_mode import interpret_mode, module_for_current_mode
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
 _DEFINED_INTERPRETED = interpret_mode()
 # the hidden size is a compile-time constant (one model, one value): static loops, also in the interpreter

@@ -73,17 +73,7 @@ import torch
 
 from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, _iq2xxs_sign_masks, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.formats.triton_mode import interpret_mode, module_for_current_mode
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
 T = GGMLQuantizationType
 # type -> (code for the kernels, weights per scale group S, block bytes, block weights, matvec unit weights)
