@@ -43,6 +43,8 @@ from typing import Any
 
 import httpx
 
+from ds4x.bench.serve_load import wait_until_healthy
+
 
 @dataclass
 class Soak:
@@ -364,20 +366,17 @@ def spawn_server(serve_args: str, log_path: str) -> tuple[subprocess.Popen, str]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            with open(log_path, errors="replace") as log:
-                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the server did not answer /health within 180 s")
-        time.sleep(0.5)
+
+    def log_tail() -> str:
+        with open(log_path, errors="replace") as log:
+            return log.read()[-2000:]
+
+    try:
+        wait_until_healthy(url, proc, 180, log_tail)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def report(soak: Soak, seconds: float, limit_mib: float) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +13,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from ds4x.bench.serve_load import LoadConfig, Sample, summarize  # noqa: E402
+from ds4x.bench.serve_load import LoadConfig, Sample, summarize, wait_until_healthy  # noqa: E402
 from ds4x.cli.main import main  # noqa: E402
 from tests.test_serve import _free_port  # noqa: E402
 
@@ -44,16 +43,7 @@ def server() -> str:
     proc = subprocess.Popen([sys.executable, "-m", "ds4x.cli.main", "serve", "--device", "cpu", "--ctx", "512",
                              "--port", str(port), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, "ds4x serve exited"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up within 90 s"
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, 90)
         yield url
     finally:
         proc.kill()

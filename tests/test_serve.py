@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from ds4x.bench.serve_load import wait_until_healthy  # noqa: E402
 from ds4x.runtime.engine import Engine  # noqa: E402
 from ds4x.serve import create_app  # noqa: E402
 
@@ -265,16 +266,7 @@ def test_real_server_subprocess() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(_serve_command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up within 60 s"
-            time.sleep(0.2)
+        wait_until_healthy(base, proc, 60, lambda: proc.stdout.read().decode(errors="replace"))
         try:
             import openai
         except ImportError:

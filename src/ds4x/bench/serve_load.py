@@ -125,6 +125,25 @@ class Prompts:
         return f"{self.filler}{tag}" if self.shared_prefix else f"{tag} {self.filler}"
 
 
+def wait_until_healthy(url: str, proc: Any, timeout: float, exited: Any = None) -> None:
+    """Poll ``url``/health until it answers 200 (a server process ``proc`` just started). Raises RuntimeError
+    if the process exits first (with ``exited()``'s text, e.g. its log) or after ``timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited (code {proc.returncode}) {exited() if exited else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
