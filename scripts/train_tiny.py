@@ -32,7 +32,7 @@ rewritten every ``--save-every`` seconds into ``--out``, with tokenizer.json, he
         --max-train-mb 2 --vocab 1024 --phases 0.3:128:8:0.8,1:256:2 --out /tmp/dbg      # CPU smoke run
 
 ``--init DIR`` continues from a ds4x model directory (its config, weights and tokenizer) instead of starting
-over; docs/TRAINING.md gives the next run's command.
+over; docs/TRAINING.md gives the two commands behind the shipped model (from scratch, then continued).
 """
 
 from __future__ import annotations

@@ -170,10 +170,6 @@ def test_def_prompt_continues_as_python(engine):
 
 # ---- the figures of docs/TRAINING.md (slow: about 2 minutes on 2 cores) ------------------------------------
 
-NO_RECALL = pytest.mark.xfail(
-    strict=True, reason="tiny_v4's key lookup only began to form (0-1 of 20 at 2K and 8K, docs/TRAINING.md)")
-
-
 @pytest.mark.slow
 def test_heldout_perplexity_and_native_delta_over_8k_tokens(engine, heldout):
     d = Q.perplexity_delta(engine, heldout, window=2048, max_tokens=8192)
@@ -190,7 +186,6 @@ def test_greedy_agreement_over_256_tokens(engine):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tiny_v4 writes parseable functions 5 times in 20 (docs/TRAINING.md)")
 def test_sampled_function_bodies_parse(engine):
     res = Q.parse_rate(engine, n=20, seed=0)
     assert all(s.startswith("def") for s in res.samples)
@@ -198,7 +193,6 @@ def test_sampled_function_bodies_parse(engine):
 
 
 @pytest.mark.slow
-@NO_RECALL
 @pytest.mark.parametrize("cache", ["float", "native"])
 def test_recall_at_2k(engine, heldout, cache):
     r = Q.recall(engine, heldout, 2048, n_prompts=2, n_facts=10, cache=cache, seed=1)
@@ -206,7 +200,6 @@ def test_recall_at_2k(engine, heldout, cache):
 
 
 @pytest.mark.slow
-@NO_RECALL
 @pytest.mark.parametrize("cache", ["float", "native"])
 def test_recall_at_8k(engine, heldout, cache):
     r = Q.recall(engine, heldout, 8192, n_prompts=2, n_facts=10, cache=cache, seed=1)
