@@ -13,7 +13,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from ds4x.bench.serve_load import LoadConfig, Sample, summarize, wait_until_healthy  # noqa: E402
+from ds4x.bench.serve_load import (  # noqa: E402
+    LoadConfig,
+    Sample,
+    server_description,
+    server_meta,
+    summarize,
+    wait_until_healthy,
+)
 from ds4x.cli.main import main  # noqa: E402
 from tests.test_serve import _free_port  # noqa: E402
 
@@ -34,6 +41,17 @@ def test_metric_definitions() -> None:
     assert row["ttft_max_s"] == 5.0 and row["ttft_p50_s"] == pytest.approx(2.75)
     assert row["goodput_requests"] == 1 and row["goodput_rps"] == pytest.approx(0.1)  # `slow` misses both limits
     assert row["status"] == "errors"
+
+
+def test_server_meta_only_from_a_ds4x_entry() -> None:
+    entry = {"id": "m", "object": "model", "ds4x": {"gpu": "cpu", "commit": None}}
+    assert server_description({"data": [entry]}, None) == ("m", entry)
+    assert server_meta(entry) == {"gpu": "cpu", "commit": None}
+    assert server_meta({"id": "m", "object": "model"}) == "unavailable"  # another server: no ds4x object
+    # /v1/models unreadable: measurable only with a model name, and nothing is known of the server
+    assert server_description(None, "m") == ("m", None) and server_meta(None) == "unavailable"
+    with pytest.raises(RuntimeError, match="pass --model"):
+        server_description(None, None)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +83,11 @@ def test_closed_loop_ledger_and_plot(server: str, tmp_path, capsys) -> None:
         assert {"commit", "date", "model", "server_model", "server_meta", "client", "flags", "warmup_s",
                 "prompt_tokens_target", "prompt_tokens_mean", "gen_tokens", "errors", "status"} <= set(r)
         assert r["bench"] == "serve" and r["model"] == "default" and r["server_model"]["id"] == "default"
-        assert r["server_meta"] == "unavailable" or {"gpu", "torch"} <= set(r["server_meta"])
+        # the server's own description (its /v1/models "ds4x" object), recorded once, not inside server_model
+        sm = r["server_meta"]
+        assert sm["gpu"] == "cpu" and sm["device"] == "cpu" and sm["torch"] and sm["cache"] == "packed"
+        assert sm["dtype"] == "float32" and len(sm["model_fingerprint"]) == 64 and sm["model"]
+        assert {"version", "commit", "driver", "triton"} <= set(sm) and "ds4x" not in r["server_model"]
         assert r["client"]["torch"] and r["flags"]["ignore_eos"] is True and r["flags"]["shared_prefix"] is False
         assert r["errors"] == {} and r["status"] == "ok" and r["requests"] == r["requests_ok"] >= 1
         assert r["output_tokens"] == 6 * r["requests_ok"]  # --ignore-eos: every request returned 6 token ids
@@ -73,7 +95,8 @@ def test_closed_loop_ledger_and_plot(server: str, tmp_path, capsys) -> None:
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s_median"] > 0 and r["per_stream_tok_s_p10"] > 0
         assert 0 < r["ttft_p50_s"] <= r["ttft_max_s"] and r["itl_p99_ms"] > 0
         assert r["wall_s"] >= 2
-    assert "appended 2 rows" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "appended 2 rows" in out and f"server: ds4x {sm['version']}" in out
 
     assert main(["bench", "plot", str(ledger), "--out", str(tmp_path / "plots" / "serve")]) == 0
     png, svg = tmp_path / "plots" / "serve.png", tmp_path / "plots" / "serve.svg"

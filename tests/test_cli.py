@@ -103,6 +103,12 @@ def test_console_script_runs():
     assert r.returncode == 0, r.stderr
 
 
+def test_python_dash_m_ds4x_is_the_console_script():
+    r = subprocess.run([sys.executable, "-m", "ds4x", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: ds4x ") and "serve" in r.stdout
+
+
 def test_quality_report_runs(capsys):
     assert main(["quality", "--tokens", "256", "--samples", "1", "--recall", "", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -20,8 +21,10 @@ httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+import ds4x  # noqa: E402
 from ds4x.bench.serve_load import wait_until_healthy  # noqa: E402
 from ds4x.runtime.engine import Engine  # noqa: E402
+from ds4x.runtime.session_file import model_fingerprint  # noqa: E402
 from ds4x.serve import create_app  # noqa: E402
 
 CTX = 256
@@ -62,6 +65,19 @@ def test_health_models_metrics(client: TestClient) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    (entry,) = models["data"]
+    assert entry["object"] == "model" and entry["owned_by"] == "ds4x" and isinstance(entry["created"], int)
+    assert entry["max_model_len"] == CTX
+    # the server's description of itself, for the load harness's ledger rows (DESIGN §7)
+    info = entry["ds4x"]
+    assert {"version", "commit", "device", "gpu", "driver", "torch", "triton", "dtype", "cache", "model",
+            "model_fingerprint"} == set(info)
+    engine = client.app.state.server.engine
+    assert info["version"] == ds4x.__version__ and info["torch"] == torch.__version__
+    assert info["device"] == "cpu" and info["gpu"] == "cpu" and info["dtype"] == "float32"
+    assert info["cache"] == "packed" and info["model"].startswith("tiny ")
+    assert info["model_fingerprint"] == model_fingerprint(engine)
+    assert info["commit"] is None or isinstance(info["commit"], str) and info["commit"]
     client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -71,6 +87,20 @@ def test_health_models_metrics(client: TestClient) -> None:
     assert int(re.search(r"^ds4x_prompt_tokens_total (\d+)$", text, re.M).group(1)) >= 3
     assert re.search(r"^ds4x_requests_running 0$", text, re.M)
     assert "# TYPE ds4x_requests_total counter" in text
+    assert "# TYPE process_resident_memory_bytes gauge" in text
+    rss = int(re.search(r"^process_resident_memory_bytes (\d+)$", text, re.M).group(1))
+    assert 10 * 2**20 < rss < 2**40  # this test process, torch loaded: more than 10 MiB
+    assert "ds4x_cuda_memory_allocated_bytes" not in text  # a CPU engine
+
+
+@pytest.mark.gpu
+def test_cuda_metadata_and_memory_metric() -> None:
+    engine = Engine.load("tiny", device="cuda")
+    with TestClient(create_app(engine, "tiny", CTX, "packed")) as c:
+        info = c.get("/v1/models").json()["data"][0]["ds4x"]
+        assert info["device"].startswith("cuda") and info["gpu"] == torch.cuda.get_device_name(engine.model.device)
+        text = c.get("/metrics").text
+    assert int(re.search(r"^ds4x_cuda_memory_allocated_bytes (\d+)$", text, re.M).group(1)) > 0
 
 
 def test_completion_non_streaming(client: TestClient) -> None:
@@ -263,10 +293,12 @@ def _metric(base: str, name: str) -> int:
 def test_real_server_subprocess() -> None:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS4X_COMMIT": "abc123-test"}
     proc = subprocess.Popen(_serve_command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until_healthy(base, proc, 60, lambda: proc.stdout.read().decode(errors="replace"))
+        # whoever starts the server names its commit (a copy without git metadata has no other way)
+        assert httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["ds4x"]["commit"] == "abc123-test"
         try:
             import openai
         except ImportError:

@@ -19,9 +19,11 @@ returned token ids, not in chunks or characters. Per level:
   token ids missing or disagreeing with ``usage``, an ``--ignore-eos`` request that did not return exactly
   ``--gen-tokens`` tokens).
 
-One JSON row per level is appended to the ledger, with the commit and date, the server's own description
-(its ``/v1/models`` entry; GPU, driver, torch and triton if it reports them, else ``server_meta:
-"unavailable"`` and only the client's are recorded), the flags, warm-up, prompt and output lengths, errors.
+One JSON row per level is appended to the ledger, with the client's commit, date and environment, the server's
+own description (``server_model``: its ``/v1/models`` entry; ``server_meta``: the ``ds4x`` object a ds4x server
+puts in that entry, with its commit, GPU, driver, torch and triton versions, dtype, cache and model fingerprint,
+or ``"unavailable"`` when the server reports none or ``/v1/models`` cannot be read), the flags, warm-up, prompt
+and output lengths, errors.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ DEFAULT_SERVE_LEDGER = Path("benchmarks/serve_ledger.jsonl")
 # the DESIGN §7 fixture line: prompts are this text repeated, so every run sends the same kind of tokens
 _FILLER = ("DS4X reproducible prefill benchmark. The quick brown fox jumps over the lazy dog. Compressed sparse "
            "attention and mixture of experts are measured on NVIDIA GB10.\n")
-# what a server may report about itself in its /v1/models entry (or under a "meta" object there)
-_SERVER_ENV_KEYS = ("gpu", "driver", "torch", "triton")
+# the key of a /v1/models entry under which a ds4x server describes itself (ds4x.serve.info)
+_SERVER_META_KEY = "ds4x"
 
 
 @dataclass
@@ -283,9 +285,10 @@ def summarize(samples: list[Sample], wall: float, cfg: LoadConfig, open_loop: bo
     return row
 
 
-def server_description(models: dict[str, Any], name: str | None) -> tuple[str, dict[str, Any] | None]:
-    """The served model's id and its ``/v1/models`` entry (``name`` picks one; default: the first)."""
-    data = models.get("data") or []
+def server_description(models: dict[str, Any] | None, name: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The served model's id and its ``/v1/models`` entry (``name`` picks one; default: the first). ``models``
+    is None when the list could not be read: then ``name`` is needed."""
+    data = (models or {}).get("data") or []
     entry = next((m for m in data if m.get("id") == name), None) if name else (data[0] if data else None)
     if name is None and entry is None:
         raise RuntimeError("the server lists no model in /v1/models; pass --model")
@@ -293,12 +296,9 @@ def server_description(models: dict[str, Any], name: str | None) -> tuple[str, d
 
 
 def server_meta(entry: dict[str, Any] | None) -> dict[str, Any] | str:
-    """GPU, driver, torch and triton as the server reports them, or ``"unavailable"``."""
-    if not entry:
-        return "unavailable"
-    sources = [entry, entry.get("meta") or {}]
-    meta = {k: src[k] for src in sources if isinstance(src, dict) for k in _SERVER_ENV_KEYS if k in src}
-    return meta or "unavailable"
+    """The server's description of itself (its entry's ``ds4x`` object), or ``"unavailable"``."""
+    meta = (entry or {}).get(_SERVER_META_KEY)
+    return meta if isinstance(meta, dict) and meta else "unavailable"
 
 
 async def _prompt_tokens(client: Any, cfg: LoadConfig, text: str) -> int:
@@ -353,9 +353,15 @@ async def run_levels(cfg: LoadConfig, concurrency: list[int], rates: list[float]
         try:
             r = await client.get(f"{cfg.url}/v1/models")
             r.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"cannot reach the server at {cfg.url}/v1/models: {exc}") from None
-        cfg.model, entry = server_description(r.json(), cfg.model or None)
+            models = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            if not cfg.model:
+                raise RuntimeError(f"cannot read {cfg.url}/v1/models (pass --model to measure without it): "
+                                   f"{exc}") from None
+            # a server without a usable model list can still be measured; its rows say server_meta: unavailable
+            log(f"[bench serve] {cfg.url}/v1/models unavailable ({exc}); the server's description is not recorded")
+            models = None
+        cfg.model, entry = server_description(models, cfg.model or None)
         prompts = await make_prompts(client, cfg)
         rng = random.Random(cfg.seed)
         levels: list[tuple[int | None, float | None]] = [(None, r) for r in rates] if rates else \
@@ -372,7 +378,9 @@ async def run_levels(cfg: LoadConfig, concurrency: list[int], rates: list[float]
             rows.append({"mode": "open" if rate is not None else "closed", "concurrency": conc, "rate": rate,
                          **summarize(samples, wall, cfg, rate is not None),
                          "warmup_requests": len(warm), "warmup_errors": sum(s.error is not None for s in warm)})
-    meta = {"model": cfg.model, "server_model": entry, "server_meta": server_meta(entry), "url": cfg.url}
+    # the ds4x object goes to server_meta only, not twice into each row
+    described = None if entry is None else {k: v for k, v in entry.items() if k != _SERVER_META_KEY}
+    meta = {"model": cfg.model, "server_model": described, "server_meta": server_meta(entry), "url": cfg.url}
     return rows, meta
 
 
@@ -435,6 +443,8 @@ def run(args: argparse.Namespace) -> int:
               "gen_tokens": cfg.gen_tokens}
     ledger.append([{**common, **r} for r in rows], Path(args.ledger))
     print(table(rows))
-    print(f"model {meta['model']} at {cfg.url}; server_meta: {meta['server_meta']}; appended {len(rows)} rows "
-          f"to {args.ledger} (run {run_id})")
+    sm = meta["server_meta"]
+    server = sm if isinstance(sm, str) else f"ds4x {sm.get('version')} {sm.get('commit')} on {sm.get('gpu')}"
+    print(f"model {meta['model']} at {cfg.url}; server: {server}; appended {len(rows)} rows to {args.ledger} "
+          f"(run {run_id})")
     return 0

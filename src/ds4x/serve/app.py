@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or one JSON body),
-``GET /metrics`` (Prometheus text).
+``GET /metrics`` (Prometheus text). Each ``/v1/models`` entry carries, besides OpenAI's fields, ``max_model_len``
+and a ``ds4x`` object describing the build, machine and model (:func:`ds4x.serve.info.server_info`).
 
 Requests are served with continuous batching by one engine worker thread (:mod:`ds4x.serve.scheduler`): each
 request gets its own session, decode steps are batched over all generating requests, prompts are evaluated in
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections import Counter
@@ -37,6 +39,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -46,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
+from ds4x.serve.info import server_info
 from ds4x.serve.scheduler import Generation, Job, Piece, Rejected, Scheduler, default_kv_budget, queue_delivery
 
 if TYPE_CHECKING:
@@ -128,6 +132,16 @@ class ChatRequest(_SamplingRequest):
 
 # ---- metrics ------------------------------------------------------------------------------------
 
+def _resident_bytes() -> int | None:
+    """This process's resident set size from /proc (Linux); None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class Metrics:
     """Counters of the HTTP side (the event loop); the engine's own come from the scheduler."""
@@ -139,6 +153,10 @@ class Metrics:
                  "# TYPE ds4x_requests_total counter"]
         for (endpoint, status), count in sorted(self.requests.items()):
             lines.append(f'ds4x_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
+        rss = _resident_bytes()
+        if rss is not None:
+            lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
         if scheduler is None:
             return "\n".join(lines) + "\n"
         st, g = scheduler.stats, scheduler.gauges()
@@ -157,6 +175,11 @@ class Metrics:
             ("ds4x_max_batch", "gauge", "Most requests decoded together.", scheduler.max_batch),
             ("ds4x_max_queue", "gauge", "Most requests waiting before 429.", scheduler.max_queue),
         ]
+        device = scheduler.engine.model.device
+        if device.type == "cuda":
+            values.append(("ds4x_cuda_memory_allocated_bytes", "gauge",
+                           "GPU memory held by tensors (weights, caches, activations) on the serving device.",
+                           torch.cuda.memory_allocated(device)))
         pc = scheduler.prefix_cache
         if pc is not None:
             values += [
@@ -355,6 +378,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
     scheduler = Scheduler(engine, ctx, cache, prefill_chunk=prefill_chunk, max_batch=max_batch, max_queue=max_queue,
                           kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache)
     server = Server(engine, model_name, ctx, cache, scheduler)
+    info = server_info(engine, cache)  # once: it runs git and nvidia-smi
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -413,7 +437,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
     async def models() -> dict[str, Any]:
         count("/v1/models", 200)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "ds4x", "max_model_len": ctx}]}
+                                            "owned_by": "ds4x", "max_model_len": ctx, "ds4x": info}]}
 
     async def serve(request: Request, endpoint: str, chat: bool) -> Response:
         try:
