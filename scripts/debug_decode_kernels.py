@@ -1,41 +1,72 @@
-"""GPU check of the decode kernels: packed vs float-row paths, error vs torch, and timing per block size.
+"""GPU check of packed vs native-unpacked decode (they must give bit-identical logits): finds the first step
+whose logits differ and says whether the stored rows or the computation over them differ first.
 
-Usage (on a GPU machine): PYTHONPATH=src python3 scripts/debug_decode_kernels.py
+Usage (on a GPU machine): PYTHONPATH=src python3 scripts/debug_decode_kernels.py [model] [tokens]
 """
 
-import torch
-import triton.testing
+import sys
 
-from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows, pack_kv_rows, unpack_kv_rows
-from ds4x.kernels.attention import attention_decode_triton
-from ds4x.kernels.indexer import indexer_scores_triton
+import torch
+
+import ds4x.model.attention as attention
+from ds4x.formats import unpack_indexer_rows, unpack_kv_rows
+from ds4x.runtime.engine import Engine
+
+
+def stored_rows_differ(native, packed, length: int, cfg) -> list[str]:
+    """Stores whose rows in use differ between the native cache and the unpacked packed cache."""
+    out, rd = [], cfg.rope_head_dim
+    for i, (a, b) in enumerate(zip(native.layers, packed.layers, strict=True)):
+        ratio = cfg.compress_ratios[i]
+        lo = max(0, length - cfg.sliding_window)
+        pos = torch.arange(lo, length, device=a.raw.data.device)
+        if not torch.equal(a.raw.data[pos], unpack_kv_rows(b.raw.data[pos % b.raw.capacity], rope_dim=rd)):
+            out.append(f"layer {i} raw")
+        if ratio:
+            n = length // ratio
+            if not torch.equal(a.comp_rows.data[:n], unpack_kv_rows(b.comp_rows.data[:n], rope_dim=rd)):
+                out.append(f"layer {i} comp_rows ({n})")
+            if a.idx_rows is not None and not torch.equal(a.idx_rows.data[:n],
+                                                          unpack_indexer_rows(b.idx_rows.data[:n])):
+                out.append(f"layer {i} idx_rows ({n})")
+    return out
 
 
 def main() -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    H, D = 64, 512
-    rows = pack_kv_rows(torch.randn(8320, D, generator=g, device="cuda") * 3)
-    plain = unpack_kv_rows(rows).contiguous()
-    q = torch.randn(H, D, generator=g, device="cuda")
-    sinks = torch.randn(H, generator=g, device="cuda")
-    idx = torch.arange(8320, device="cuda")
-    probs = torch.cat([q @ plain.T * D**-0.5, sinks[:, None]], 1).softmax(-1)
-    ref = probs[:, :-1] @ plain
-    for rps in (16, 32, 64, 128):  # rows per program; only 64 was measured bit-identical (first H200 run)
-        out_p = attention_decode_triton(q, [(rows, idx)], sinks, D**-0.5, 448, True, rps)
-        out_f = attention_decode_triton(q, [(plain, idx)], sinks, D**-0.5, 448, False, rps)
-        t = triton.testing.do_bench(lambda r=rps: attention_decode_triton(q, [(rows, idx)], sinks, D**-0.5, 448,
-                                                                          True, r), return_mode="median")
-        print(f"attn rows/split {rps}: packed==float {torch.equal(out_p, out_f)} "
-              f"max|p-f| {float((out_p - out_f).abs().max()):.2e} err {float((out_p - ref).abs().max()):.2e} "
-              f"time {1000 * t:.1f} us")
-    n = 262144
-    irows = pack_indexer_rows(hadamard128(torch.randn(n, 128, generator=g, device="cuda")))
-    qi = mxfp4_roundtrip(hadamard128(torch.randn(64, 128, generator=g, device="cuda")), 32)
-    wi = torch.randn(64, generator=g, device="cuda")
-    for bn in (64, 128, 256):
-        t = triton.testing.do_bench(lambda b=bn: indexer_scores_triton(qi, wi, irows, n, True, b), return_mode="median")
-        print(f"indexer block {bn}: {1000 * t:.1f} us, {n * 68 / t / 1e6:.0f} GB/s")
+    model = sys.argv[1] if len(sys.argv) > 1 else "tiny"
+    n_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 150
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # the Triton decode path in the interpreter (TRITON_INTERPRET=1), to check this script
+        attention.use_triton = lambda dev: True
+    engine = Engine.load(model, device=device)
+    ids = torch.randint(3, 259, (n_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    outs: dict[str, list[torch.Tensor]] = {}
+    decode = attention._decode_triton
+
+    def record(step, q, mode):
+        out = decode(step, q)
+        outs.setdefault(mode, []).append(out.clone())
+        return out
+
+    sessions = {m: engine.new_session(ctx=512, cache=m, prefill_chunk=32, prefill_mode="exact") for m in
+                ("native", "packed")}
+    for t, tok in enumerate(ids):
+        logits = {}
+        for mode, s in sessions.items():
+            outs[mode] = []
+            attention._decode_triton = lambda step, q, m=mode: record(step, q, m)
+            logits[mode] = s.step(tok)
+        if not torch.equal(logits["native"], logits["packed"]):
+            print(f"step {t}: logits differ, max {float((logits['native'] - logits['packed']).abs().max()):.3e}")
+            print("  stored rows that differ:", stored_rows_differ(sessions["native"].cache, sessions["packed"].cache,
+                                                                   t + 1, engine.cfg) or "none")
+            for layer, (a, b) in enumerate(zip(outs["native"], outs["packed"], strict=True)):
+                if not torch.equal(a, b):
+                    print(f"  first attention output that differs: layer {layer} ({engine.cfg.attn_kinds[layer]}), "
+                          f"max {float((a - b).abs().max()):.3e}")
+                    break
+            return
+    print(f"all {n_tokens} steps bit-identical")
 
 
 if __name__ == "__main__":

@@ -30,3 +30,17 @@ def test_cache_comparison_native_equals_packed():
     assert report["native_vs_packed"]["greedy_tokens_equal_fraction"] == 1.0
     assert report["native_vs_packed"]["topk_overlap"] == 1.0
     assert report["float_vs_native"]["max_abs_over_max_logit"] > 0
+
+
+def test_report_has_the_prefill_table(tmp_path):
+    import json
+
+    row = {"bench": "prefill", "date": "2026-12-01T08:32:00", "commit": "abc", "gpu": "NVIDIA H200",
+           "model": "synthetic flash:q2, seed 0", "context": 4096, "prefill_tok_s": 98.0, "decode_ms": 37.81,
+           "decode_tok_s": 26.4, "floor_fraction": 0.06, "note": "graph"}
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps(row) + "\n")
+    write_report(ledger, tmp_path / "BENCHMARKS.md")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Full model" in text
+    assert "| 4,096 | 98 | 37.81 | 26.4 | 6.0% | - | ok | graph |" in text

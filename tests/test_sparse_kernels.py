@@ -63,6 +63,25 @@ def test_indexer_scores_packed_and_unpacked_rows(n, heads, spread):
     assert float((packed - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
 
 
+def test_indexer_and_radix_take_the_row_count_from_the_device():
+    """CUDA graphs pass the row count as a device tensor: same scores on the counted rows, same selection."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    rows, q, w = _indexer_case(300, 16, 5, _device())
+    for n in (0, 1, 129, 300):
+        count = torch.tensor([n], device=rows.device)
+        scores = indexer_scores_triton(q, w, rows, count, packed=True)
+        assert scores.shape == (300,)
+        if n:
+            assert torch.equal(scores[:n], indexer_scores_triton(q, w, rows, n, packed=True))
+        for k in (64, 512):
+            by_device = select_topk_radix(scores, count, k)  # rows from n on were not written: never read
+            by_host = select_topk_radix(scores[:n] if n else scores[:1], n, k)
+            assert torch.equal(by_device[1][: by_host[1].numel()], by_host[1])
+            assert torch.equal(by_device[0][by_device[1]], by_host[0][by_host[1]])
+            assert not bool(by_device[1][by_host[1].numel():].any())
+
+
 def test_blocked_topk_is_the_simple_topk_with_many_ties():
     g = torch.Generator().manual_seed(3)
     for n, n_vis, k in [(5000, 4800, 512), (3000, 3000, 64), (2500, 90, 512)]:
@@ -184,6 +203,41 @@ def test_gpu_packed_and_native_decode_are_bit_identical():
         s = engine.new_session(ctx=512, cache=cache, prefill_chunk=32, prefill_mode="exact")
         logits[cache] = torch.stack([s.prefill(ids), *[s.step(t) for t in (7, 8, 9)]])
     assert torch.equal(logits["native"], logits["packed"])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_is_bit_identical_to_eager(monkeypatch):
+    """Replayed steps cross window closes (CSA every 4, HCA every 16 tokens) and the sliding window's wrap."""
+    from ds4x.runtime.decode_graph import GraphDecoder
+    from ds4x.runtime.engine import Engine
+
+    engine = Engine.load("default", device="cuda")
+    ids = torch.randint(3, 259, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("DS4X_CUDA_GRAPHS", graphs)
+        s = engine.new_session(ctx=512, cache="packed", prefill_chunk=32)
+        s.prefill(ids)
+        out[graphs] = torch.stack([s.step(t) for t in range(5, 300, 7)])
+        assert isinstance(s.decoder, GraphDecoder) == (graphs == "1")
+        assert graphs == "0" or s.decoder.graph is not None
+    assert torch.equal(out["0"], out["1"])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_greedy_matches_the_cpu_reference_for_256_tokens():
+    """Exact mode, float32: the GPU decode (CUDA graph, packed rows, Triton kernels) and the CPU reference path
+    (native-unpacked rows, torch ops) pick the same 256 greedy tokens."""
+    from ds4x.runtime.engine import Engine
+    from ds4x.runtime.sampling import SamplingParams
+
+    prompt = Engine.load("default", device="cpu").tokenizer.encode("import os\n\n\ndef list_files(path):\n")
+    tokens = {}
+    for device, cache in (("cpu", "native"), ("cuda", "packed")):
+        s = Engine.load("default", device=device, dtype="float32").new_session(ctx=512, cache=cache,
+                                                                               prefill_mode="exact")
+        tokens[device] = [t for t, _ in s.generate(prompt, 256, SamplingParams(temperature=0.0), stop_ids=())]
+    assert tokens["cuda"] == tokens["cpu"]
 
 
 def test_reference_kernels_env_switch(monkeypatch):

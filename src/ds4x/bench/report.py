@@ -48,6 +48,21 @@ def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
         models = sorted({r["model"] for r in frontier})
         lines += ["## Frontier decode (packed cache seeded at the frontier, no prefill)", "",
                   "Model: " + "; ".join(models) + ".", "", *_frontier_table(frontier), ""]
+    prefill = [r for r in rows if r.get("bench") == "prefill"]
+    if prefill:
+        lines += ["## Full model: fixture prefill, then greedy decode (`ds4x bench prefill`)", "",
+                  "Decode rate: steps 2.. of the run (the first token excluded); floor: the weight bytes one token "
+                  "reads at 4.26 TB/s.", "",
+                  "| date | commit | GPU | model | context | prefill tok/s | decode ms | decode tok/s | of the floor "
+                  "| peak GB | status | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in prefill:
+            peak = r.get("peak_memory_bytes")
+            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['context']:,} "
+                         f"| {r['prefill_tok_s']:.0f} | {r['decode_ms']:.2f} | {r['decode_tok_s']:.1f} "
+                         f"| {100 * r['floor_fraction']:.1f}% | {'-' if peak is None else f'{peak / 1e9:.1f}'} "
+                         f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
+        lines.append("")
     quant = [r for r in rows if r.get("bench") == "quant_matmul"]
     if quant:
         lines += ["## Quantized matmuls straight from GGML blocks (decode shapes)", "",

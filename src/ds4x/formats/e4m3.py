@@ -49,6 +49,8 @@ from collections.abc import Callable
 
 import torch
 
+from ds4x.formats.constants import device_constant
+
 E4M3_MAX = 448.0
 # The official kernel floors amax at the fp32 constant 1e-4 (ds4: 1.0e-4f).
 E4M3_AMAX_FLOOR = 1e-4
@@ -156,8 +158,8 @@ def block_scale_exponents(xb: torch.Tensor, floor: float, inv_max: float) -> tor
     float32 ``xb [..., nb, block]``; NONFINITE_EXPONENT where the block has NaN/Inf."""
     amax = xb.abs().amax(dim=-1)
     # float32 constants on purpose: the official kernel computes in fp32 throughout.
-    floor_t = torch.tensor(floor, dtype=torch.float32, device=xb.device)
-    inv_t = torch.tensor(inv_max, dtype=torch.float32, device=xb.device)
+    floor_t = device_constant(floor, xb.device)
+    inv_t = device_constant(inv_max, xb.device)
     t = torch.maximum(amax, floor_t) * inv_t
     e = ceil_log2_f32(t)
     # amax is NaN/Inf exactly when the block holds NaN/Inf (torch's amax propagates NaN).

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ds4x.formats.constants import device_constant
+
 HADAMARD_DIM = 128
 # Python double 128**-0.5, rounded to float32 when used (as the C/CUDA code does).
 HADAMARD_SCALE = 128**-0.5
@@ -42,4 +44,4 @@ def hadamard128(x: torch.Tensor) -> torch.Tensor:
         a, b = g[..., 0, :], g[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
         stride *= 2
-    return y * torch.tensor(HADAMARD_SCALE, dtype=torch.float32, device=y.device)
+    return y * device_constant(HADAMARD_SCALE, y.device)

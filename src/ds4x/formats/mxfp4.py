@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ds4x.formats.constants import device_constant
+
 from .e4m3 import (
     block_dequantize,
     block_quantize,
@@ -59,7 +61,7 @@ __all__ = [
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (integer tensor, values 0..15) -> float32 (code 8 -> -0.0)."""
-    table = torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=codes.device)
+    table = device_constant(tuple(_E2M1_TABLE), codes.device)
     return table[codes.to(torch.long) & 0xF]
 
 

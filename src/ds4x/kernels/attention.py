@@ -29,6 +29,14 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, t
     if D % 64 or D > 512 or D - nope != 64:
         raise ValueError(f"the decode kernel handles rows of <= 512 values in 64-value chunks with 64 RoPE dims; "
                          f"got {D} values, {nope} non-RoPE")
+    if not packed:
+        # Native rows: pack the rows this query reads (lossless for native values), so both storages run one
+        # kernel. Decoding float and packed rows in two kernel variants gave the same operand values but not
+        # the same bits on the H200 (measured: 2e-7 apart on the first step).
+        from ds4x.formats import pack_kv_rows
+
+        sources = [(pack_kv_rows(rows[idx.clamp(min=0)], validate=False, rope_dim=D - nope),
+                    torch.where(idx >= 0, torch.arange(idx.numel(), device=idx.device), -1)) for rows, idx in sources]
     block = rows_per_split
     splits = [max(1, -(-idx.numel() // block)) for _, idx in sources]
     n_split = sum(splits)
@@ -39,8 +47,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, t
     offset = 0
     for (rows, idx), n_blocks in zip(sources, splits, strict=True):
         partial_kernel[(n_blocks,)](q.contiguous(), rows, idx.contiguous(), idx.numel(), rows.stride(0), m, l, acc,
-                                    scale, offset, H=H, HP=hp, D=D, NOPE=nope, BLOCK=block, PACKED=packed,
-                                    SPLIT=q.is_cuda, num_warps=8 if block >= 64 else 4)
+                                    scale, offset, H=H, HP=hp, D=D, NOPE=nope, BLOCK=block, SPLIT=q.is_cuda,
+                                    num_warps=8 if block >= 64 else 4)
         offset += n_blocks
     out = torch.empty(H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants

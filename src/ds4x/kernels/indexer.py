@@ -45,17 +45,21 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int,
+def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int | torch.Tensor,
                           packed: bool, block_n: int = 128, ptx: bool | None = None) -> torch.Tensor:
     """One query: q [H, 128] float32 (rotated, MXFP4 values), weights [H] -> scores [n_rows].
 
     ``rows`` is the store's data: uint8 [cap, 68] when ``packed`` else float32 [cap, 128] (packed here
     first); rows 0..n_rows-1 are scored (compressed rows are never wrapped: their store holds the whole
-    context). ``ptx`` picks the inline-PTX code decode (default: on the GPU).
+    context). ``n_rows`` may be a one-element integer tensor on the device (a CUDA graph replays with
+    whatever count it then holds): scores then has ``cap`` entries and those from n_rows on are not written.
+    ``ptx`` picks the inline-PTX code decode (default: on the GPU).
     """
     H, D = q.shape
     if D != 128:
         raise ValueError(f"indexer rows hold 128 values; got queries of {D}")
+    count = n_rows if isinstance(n_rows, torch.Tensor) else None
+    n_rows = rows.shape[0] if count is not None else n_rows
     out = torch.empty(n_rows, device=q.device, dtype=torch.float32)
     if n_rows == 0:
         return out
@@ -73,6 +77,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     n_prog = min(n_tiles, 2 * num_sms(q.device)) if persistent else n_tiles
     hp = max(16, 1 << (H - 1).bit_length())
     score_kernel[(n_prog,)](q.contiguous().float(), weights.contiguous().float(), rows.view(torch.int32), out,
-                            n_rows, -(-n_tiles // n_prog), n_prog, D**-0.5, H=H, HP=hp, BLOCK_N=block_n,
-                            PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent, num_warps=4)
+                            n_rows, out if count is None else count, -(-n_tiles // n_prog), n_prog, D**-0.5, H=H,
+                            HP=hp, BLOCK_N=block_n, PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,
+                            DEVICE_COUNT=count is not None, num_warps=4)
     return out

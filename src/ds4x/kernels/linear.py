@@ -110,12 +110,21 @@ def has_routed_kernel(weight: Weight) -> bool:
     return isinstance(weight, GGMLTensor) and _quant_kernels(weight) is not None
 
 
+def routes_without_sync(weight: Weight) -> bool:
+    """Whether ``routed_linear`` needs no host sync for these stacked experts (the quantized kernel, or dense
+    weights on CUDA)."""
+    return has_routed_kernel(weight) or (isinstance(weight, torch.Tensor) and weight.is_cuda)
+
+
 def routed_linear(x: torch.Tensor, weight: Weight, ids: torch.Tensor) -> torch.Tensor:
     """Stacked experts weight [E, out, in], x [T, in], ids [T, k] -> y [T, k, out] with
-    y[t, j] = x[t] @ weight[ids[t, j]].T: one launch and no host sync on the quantized kernels,
-    else one product per (row, slot) pair (the reference)."""
+    y[t, j] = x[t] @ weight[ids[t, j]].T: one launch and no host sync on the quantized kernels; dense CUDA
+    weights are gathered per pair (no host sync either: a CUDA graph can hold it); else one product per
+    (row, slot) pair (the reference)."""
     if has_routed_kernel(weight):
         return _quant_kernels(weight).quant_matmul_routed(x, weight, ids)
+    if isinstance(weight, torch.Tensor) and weight.is_cuda and not _ROWWISE.get():
+        return torch.einsum("ti,tkoi->tko", x, weight[ids].to(x.dtype))
     t, k = ids.shape
     rows = [linear(x[i : i + 1], weight[int(e)]) for i in range(t) for e in ids[i].tolist()]
     return torch.cat(rows).view(t, k, -1)

@@ -150,11 +150,12 @@ def radix_barrier_timeouts(device: torch.device) -> int:
     return int(_workspace(device)[2])
 
 
-def select_topk_radix(scores: torch.Tensor, n_visible: int, k: int, fused: bool | None = None,
+def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
-    `select_topk_keys`, listed in ascending row order. ``fused`` (default: on the GPU) runs the five phases in
-    one launch with grid barriers; otherwise one launch per phase."""
+    `select_topk_keys`, listed in ascending row order. ``n_visible`` may be a one-element integer tensor on the
+    device (CUDA graphs: the count is read when the kernel runs). ``fused`` (default: on the GPU) runs the five
+    phases in one launch with grid barriers; otherwise one launch per phase."""
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel
 
@@ -169,10 +170,12 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int, k: int, fused: bool 
     n_prog = -(-n // tile)
     if n_prog > _MAX_PROGRAMS:
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
-    args = (scores.contiguous().float(), n, min(n_visible, n), min(k, n_visible, n), kk, n_prog,
-            _workspace(scores.device), index, valid.view(torch.int8))
+    count = n_visible if isinstance(n_visible, torch.Tensor) else None
+    args = (scores.contiguous().float(), n, n if count is not None else min(n_visible, n),
+            index if count is None else count, kk, n_prog, _workspace(scores.device), index, valid.view(torch.int8))
     kp = 1 << (kk - 1).bit_length()
     phases = [(0, 4)] if fused else [(i, i) for i in range(5)]
     for first, last in phases:
-        radix_kernel[(n_prog,)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last, num_warps=4)
+        radix_kernel[(n_prog,)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last, DEVICE_COUNT=count is not None,
+                                num_warps=4)
     return index, valid

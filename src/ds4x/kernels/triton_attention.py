@@ -8,8 +8,8 @@ forms the logits, pass 2 decodes the chunks again for the weighted sum, so no ti
 Precision on the GPU (SPLIT): a packed E4M3 value times its power-of-two scale is exact in bf16 and an FP16
 RoPE value is exact in fp16, so the keys enter the tensor cores exactly; the float32 query and
 probabilities are split into a high and a low part of that type (about 16 bits), fp32 accumulation. The
-CPU interpreter has no bf16 matmul: there the dots take float32 operands. Packed and unpacked rows give
-the same operands, hence bit-identical outputs.
+CPU interpreter has no bf16 matmul: there the dots take float32 operands. The kernel reads packed rows only:
+unpacked (native) rows are packed by the caller, so both storages run the same code.
 """
 
 import triton
@@ -17,36 +17,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _chunk(base, ok, c: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, PACKED: tl.constexpr,
-           SPLIT: tl.constexpr):
-    """Chunk ``c`` [BLOCK, 64] of the rows at ``base`` ([BLOCK, 1] pointers), 0 where not ``ok``: bf16 (non-RoPE)
-    or fp16 (RoPE) with SPLIT, else float32."""
+def _chunk(base, ok, c: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Chunk ``c`` [BLOCK, 64] of the packed rows at ``base`` ([BLOCK, 1] pointers), 0 where not ``ok``: bf16
+    (non-RoPE) or fp16 (RoPE) with SPLIT, else float32."""
     c64 = tl.arange(0, 64)
     if c < NOPE // 64:
-        if PACKED:
-            b = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
-            # E4M3 code bits placed in a float32 (exponent field = the code's): value x 2^-120, the code's
-            # subnormals landing on float32 subnormals; then exact power-of-two products.
-            v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36
-            sb = tl.load(base + NOPE + 2 * (D - NOPE) + c, mask=ok[:, None], other=127).to(tl.int32)
-            sc = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
-            sc = tl.where(sb == 255, float("nan"), sc)
-            out = v * sc
-        else:
-            out = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0.0)
+        b = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        # E4M3 code -> float32 exactly, never through a float32 subnormal (compiled float multiplies may
+        # flush those to zero): normal codes by moving the exponent field (+120), subnormal codes as
+        # mantissa x 2^-9; then an exact power-of-two product
+        e = (b >> 3) & 15
+        mag = tl.where(e == 0, ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True),
+                       ((b & 0x7F) << 20) + (120 << 23))
+        v = (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+        sb = tl.load(base + NOPE + 2 * (D - NOPE) + c, mask=ok[:, None], other=127).to(tl.int32)
+        sc = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
+        sc = tl.where(sb == 255, float("nan"), sc)
+        out = v * sc
         if SPLIT:
             out = out.to(tl.bfloat16)
     else:  # the RoPE values: little-endian FP16
-        if PACKED:
-            lo = tl.load(base + NOPE + 2 * c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
-            hi = tl.load(base + NOPE + 2 * c64[None, :] + 1, mask=ok[:, None], other=0).to(tl.int32)
-            out = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-            if not SPLIT:
-                out = out.to(tl.float32)
-        else:
-            out = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0.0)
-            if SPLIT:
-                out = out.to(tl.float16)
+        lo = tl.load(base + NOPE + 2 * c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        hi = tl.load(base + NOPE + 2 * c64[None, :] + 1, mask=ok[:, None], other=0).to(tl.int32)
+        out = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        if not SPLIT:
+            out = out.to(tl.float32)
     return out
 
 
@@ -67,8 +62,7 @@ def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
 
 @triton.jit
 def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset, H: tl.constexpr,
-                   HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr,
-                   PACKED: tl.constexpr, SPLIT: tl.constexpr):
+                   HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     blk = tl.program_id(0)
     pid = blk + split_offset  # this block's slot in the partial states (one launch per row source)
     offs_r = blk * BLOCK + tl.arange(0, BLOCK)
@@ -82,7 +76,7 @@ def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, s
     s = tl.zeros([HP, BLOCK], tl.float32)
     for c in tl.static_range(D // 64):
         q = tl.load(q_row + c * 64, mask=h_ok[:, None], other=0.0)
-        s = _dot_split(q, _chunk(base, ok, c, NOPE, D, PACKED, SPLIT), s, SPLIT, True)
+        s = _dot_split(q, _chunk(base, ok, c, NOPE, D, SPLIT), s, SPLIT, True)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
     m = tl.max(s, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -91,7 +85,7 @@ def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, s
     tl.store(l_ptr + pid * HP + offs_h, tl.sum(p, axis=1))
     out = acc_ptr + (pid * HP + offs_h)[:, None] * D + c64[None, :]
     for c in tl.static_range(D // 64):
-        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, PACKED, SPLIT), tl.zeros([HP, 64], tl.float32), SPLIT,
+        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, SPLIT), tl.zeros([HP, 64], tl.float32), SPLIT,
                          False)
         tl.store(out + c * 64, acc)
 

@@ -114,9 +114,12 @@ def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
 
 
 @triton.jit
-def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, n_iter, n_prog, scale, H: tl.constexpr,
-                 HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PERSISTENT: tl.constexpr):
+def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, count_ptr, n_iter, n_prog, scale, H: tl.constexpr,
+                 HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PERSISTENT: tl.constexpr,
+                 DEVICE_COUNT: tl.constexpr):
     pid = tl.program_id(0)
+    if DEVICE_COUNT:  # the grid covers the whole store; the rows in use are counted on the device (CUDA graphs)
+        n_rows = tl.minimum(tl.load(count_ptr).to(tl.int32), n_rows)
     offs_h = tl.arange(0, HP)
     h_ok = offs_h < H
     # Queries once per program: per head a power of two 2^(14 - e_h) brings max|q_h| into [2^14, 2^15).
@@ -136,8 +139,9 @@ def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, n_iter, n_prog, scale,
     q7 = q_tile(q_ptr, 7, offs_h, h_ok, q_scale)
     if PERSISTENT:  # grid-stride over row tiles, queries prepared once (the interpreter cannot loop to a runtime bound)
         for it in range(0, n_iter):
-            score_tile(pid + it * n_prog, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N,
-                       PTX)
+            tile = pid + it * n_prog
+            if tile * BLOCK_N < n_rows:
+                score_tile(tile, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N, PTX)
     else:
         score_tile(pid, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N, PTX)
 
@@ -167,9 +171,14 @@ def threshold(ws_ptr, level: tl.constexpr, NB: tl.constexpr, need):
 
 
 @triton.jit
-def radix_kernel(scores_ptr, n, n_visible, need, kk, nprog, ws_ptr, index_ptr, valid_ptr,
-                 TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr,
+                 TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 DEVICE_COUNT: tl.constexpr):
     pid = tl.program_id(0)
+    if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
+        n_visible = tl.load(count_ptr).to(tl.int32)
+    n_visible = tl.minimum(n_visible, n)
+    need = tl.minimum(n_visible, kk)  # kk = min(k, n)
     rows = pid * TILE + tl.arange(0, TILE)
     vis = rows < n_visible
     s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0 (they compare equal)

@@ -34,47 +34,43 @@ from ds4x.model.norms import rms_norm
 from ds4x.model.rope import apply_rope, cos_sin
 
 
-def _emit_windows(proj: RowStore, ape: torch.Tensor, first: int, last: int, ratio: int, overlap: bool,
-                  width: int) -> torch.Tensor:
-    """Compressed (un-normalised) rows for windows first..last-1 from per-position projections.
+def _emit_windows(proj: RowStore, ape: torch.Tensor, windows: torch.Tensor, last: torch.Tensor, ratio: int,
+                  overlap: bool, width: int) -> torch.Tensor:
+    """Compressed (un-normalised) rows for ``windows`` [n] from the per-position projections up to position ``last``.
 
     ``proj`` rows are [kv | gate]. Each window softmax-pools its positions per channel (gate + learned
     position bias). With ``overlap`` (CSA) a row pools 2*ratio slots: the previous window's "a" lane
     (channels [:width]) and its own window's "b" lane (channels [width:]); window 0 has no previous one.
+    Positions past ``last`` (a window still open) or before 0 take no part, so a closed window gives the same
+    bits whether it is emitted once or recomputed every step while it fills. Indices stay on the device.
     """
-    n = last - first
-    rows = proj.read(first * ratio, last * ratio).view(n, ratio, -1)
-    k, g = rows.chunk(2, dim=-1)
-    g = g + ape.float()
+    pos = windows[:, None] * ratio + torch.arange(ratio, device=windows.device)  # [n, ratio]
+    k, g = proj.gather(pos).chunk(2, dim=-1)
+    live = (pos <= last)[..., None]
+    k = torch.where(live, k, 0.0)
+    g = torch.where(live, g + ape.float(), float("-inf"))
     if overlap:
-        prev_k = torch.zeros(n, ratio, width, dtype=k.dtype, device=k.device)
-        prev_g = torch.full((n, ratio, width), float("-inf"), dtype=g.dtype, device=g.device)
-        start = max(first, 1)
-        if last > start:
-            prev = proj.read((start - 1) * ratio, (last - 1) * ratio).view(-1, ratio, rows.shape[-1])
-            pk, pg = prev.chunk(2, dim=-1)
-            prev_k[start - first :] = pk[..., :width]
-            prev_g[start - first :] = pg[..., :width] + ape[:, :width].float()
-        k = torch.cat([prev_k, k[..., width:]], dim=1)
-        g = torch.cat([prev_g, g[..., width:]], dim=1)
+        prev = pos - ratio
+        pk, pg = proj.gather(prev).chunk(2, dim=-1)
+        prev_live = (prev >= 0)[..., None]
+        k = torch.cat([torch.where(prev_live, pk[..., :width], 0.0), k[..., width:]], dim=1)
+        g = torch.cat([torch.where(prev_live, pg[..., :width] + ape[:, :width].float(), float("-inf")),
+                       g[..., width:]], dim=1)
     return (k * g.softmax(dim=1)).sum(dim=1)
 
 
 def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torch.Tensor, norm: torch.Tensor,
-              p0: int, ratio: int, overlap: bool, width: int, cfg: ModelConfig,
-              rope: tuple[torch.Tensor, float]) -> int:
-    """Store one cache's compressor projections [T, kv | gate] from p0, emit rows for windows that closed;
-    return the row count."""
-    T = projected.shape[0]
-    proj.write(p0, projected)
-    first, last = p0 // ratio, (p0 + T) // ratio
-    if last > first:
-        pooled = _emit_windows(proj, ape, first, last, ratio, overlap, width)
-        normed = rms_norm(pooled, norm, cfg.rms_norm_eps)
-        positions = torch.arange(first, last, device=projected.device) * ratio  # RoPE at each window's first token
-        cos, sin = cos_sin(rope, positions)
-        rows.write(first, apply_rope(normed, cos, sin))
-    return last
+              positions: torch.Tensor, windows: torch.Tensor | None, ratio: int, overlap: bool, width: int,
+              cfg: ModelConfig, rope: tuple[torch.Tensor, float]) -> None:
+    """Store one cache's compressor projections [T, kv | gate] at ``positions`` and (re)write the compressed rows
+    of ``windows`` from the projections up to the last of them."""
+    proj.write_at(positions, projected)
+    if windows is None:
+        return
+    pooled = _emit_windows(proj, ape, windows, positions[-1], ratio, overlap, width)
+    normed = rms_norm(pooled, norm, cfg.rms_norm_eps)
+    cos, sin = cos_sin(rope, windows * ratio)  # RoPE at each window's first token
+    rows.write_at(windows, apply_rope(normed, cos, sin))
 
 
 def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
@@ -157,24 +153,31 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     for seg in segments:
         cache, r = seg.cache, seg.rows
         st: LayerState = cache.layers[layer]
-        p0 = cache.length  # the first position, as a host int (reading positions[0] would sync the GPU)
-        st.raw.write(p0, kv[r])
-        n_rows = 0
+        pos = positions[r]
+        st.raw.write_at(pos, kv[r])
+        # The decode kernels take every count from the device, so the step replays as a CUDA graph: the window
+        # holding the new position is re-emitted each step (its row is read only once closed). Otherwise the
+        # windows that close in this pass are emitted, known from the host's position.
+        fast = seg.length == 1 and cache.mode != "float" and use_triton(x.device)
+        p0 = cache.length  # host int (reading positions[0] would sync the GPU); not used by the fast path
+        windows = None
+        if fast and ratio:
+            windows = pos // ratio
+        elif ratio and (p0 + seg.length) // ratio > p0 // ratio:
+            windows = torch.arange(p0 // ratio, (p0 + seg.length) // ratio, device=x.device)
         if comp is not None:
             assert st.comp_proj is not None and st.comp_rows is not None
-            n_rows = _compress(comp[r], st.comp_proj, st.comp_rows, w[p + "compressor.ape"],
-                               w[p + "compressor.norm.weight"], p0, ratio, kind == CSA, hd, cfg, rope)
+            _compress(comp[r], st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"],
+                      pos, windows, ratio, kind == CSA, hd, cfg, rope)
         if idx is not None:
             assert st.idx_proj is not None and st.idx_rows is not None
             _compress(idx[r], st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
-                      w[p + "indexer.compressor.norm.weight"], p0, ratio, True, cfg.index_head_dim, cfg, rope)
-        step = _Step(layer, positions[r], p0, max(0, p0 - cfg.sliding_window + 1), n_rows,
+                      w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg,
+                      rope)
+        step = _Step(layer, pos, p0, max(0, p0 - cfg.sliding_window + 1), (p0 + seg.length) // ratio if ratio else 0,
                      None if index_q is None else cache.indexer_query(index_q[r]),
                      None if index_w is None else index_w[r], w, cfg, cache)
-        if seg.length == 1 and cache.mode != "float" and use_triton(x.device):
-            outs.append(_decode_triton(step, q[r][0])[None])
-        else:
-            outs.append(_attend_reference(step, q[r]))
+        outs.append(_decode_triton(step, q[r][0])[None] if fast else _attend_reference(step, q[r]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
@@ -182,19 +185,27 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
 
 
 def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
-    """One query [H, D] from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE."""
-    cfg, st, n_rows = step.cfg, step.st, step.n_rows
+    """One query [H, D] from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE.
+
+    Only device values describe the step (position, row counts), and every shape is fixed by the cache's
+    capacities, so a captured step replays at any position: the window is its W slots (-1 before position 0),
+    HCA offers all compressed slots with the unwritten ones at -1, CSA scores the whole indexer store with the
+    row count read on the device."""
+    cfg, st, pos = step.cfg, step.st, step.positions
     packed = step.cache.mode == "packed"
     dev = q.device
-    window = torch.arange(step.lo, step.p0 + 1, device=dev) % st.raw.capacity
-    sources = [(st.raw.data, window)]
-    if step.kind == HCA:
-        sources.append((st.comp_rows.data, torch.arange(n_rows, device=dev)))
-    elif step.kind == CSA and n_rows:
-        assert step.index_q is not None and step.index_w is not None
-        scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
-        index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
-        sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
+    window = pos - (cfg.sliding_window - 1) + torch.arange(cfg.sliding_window, device=dev)
+    sources = [(st.raw.data, torch.where(window >= 0, window % st.raw.capacity, -1))]
+    if step.kind in (CSA, HCA):
+        n_rows = (pos + 1) // cfg.compress_ratios[step.layer]  # [1]: compressed rows whose window has closed
+        if step.kind == HCA:
+            slots = torch.arange(st.comp_rows.capacity, device=dev)
+            sources.append((st.comp_rows.data, torch.where(slots < n_rows, slots, -1)))
+        else:
+            assert step.index_q is not None and step.index_w is not None
+            scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
+            index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
+            sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
     return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 

@@ -131,6 +131,11 @@ class RowStore:
     def write(self, start: int, rows: torch.Tensor) -> None:
         self.data[self._slots(start, start + rows.shape[0])] = self.codec.encode(rows)
 
+    def write_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows`` at absolute indices ``index`` (a device tensor of distinct indices, at most
+        ``capacity`` of them): no host sync, so a CUDA graph can replay it at other positions."""
+        self.data.index_copy_(0, index % self.capacity, self.codec.encode(rows).to(self.data.dtype))
+
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) as float32 [stop - start, dim]."""
         return self.codec.decode(self.data[self._slots(start, stop)])

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import Weight, has_routed_kernel, linear, routed_linear, rowwise_enabled
+from ds4x.kernels.linear import (
+    Weight,
+    has_routed_kernel,
+    linear,
+    routed_linear,
+    routes_without_sync,
+    rowwise_enabled,
+)
 from ds4x.model.activations import sigmoid, silu, softplus
 
 
@@ -70,7 +77,8 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
     # row-wise products (batch invariance) must not switch paths with the batch size: by slot is per row
-    fused = has_routed_kernel(w1) and (ids.numel() <= BY_SLOT_MAX_PAIRS or rowwise_enabled())
+    fused = (has_routed_kernel(w1) and rowwise_enabled()) or (routes_without_sync(w1) and
+                                                               ids.numel() <= BY_SLOT_MAX_PAIRS)
     out = (experts_by_slot if fused else experts_by_expert)(x, w1, w3, w2, ids, weights, cfg.swiglu_limit)
     s = prefix + "shared_experts."
     h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)

@@ -11,6 +11,8 @@ import math
 import torch
 
 from ds4x.config import SLIDING, ModelConfig, YarnScaling
+from ds4x.kernels import norm_rope
+from ds4x.kernels.dispatch import use_triton
 
 
 def _yarn_inv_freq(dim: int, base: float, y: YarnScaling) -> torch.Tensor:
@@ -61,6 +63,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     ``cos``/``sin`` are [T, rope_dim/2] and broadcast over the middle dims. ``inverse`` rotates by -angle
     (used on the attention output, so each value row contributes by relative distance only).
     """
+    if use_triton(x.device) and norm_rope.rope_supported(x, cos):  # one launch, not a dozen (kernels.norm_rope)
+        return norm_rope.rope_fused(x, cos, sin, inverse)
     rd = cos.shape[-1] * 2
     extra = x.dim() - 2
     c = cos.reshape(cos.shape[0], *([1] * extra), cos.shape[1])

@@ -62,7 +62,19 @@ class Transformer:
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.length, device=self.device)
                                for s in segments])
         with rowwise_products(rowwise):
-            return self._forward(ids, positions, segments, all_logits)
+            logits = self._forward(ids, positions, segments, all_logits)
+        for seg in segments:
+            seg.cache.length += seg.length
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, caches: Sequence[ModelCache]) -> torch.Tensor:
+        """One token per cache, given as device tensors ``tokens`` [B] and ``positions`` [B] (each cache's
+        length): float32 logits [B, V]. The lengths are not advanced (the caller does, after the step), and on
+        CUDA with a native or packed cache nothing in the step reads a host value that changes between steps,
+        so it can be captured once as a CUDA graph and replayed at later positions."""
+        segments = [Segment(cache, i, 1) for i, cache in enumerate(caches)]
+        return self._forward(tokens, positions, segments, all_logits=False)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                  all_logits: bool) -> torch.Tensor:
@@ -82,9 +94,7 @@ class Transformer:
             h = rms_norm(block_in, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
             out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i))
             streams = hc_post(streams, out, post, comb)
-        for s in segments:
-            s.cache.length += s.length
-        if not all_logits:  # each cache's last token
+        if not all_logits and N > len(segments):  # each cache's last token
             streams = streams[[s.start + s.length - 1 for s in segments]]
         h = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg)
         return linear(rms_norm(h, w["norm.weight"], cfg.rms_norm_eps), w["head.weight"]).float()

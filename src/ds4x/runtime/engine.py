@@ -15,6 +15,7 @@ from ds4x.kernels.dispatch import describe as describe_kernels
 from ds4x.kernels.linear import quant_kernel_name
 from ds4x.model.cache import ModelCache, format_plan
 from ds4x.model.transformer import Transformer
+from ds4x.runtime.decode_graph import Decoder, graphs_enabled, make_decoder
 from ds4x.runtime.sampling import SamplingParams, sample
 from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from ds4x.weights.checkpoint import load_checkpoint
@@ -121,7 +122,8 @@ class Engine:
         session = Session(self, self.model.new_cache(ctx, cache, prefill_chunk), prefill_chunk, prefill_mode)
         # a server makes a session per request: it announces the plan once at start-up instead
         log.log(logging.INFO if announce else logging.DEBUG, "session: ctx %d, %s cache (%s); kernels: %s", ctx,
-                cache, format_plan(session.cache.plan), describe_kernels(self.model.device, cache))
+                cache, format_plan(session.cache.plan), describe_kernels(self.model.device, cache)
+                + ("; decode step: CUDA graph" if graphs_enabled(self.model.device, cache) else ""))
         return session
 
 
@@ -142,6 +144,7 @@ class Session:
     prefill_mode: str = "default"
     tokens: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # next-token logits after the last evaluated token
+    decoder: Decoder | None = field(default=None, repr=False)  # the decode step (made on first use)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk <= 0:
@@ -174,8 +177,11 @@ class Session:
         step = 1 if self.prefill_mode == "exact" else (chunk or self.prefill_chunk)
         for start in range(0, len(ids), step):
             part = ids[start : start + step]
-            self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache)
-            self.tokens.extend(part)
+            if step == 1:
+                self._decode(part[0])
+            else:
+                self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache)
+                self.tokens.extend(part)
             if progress:
                 progress(start + len(part), len(ids))
         assert self.logits is not None
@@ -183,12 +189,20 @@ class Session:
 
     def step(self, token: int) -> torch.Tensor:
         """Decode one token; return the next logits."""
-        return self.prefill([token], chunk=1)
+        self._check_ids([token])
+        return self._decode(token)
+
+    def _decode(self, token: int) -> torch.Tensor:
+        if self.decoder is None:  # a CUDA graph on the GPU (`ds4x.runtime.decode_graph`)
+            self.decoder = make_decoder(self.engine.model, self.cache)
+        self.logits = self.decoder(token)
+        self.tokens.append(token)
+        return self.logits
 
     def clone(self) -> Session:
         """An independent copy: same engine and settings, a deep copy of the cache on the same device."""
         logits = None if self.logits is None else self.logits.clone()
-        return replace(self, cache=self.cache.clone(), tokens=list(self.tokens), logits=logits)
+        return replace(self, cache=self.cache.clone(), tokens=list(self.tokens), logits=logits, decoder=None)
 
     def rewind(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens (the next logits are recomputed)."""
