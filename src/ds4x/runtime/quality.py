@@ -6,6 +6,8 @@ All functions run on the CPU (and on CUDA) through the public engine:
   the same tokens (its own token frequencies), for scale;
 - `perplexity_delta`: the relative perplexity change between two cache semantics (``float`` vs ``native``);
 - `greedy_agreement`: how far two configurations (engine, cache, chunking) agree when decoding greedily;
+- `weight_type_table`: perplexity change and greedy agreement of the model converted to GGUF with Q8_0 / Q4_K /
+  Q2_K / IQ2_XXS routed experts, against the float checkpoint;
 - `recall`: facts (``key = value`` lines) planted through a long prompt of held-out code, then asked for at
   the end by repeating the fact line's prefix on a line of its own (``key =`` -> `` value``);
 - `parse_rate`: how many sampled functions (prompt ``def ``, token-healed; cut at the next statement at the
@@ -21,6 +23,7 @@ import math
 import random
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,7 @@ import torch
 from ds4x.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the engine is only needed by callers; the fact format is used without it
+    from ds4x.config import ModelConfig
     from ds4x.runtime.engine import Engine
 
 # ---- the planted-fact format (shared with the training script) ----------------------------------
@@ -149,6 +153,12 @@ def perplexity(engine: Engine, text: str, window: int = 1024, cache: str = "floa
                max_tokens: int | None = None, chunk: int = 512) -> Perplexity:
     """Perplexity of ``text`` (its first ``max_tokens`` tokens) under the model."""
     ids = _tokenizer(engine).encode(text)[:max_tokens]
+    return perplexity_of_ids(engine, ids, window=window, cache=cache, chunk=chunk)
+
+
+def perplexity_of_ids(engine: Engine, ids: list[int], window: int = 1024, cache: str = "float",
+                      chunk: int = 512) -> Perplexity:
+    """Perplexity of the token ids ``ids`` (for models whose own tokenizers would split a text differently)."""
     nll = token_nll(engine, ids, window=window, cache=cache, chunk=chunk)
     mean = float(nll.double().mean())
     return Perplexity(ppl=math.exp(mean), nll=mean, tokens=int(nll.numel()))
@@ -190,22 +200,31 @@ def _greedy(rc: RunConfig, prompt: list[int], n: int) -> list[int]:
     return [t for t, _ in session.generate(prompt, n, SamplingParams(), stop_ids=())]
 
 
-def greedy_agreement(a: RunConfig, b: RunConfig, prompt: list[int], n_tokens: int = 256) -> dict[str, float]:
+def greedy_agreement(a: RunConfig, b: RunConfig, prompt: list[int], n_tokens: int = 256,
+                     reference: list[int] | None = None, forced_chunk: int = 1) -> dict[str, float]:
     """Compare greedy decoding of two configurations from the same prompt.
 
     ``common_prefix``: tokens both generate identically before the first difference (free running);
     ``teacher_forced``: the fraction of A's ``n_tokens`` tokens that B also picks when fed A's trajectory.
+    ``reference``: A's greedy tokens from this prompt if already generated (comparing several B against one A
+    then decodes A once). ``forced_chunk``: tokens of that trajectory B evaluates per forward pass: 1 runs B's
+    decode step (the fast path on a GPU, which is what a reference-vs-fast-path check must exercise); more runs
+    its prefill path in chunks of that many, much faster on a CPU, enough when only the weights differ.
     """
-    ta = _greedy(a, prompt, n_tokens)
+    ta = reference[:n_tokens] if reference is not None else _greedy(a, prompt, n_tokens)
     tb = _greedy(b, prompt, n_tokens)
     prefix = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
     session = b.engine.new_session(ctx=len(prompt) + n_tokens + 1, cache=b.cache, prefill_chunk=b.prefill_chunk)
     logits = session.prefill(prompt)
-    agree = 0
-    for i, tok in enumerate(ta):
-        agree += int(int(logits.argmax()) == tok)
-        if i + 1 < len(ta):
-            logits = session.step(tok)
+    picks = [int(logits.argmax())]
+    for c in range(0, len(ta) - 1, forced_chunk):
+        part = ta[c : min(c + forced_chunk, len(ta) - 1)]
+        if forced_chunk == 1:
+            picks.append(int(session.step(part[0]).argmax()))
+        else:
+            rows = b.engine.model.forward(torch.tensor(part, dtype=torch.long), session.cache, all_logits=True)
+            picks.extend(rows.argmax(-1).tolist())
+    agree = sum(int(p == t) for p, t in zip(picks[: len(ta)], ta, strict=True))
     return {"common_prefix": float(prefix), "teacher_forced": agree / max(len(ta), 1), "tokens": float(len(ta))}
 
 
@@ -398,3 +417,130 @@ def parse_rate(engine: Engine, n: int = 20, prompt: str = "def ", max_new: int =
         except (SyntaxError, ValueError):
             pass
     return res
+
+
+# ---- GGUF weight types ----------------------------------------------------------------------------
+
+WEIGHT_TYPES = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS")
+_ROUTED = ("experts", "experts_down")  # gguf_writer.tensor_class of the routed gate/up and down projections
+
+
+@dataclass
+class WeightTypeRow:
+    label: str  # the requested routed-expert type, or the reference's description
+    types: dict[str, str]  # tensor class (gguf_writer.tensor_class) -> GGML type(s) read back from the file
+    # (empty for the reference)
+    convert_args: list[str]  # the `ds4x convert SRC OUT ...` options that wrote the file (empty: reference)
+    size_bytes: int
+    ppl: Perplexity
+    rel_delta: float  # ppl / reference ppl - 1
+    greedy: dict[str, float] | None  # greedy_agreement against the reference (None for the reference)
+
+
+@dataclass
+class WeightTypeTable:
+    source: Path  # the checkpoint directory converted
+    window: int
+    cache: str
+    greedy_prompt: str
+    greedy_tokens: int
+    rows: list[WeightTypeRow]
+
+
+def routed_type_args(cfg: ModelConfig, qtype: str) -> list[str]:
+    """`ds4x convert` options for ``qtype`` on the routed experts over the ``q8`` mix (Q8_0 attention, shared
+    expert and LM head; F16 embedding and small tensors).
+
+    A routed class whose tensors `gguf_writer.tensor_type` refuses in ``qtype`` (rows that are not whole
+    blocks: it raises for big tensors rather than falling back) keeps the mix's Q8_0.
+    """
+    from ds4x.weights.gguf import GGUFError
+    from ds4x.weights.gguf_writer import TypePolicy, tensor_class, tensor_type
+    from ds4x.weights.names import expected_shapes
+
+    args = ["--mix", "q8"]
+    for cls in _ROUTED:
+        policy = TypePolicy.preset("q8").with_overrides(**{cls: qtype})
+        try:
+            for name, shape in expected_shapes(cfg).items():
+                if tensor_class(name) == cls:
+                    tensor_type(name, shape, policy)
+        except GGUFError:
+            continue
+        args += [f"--type-{cls.replace('_', '-')}", qtype]
+    return args
+
+
+def gguf_types_by_class(path: str | Path) -> dict[str, str]:
+    """The GGML types a GGUF file actually holds, per tensor class (``/``-joined when a class has several)."""
+    from ds4x.formats.ggml import GGMLQuantizationType
+    from ds4x.weights.gguf import canonical_tensor_name, open_gguf
+    from ds4x.weights.gguf_writer import tensor_class
+
+    found: dict[str, set[str]] = {}
+    for t in open_gguf(path).tensors:
+        canonical = canonical_tensor_name(t.name)
+        cls = tensor_class(canonical) if canonical is not None else t.name
+        found.setdefault(cls, set()).add(GGMLQuantizationType(int(t.tensor_type)).name)
+    return {cls: "/".join(sorted(types)) for cls, types in sorted(found.items())}
+
+
+def _convert(src: Path, out: Path, options: list[str]) -> None:
+    """``ds4x convert SRC OUT OPTIONS -q``, through that command's own parser and code."""
+    import argparse
+
+    from ds4x.cli import convert as convert_cmd
+
+    parser = convert_cmd.add_parser(argparse.ArgumentParser().add_subparsers())
+    convert_cmd.run(parser.parse_args([str(src), str(out), *options, "-q"]))
+
+
+def weight_type_table(model: str = "default", types: tuple[str, ...] = WEIGHT_TYPES, max_tokens: int = 2048,
+                      window: int = 1024, n_greedy: int = 256, greedy_prompt: str = "class Config:\n",
+                      cache: str = "float", device: str = "cpu",
+                      log: Callable[[str], None] | None = None) -> WeightTypeTable:
+    """Held-out perplexity (first ``max_tokens`` tokens of `heldout_text`) and greedy agreement of a checkpoint
+    converted to GGUF with each routed-expert type.
+
+    Each file is written by `ds4x convert` (options from `routed_type_args`) into a temporary directory and
+    loaded with ``Engine.load``. Every model scores the same token ids, the reference (float checkpoint)
+    tokenizer's: the GGUF tokenizer (ds4's pre-tokenizer split) need not split this model's text the same way,
+    and a different split would change perplexity by itself. The ``float`` cache by default, so that only the
+    weights differ (the cache's own deltas are the cache report's). ``log(message)`` reports progress.
+    """
+    import tempfile
+
+    from ds4x.runtime.engine import DEFAULT_MODEL, Engine
+
+    if model == DEFAULT_MODEL:
+        from ds4x.assets import default_model_path
+
+        model = str(default_model_path())
+    src = Path(model)
+    if not src.is_dir():
+        raise ValueError(f"the weight-type table converts a checkpoint directory; {model!r} is not one")
+    ref = Engine.load(str(src), device=device)
+    ids = _tokenizer(ref).encode(heldout_text())[:max_tokens]
+    prompt = _bos(ref) + _tokenizer(ref).encode(greedy_prompt)
+    base = perplexity_of_ids(ref, ids, window=window, cache=cache)
+    ref_run = RunConfig(ref, cache)
+    ref_tokens = _greedy(ref_run, prompt, n_greedy)
+    ref_size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    rows = [WeightTypeRow("checkpoint (safetensors)", {}, [], ref_size, base, 0.0, None)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for qtype in types:
+            options = routed_type_args(ref.cfg, qtype)
+            path = Path(tmp) / f"{qtype}.gguf"
+            _convert(src, path, options)
+            engine = Engine.load(str(path), device=device)
+            ppl = perplexity_of_ids(engine, ids, window=window, cache=cache)
+            agree = greedy_agreement(ref_run, RunConfig(engine, cache), prompt, n_greedy, reference=ref_tokens,
+                                     forced_chunk=n_greedy)
+            delta = ppl.ppl / base.ppl - 1.0
+            rows.append(WeightTypeRow(qtype, gguf_types_by_class(path), options, path.stat().st_size, ppl, delta,
+                                      agree))
+            if log is not None:
+                log(f"{qtype}: ppl {ppl.ppl:.3f} ({100 * delta:+.2f}%), teacher-forced greedy "
+                    f"{agree['teacher_forced']:.1%}")
+    return WeightTypeTable(source=src, window=window, cache=cache, greedy_prompt=greedy_prompt,
+                           greedy_tokens=n_greedy, rows=rows)
