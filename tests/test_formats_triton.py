@@ -95,8 +95,25 @@ def test_shapes_validation_and_nonfinite_interpreter(interp):
         F.pack_indexer_rows_triton(bi)
     bi[0, 1] = math.nan
     assert torch.equal(F.pack_indexer_rows_triton(bi, validate=False), F.pack_indexer_rows(bi, validate=False))
-    with pytest.raises(ValueError, match="last dim 512"):
+    with pytest.raises(ValueError, match="500 values"):
         F.pack_kv_rows_triton(torch.zeros(2, 500))
+
+
+def test_kv_rows_of_other_widths_interpreter(interp):
+    # the embedded model's heads: 128 values = one E4M3 block + 64 RoPE dims -> 193 bytes
+    x = torch.randn(21, 128, generator=torch.Generator().manual_seed(24)) * 7
+    x[0] = 0.0
+    rows = F.pack_kv_rows_triton(x, rope_dim=64)
+    assert rows.shape == (21, 193) and torch.equal(rows, F.pack_kv_rows(x, rope_dim=64))
+    assert_bits_equal(F.unpack_kv_rows_triton(rows, rope_dim=64), F.unpack_kv_rows(rows, rope_dim=64))
+    with pytest.raises(ValueError, match="not supported by the kernel"):
+        F.pack_kv_rows_triton(torch.zeros(2, 160), rope_dim=32)
+
+
+def test_hadamard128_interpreter(interp):
+    x = torch.cat((indexer_inputs()[:37], torch.tensor([[3.0e38] * 128, [-0.0] * 128, [1e-40] * 128])))
+    assert_bits_equal(F.hadamard128_triton(x), F.hadamard128(x))
+    assert F.hadamard128_triton(x.view(5, 8, 128)).shape == (5, 8, 128)
 
 
 def test_cpu_tensor_needs_interpreter(monkeypatch):
@@ -137,6 +154,15 @@ def test_triton_indexer_rows_on_gpu(compiled):
     assert_bits_equal(F.unpack_indexer_rows_triton(got).cpu(), F.unpack_indexer_rows(ref))
     junk = torch.randint(0, 256, (4096, 68), dtype=torch.int32).to(torch.uint8)
     assert_bits_equal(F.unpack_indexer_rows_triton(junk.cuda()).cpu(), F.unpack_indexer_rows(junk))
+
+
+@pytest.mark.gpu
+def test_triton_hadamard_and_narrow_kv_rows_on_gpu(compiled):
+    x = torch.randn(8191, 128, generator=torch.Generator().manual_seed(34)) * 5
+    assert_bits_equal(F.hadamard128_triton(x.cuda()).cpu(), F.hadamard128(x))
+    rows = F.pack_kv_rows_triton(x.cuda(), rope_dim=64)
+    assert torch.equal(rows.cpu(), F.pack_kv_rows(x, rope_dim=64))
+    assert_bits_equal(F.unpack_kv_rows_triton(rows, rope_dim=64).cpu(), F.unpack_kv_rows(rows.cpu(), rope_dim=64))
 
 
 @pytest.mark.gpu

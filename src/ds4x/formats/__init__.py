@@ -57,6 +57,7 @@ _TRITON_NAMES = (
     "unpack_kv_rows_triton",
     "pack_indexer_rows_triton",
     "unpack_indexer_rows_triton",
+    "hadamard128_triton",
 )
 
 __all__ = [

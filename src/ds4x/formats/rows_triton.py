@@ -31,12 +31,16 @@ import torch
 from .rows import (
     INDEXER_DIM,
     INDEXER_ROW_BYTES,
+    KV_BLOCK,
     KV_DIM,
+    KV_ROPE_DIM,
     KV_ROW_BYTES,
     _check_byte_rows,
     _check_float_rows,
+    _kv_dims,
     check_indexer_input,
     check_kv_input,
+    kv_row_bytes,
 )
 from .triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
@@ -45,6 +49,7 @@ __all__ = [
     "unpack_kv_rows_triton",
     "pack_indexer_rows_triton",
     "unpack_indexer_rows_triton",
+    "hadamard128_triton",
 ]
 
 BLOCK_ROWS = 16
@@ -144,16 +149,19 @@ if HAVE_TRITON:
         return (bits | (s << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def pack_kv_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+    def pack_kv_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr):
+        # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes)
+        DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
+        BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         m2 = rmask[:, None]
         cols = tl.arange(0, 64)
         rows64 = rows.to(tl.int64)
-        x_row = x_ptr + rows64[:, None] * 512
-        o_row = out_ptr + rows64[:, None] * 583
-        for b in tl.static_range(7):
+        x_row = x_ptr + rows64[:, None] * DIM
+        o_row = out_ptr + rows64[:, None] * BYTES
+        for b in tl.static_range(NOPE_BLOCKS):
             v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0)
             e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)
             inv = _pow2(tl.where(bad, 0, -e))
@@ -161,31 +169,53 @@ if HAVE_TRITON:
             code = _round_code(a, 3, 7) | (_sign(v) << 7)
             code = tl.where(bad[:, None], 0, code)
             tl.store(o_row + b * 64 + cols[None, :], code.to(tl.uint8), mask=m2)
-            tl.store(out_ptr + rows64 * 583 + 576 + b, (e + 127).to(tl.uint8), mask=rmask)
-        r = tl.load(x_row + 448 + cols[None, :], mask=m2, other=0.0)
+            tl.store(out_ptr + rows64 * BYTES + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=rmask)
+        r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0)
         h = r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        tl.store(o_row + 448 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
-        tl.store(o_row + 449 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
+        tl.store(o_row + NOPE_BLOCKS * 64 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
+        tl.store(o_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
 
     @triton.jit
-    def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+    def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr):
+        DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
+        BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
         m2 = rmask[:, None]
         cols = tl.arange(0, 64)
         rows64 = rows.to(tl.int64)
-        i_row = in_ptr + rows64[:, None] * 583
-        o_row = out_ptr + rows64[:, None] * 512
-        for b in tl.static_range(7):
+        i_row = in_ptr + rows64[:, None] * BYTES
+        o_row = out_ptr + rows64[:, None] * DIM
+        for b in tl.static_range(NOPE_BLOCKS):
             c = tl.load(i_row + b * 64 + cols[None, :], mask=m2, other=0).to(tl.int32)
-            sb = tl.load(in_ptr + rows64 * 583 + 576 + b, mask=rmask, other=127).to(tl.int32)
+            sb = tl.load(in_ptr + rows64 * BYTES + NOPE_BLOCKS * 64 + 128 + b, mask=rmask, other=127).to(tl.int32)
             val = _e4m3_value(c) * _ue8m0_decode(sb)[:, None]
             tl.store(o_row + b * 64 + cols[None, :], val, mask=m2)
-        lo = tl.load(i_row + 448 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
-        hi = tl.load(i_row + 449 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
+        lo = tl.load(i_row + NOPE_BLOCKS * 64 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
+        hi = tl.load(i_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], mask=m2, other=0).to(tl.int32)
         h = (lo | (hi << 8)).to(tl.int16)
-        tl.store(o_row + 448 + cols[None, :], h.to(tl.float16, bitcast=True).to(tl.float32), mask=m2)
+        tl.store(o_row + NOPE_BLOCKS * 64 + cols[None, :], h.to(tl.float16, bitcast=True).to(tl.float32), mask=m2)
+
+    @triton.jit
+    def hadamard128_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+        # The butterfly of ds4x.formats.hadamard (strides 1..64, then one scale multiply), bit for bit: each
+        # stage writes the row to `out` and reads every value's partner back (x[i ^ stride]).
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        m2 = (rows < n_rows)[:, None]
+        cols = tl.arange(0, 128)
+        rows64 = rows.to(tl.int64)
+        o_row = out_ptr + rows64[:, None] * 128
+        y = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=m2, other=0.0)
+        for stage in tl.static_range(7):
+            stride: tl.constexpr = 1 << stage
+            tl.store(o_row + cols[None, :], y, mask=m2)
+            tl.debug_barrier()
+            partner = tl.load(o_row + (cols[None, :] ^ stride), mask=m2, other=0.0)
+            tl.debug_barrier()
+            y = tl.where((cols[None, :] & stride) == 0, y + partner, partner - y)
+        tl.store(o_row + cols[None, :], y * 0.08838834764831845, mask=m2)
 
     @triton.jit
     def pack_indexer_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
@@ -251,36 +281,66 @@ def _check_device(t: torch.Tensor, fn: str) -> None:
         )
 
 
-def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int) -> None:
+def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int, **constexprs: int) -> None:
     mod = _kernels()
     if n_rows == 0:
         return
     grid = ((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)
-    getattr(mod, name)[grid](src, out, n_rows, BLOCK_R=BLOCK_ROWS)
+    getattr(mod, name)[grid](src, out, n_rows, BLOCK_R=BLOCK_ROWS, **constexprs)
 
 
-def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-    """Triton :func:`ds4x.formats.rows.pack_kv_rows`: ``[..., 512]`` float -> ``uint8 [..., 583]``."""
+def kv_rows_supported(dim: int, rope_dim: int) -> bool:
+    """Whether the KV row kernels take rows of ``dim`` values with ``rope_dim`` RoPE dims."""
+    return rope_dim == KV_ROPE_DIM and dim > rope_dim and (dim - rope_dim) % KV_BLOCK == 0
+
+
+def _nope_blocks(dim: int, rope_dim: int, fn: str) -> int:
+    if not kv_rows_supported(dim, rope_dim):
+        raise ValueError(f"{fn}: rows of {dim} values with {rope_dim} RoPE dims are not supported by the kernel "
+                         f"({KV_ROPE_DIM} RoPE dims after whole {KV_BLOCK}-value blocks)")
+    return (dim - rope_dim) // KV_BLOCK
+
+
+def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.pack_kv_rows`: ``[..., 512]`` float -> ``uint8 [..., 583]`` (other widths
+    of whole 64-value blocks plus 64 RoPE dims too, as ``kv_row_bytes`` lays them out)."""
     fn = "pack_kv_rows_triton"
-    x32 = check_kv_input(x, fn) if validate else _check_float_rows(x, KV_DIM, fn)
+    dim = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else KV_DIM
+    nb = _nope_blocks(dim, rope_dim, fn)
+    x32 = check_kv_input(x, fn, dim, rope_dim) if validate else _check_float_rows(x, dim, fn)
     _check_device(x32, fn)
     lead = x32.shape[:-1]
-    src = x32.reshape(-1, KV_DIM).contiguous()
-    out = torch.empty((src.shape[0], KV_ROW_BYTES), dtype=torch.uint8, device=src.device)
-    _launch("pack_kv_kernel", src, out, src.shape[0])
-    return out.reshape(*lead, KV_ROW_BYTES)
+    src = x32.reshape(-1, dim).contiguous()
+    out = torch.empty((src.shape[0], kv_row_bytes(dim, rope_dim)), dtype=torch.uint8, device=src.device)
+    _launch("pack_kv_kernel", src, out, src.shape[0], NOPE_BLOCKS=nb)
+    return out.reshape(*lead, out.shape[-1])
 
 
-def unpack_kv_rows_triton(rows: torch.Tensor) -> torch.Tensor:
+def unpack_kv_rows_triton(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
     """Triton :func:`ds4x.formats.rows.unpack_kv_rows`: ``uint8 [..., 583]`` -> float32 ``[..., 512]``."""
     fn = "unpack_kv_rows_triton"
-    _check_byte_rows(rows, KV_ROW_BYTES, fn)
+    width = rows.shape[-1] if isinstance(rows, torch.Tensor) and rows.dim() else KV_ROW_BYTES
+    dim, _ = _kv_dims(width, rope_dim)
+    nb = _nope_blocks(dim, rope_dim, fn)
+    _check_byte_rows(rows, width, fn)
     _check_device(rows, fn)
     lead = rows.shape[:-1]
-    src = rows.reshape(-1, KV_ROW_BYTES).contiguous()
-    out = torch.empty((src.shape[0], KV_DIM), dtype=torch.float32, device=src.device)
-    _launch("unpack_kv_kernel", src, out, src.shape[0])
-    return out.reshape(*lead, KV_DIM)
+    src = rows.reshape(-1, width).contiguous()
+    out = torch.empty((src.shape[0], dim), dtype=torch.float32, device=src.device)
+    _launch("unpack_kv_kernel", src, out, src.shape[0], NOPE_BLOCKS=nb)
+    return out.reshape(*lead, dim)
+
+
+def hadamard128_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.hadamard.hadamard128` (bit-identical): ``[..., 128]`` -> float32."""
+    fn = "hadamard128_triton"
+    x32 = _check_float_rows(x, INDEXER_DIM, fn)
+    _check_device(x32, fn)
+    lead = x32.shape[:-1]
+    src = x32.reshape(-1, INDEXER_DIM).contiguous()
+    out = torch.empty_like(src)
+    _launch("hadamard128_kernel", src, out, src.shape[0])
+    return out.reshape(*lead, INDEXER_DIM)
 
 
 def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:

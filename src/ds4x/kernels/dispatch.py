@@ -32,5 +32,6 @@ def describe(device: torch.device, cache_mode: str) -> str:
     decode = ("triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)" if fast
               else "torch reference")
     return (f"decode attention + indexer scoring: {decode}; top-k: {'triton radix select' if fast else 'torch'}"
-            f"; mHC pre/post, RMSNorm, RoPE: {'triton fused' if use_triton(device) else 'torch reference'}"
-            f"; prefill attention, MoE routing, compressor pooling: torch reference")
+            f"; mHC pre/post, RMSNorm, RoPE, compressor emit (pool + norm + RoPE), MoE routing and SwiGLU, "
+            f"row packing and Hadamard: {'triton fused' if use_triton(device) else 'torch reference'}"
+            f"; prefill attention: torch reference")

@@ -62,18 +62,21 @@ def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
 
 @triton.jit
 def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset, H: tl.constexpr,
-                   HP: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+                   HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    # program (row block, group of HB heads): a decode step has few rows per source, so the heads are split over
+    # programs to keep more of the GPU busy (each group decodes the block's rows again; they are small)
     blk = tl.program_id(0)
     pid = blk + split_offset  # this block's slot in the partial states (one launch per row source)
     offs_r = blk * BLOCK + tl.arange(0, BLOCK)
     idx = tl.load(idx_ptr + offs_r, mask=offs_r < n, other=-1)
     ok = idx >= 0
     base = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride
-    offs_h = tl.arange(0, HP)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     h_ok = offs_h < H
     c64 = tl.arange(0, 64)
     q_row = q_ptr + offs_h[:, None] * D + c64[None, :]
-    s = tl.zeros([HP, BLOCK], tl.float32)
+    s = tl.zeros([HB, BLOCK], tl.float32)
     for c in tl.static_range(D // 64):
         q = tl.load(q_row + c * 64, mask=h_ok[:, None], other=0.0)
         s = _dot_split(q, _chunk(base, ok, c, NOPE, D, SPLIT), s, SPLIT, True)
@@ -85,7 +88,7 @@ def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, s
     tl.store(l_ptr + pid * HP + offs_h, tl.sum(p, axis=1))
     out = acc_ptr + (pid * HP + offs_h)[:, None] * D + c64[None, :]
     for c in tl.static_range(D // 64):
-        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, SPLIT), tl.zeros([HP, 64], tl.float32), SPLIT,
+        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, SPLIT), tl.zeros([HB, 64], tl.float32), SPLIT,
                          False)
         tl.store(out + c * 64, acc)
 

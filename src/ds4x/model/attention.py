@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
+from ds4x.kernels import compressor
 from ds4x.kernels.attention import attention_decode_triton
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
@@ -66,6 +67,11 @@ def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torc
     of ``windows`` from the projections up to the last of them."""
     proj.write_at(positions, projected)
     if windows is None:
+        return
+    inv_freq, magnitude = rope
+    if use_triton(projected.device) and compressor.supported(proj.data, inv_freq.shape[0]):
+        rows.write_at(windows, compressor.emit_windows_fused(proj.data, windows, positions[-1], ape, norm, inv_freq,
+                                                             magnitude, ratio, overlap, width, cfg.rms_norm_eps))
         return
     pooled = _emit_windows(proj, ape, windows, positions[-1], ratio, overlap, width)
     normed = rms_norm(pooled, norm, cfg.rms_norm_eps)
@@ -123,17 +129,20 @@ class _Step:
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
-              segments: list[Segment], rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+              segments: list[Segment], rope: tuple[torch.Tensor, float],
+              rope_at_positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One attention block for a batch of N tokens x [N, hidden] at ``positions`` [N].
 
     ``segments`` split the batch by cache (each segment's positions are consecutive from its cache.length).
     Token-local work (projections, norms, RoPE, the output projection) runs over all N rows at once; the
     cache writes, compressors, indexer selection and attention over stored rows run per segment.
+    ``rope_at_positions`` is ``cos_sin(rope, positions)`` when the caller already has it (it is the same for
+    every layer of a rope kind).
     """
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
     N, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
-    cos, sin = cos_sin(rope, positions)
+    cos, sin = rope_at_positions if rope_at_positions is not None else cos_sin(rope, positions)
 
     q_res = rms_norm(linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
     q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)

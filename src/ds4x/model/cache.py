@@ -22,6 +22,7 @@ import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ from ds4x.formats import (
     unpack_indexer_rows,
     unpack_kv_rows,
 )
+from ds4x.kernels.dispatch import use_triton
 
 CACHE_MODES = ("float", "native", "packed")
 
@@ -66,14 +68,28 @@ class FloatCodec:
         return stored
 
 
+def _triton_rows(x: torch.Tensor) -> Any:
+    """The Triton row kernels (one launch each) for a CUDA tensor, else None: the torch versions take 40 to 130
+    small kernels per call, which a decode step would pay for every layer. Both are bit-identical."""
+    if not use_triton(x.device):
+        return None
+    from ds4x.formats import rows_triton
+
+    return rows_triton
+
+
 class NativeKVCodec(FloatCodec):
     """E4M3 (UE8M0 scale per 64) on the non-RoPE dims, FP16 on the RoPE dims; stored unpacked."""
 
     def __init__(self, dim: int, rope_dim: int):
         super().__init__(dim)
-        self.nope = dim - rope_dim
+        self.nope, self.rope_dim = dim - rope_dim, rope_dim
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        rt = _triton_rows(x)
+        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):  # the packed bytes, read back
+            return rt.unpack_kv_rows_triton(rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim),
+                                            rope_dim=self.rope_dim)
         x = x.float()
         return torch.cat([e4m3_block_roundtrip(x[..., : self.nope], 64), x[..., self.nope :].half().float()], -1)
 
@@ -86,17 +102,31 @@ class PackedKVCodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         # finiteness is checked on the float rows by the caller's contract; skipping the check here
         # keeps the step free of host syncs
+        rt = _triton_rows(x)
+        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+            return rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim)
         return pack_kv_rows(x, validate=False, rope_dim=self.rope_dim)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        rt = _triton_rows(stored)
+        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+            return rt.unpack_kv_rows_triton(stored, rope_dim=self.rope_dim)
         return unpack_kv_rows(stored, rope_dim=self.rope_dim)
+
+
+def rotate_mxfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """Indexer keys and queries as the native graph scores them: Hadamard-128, then through MXFP4 and back."""
+    rt = _triton_rows(x)
+    if rt is not None:
+        return rt.unpack_indexer_rows_triton(rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False))
+    return mxfp4_roundtrip(hadamard128(x.float()), 32)
 
 
 class NativeIndexerCodec(FloatCodec):
     """Indexer keys: Hadamard-128 rotation, then MXFP4; stored unpacked (rotated)."""
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_roundtrip(hadamard128(x.float()), 32)
+        return rotate_mxfp4_roundtrip(x)
 
 
 class PackedIndexerCodec:
@@ -104,10 +134,14 @@ class PackedIndexerCodec:
         self.dim, self.width, self.dtype = 128, INDEXER_ROW_BYTES, torch.uint8
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        rt = _triton_rows(x)
+        if rt is not None:
+            return rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False)
         return pack_indexer_rows(hadamard128(x.float()), validate=False)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        return unpack_indexer_rows(stored)
+        rt = _triton_rows(stored)
+        return rt.unpack_indexer_rows_triton(stored) if rt is not None else unpack_indexer_rows(stored)
 
 
 Codec = FloatCodec | PackedKVCodec | PackedIndexerCodec
@@ -365,5 +399,4 @@ class ModelCache:
 
     def indexer_query(self, q: torch.Tensor) -> torch.Tensor:
         """An indexer query as the cache's semantics score it (rotated and MXFP4 unless float)."""
-        q = q.float()
-        return q if self.mode == "float" else mxfp4_roundtrip(hadamard128(q), 32)
+        return q.float() if self.mode == "float" else rotate_mxfp4_roundtrip(q)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ds4x.config import ModelConfig
+from ds4x.kernels import moe as fused
+from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.linear import (
     Weight,
     has_routed_kernel,
@@ -28,6 +30,10 @@ def route(
     x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor, cfg: ModelConfig, hashed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert ids [T, k] and their weights [T, k] for block inputs x [T, H]."""
+    if use_triton(x.device) and not rowwise_enabled():  # one launch for the glue after the router product
+        return fused.route_fused(linear(x, w[prefix + "gate.weight"]), None if hashed else w[prefix + "gate.bias"],
+                                 tokens, w[prefix + "gate.tid2eid"] if hashed else None, cfg.n_experts_per_tok,
+                                 cfg.scoring_func, cfg.routed_scaling_factor)
     scores = _score(linear(x, w[prefix + "gate.weight"]), cfg.scoring_func)
     if hashed:
         ids = w[prefix + "gate.tid2eid"][tokens].long()
@@ -42,6 +48,8 @@ def route(
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if use_triton(gate.device) and not rowwise_enabled():
+        return fused.swiglu_fused(gate, up, limit)
     return silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 

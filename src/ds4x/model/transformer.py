@@ -13,7 +13,7 @@ from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
 from ds4x.model.moe import moe
 from ds4x.model.norms import rms_norm
-from ds4x.model.rope import rope_kind, rope_tables
+from ds4x.model.rope import cos_sin, rope_kind, rope_tables
 
 
 class Transformer:
@@ -82,12 +82,14 @@ class Transformer:
         N = ids.shape[0]
         x = embedding(w["embed.weight"], ids, self.dtype)
         streams = x.unsqueeze(1).expand(N, cfg.hc_mult, cfg.hidden_size).contiguous()
+        rope_at_positions = {kind: cos_sin(table, positions) for kind, table in self.rope.items()}  # once a pass
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             block_in, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"],
                                           w[p + "hc_attn_scale"], cfg)
             h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
-            out = attention(h, w, i, positions, cfg, segments, self.rope[rope_kind(cfg, i)])
+            kind = rope_kind(cfg, i)
+            out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind])
             streams = hc_post(streams, out, post, comb)
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
                                           w[p + "hc_ffn_scale"], cfg)
