@@ -1,16 +1,28 @@
 """The tokenizer stored in a ds4 GGUF (``tokenizer.ggml.tokens`` / ``merges``: byte-level BPE).
 
-Encoding is split exactly as antirez/ds4 splits (its hand-written version of the "joyai-llm"
-pre-tokenizer the file declares; the split changes the tokens, so it must match), then every
-piece goes through the ``tokenizers`` library's BPE model with the byte-level alphabet and no
-further splitting. ds4's special tokens (BOS, EOS, User, Assistant, think, /think, DSML) are
-recognised in the text, as ds4 does for rendered chat prompts. Decoding follows ds4 too: a token
-holding the fullwidth bar ``｜`` is literal text, any other maps its characters back to bytes.
+The pre-tokenizer split changes the tokens, so it must be the one the model was trained with. It is
+chosen from the file's metadata, in this order:
+
+- ``ds4x.tokenizer.pre_tokenizer``: the ``pre_tokenizer`` of the ``tokenizer.json`` that ``ds4x convert``
+  read, stored verbatim (JSON) and run by the ``tokenizers`` library, so ids are exactly the source's;
+- ``tokenizer.ggml.pre``: ``joyai-llm`` (what DeepSeek-V4 GGUFs declare) or ``deepseek-v3`` is DeepSeek-V3/V4's
+  ``tokenizer.json`` split (three regex ``Split``s, then ``ByteLevel``), ``gpt-2`` the GPT-2 ``ByteLevel`` regex;
+- ``ds4`` (the default of the constructor): antirez/ds4's hand-written split (:func:`ds4_split`), which
+  equals DeepSeek-V4's regexes on ASCII text but not always elsewhere (a space before CJK, non-ASCII
+  punctuation, digits and spaces, runs of control characters).
+
+Every piece then goes through the ``tokenizers`` library's BPE model with the byte-level alphabet.
+Special tokens are recognised in the text as ``tokenizer.json`` recognises its added tokens: the
+tokens typed control / user-defined in ``tokenizer.ggml.token_type`` (without types: ds4's BOS, EOS,
+User, Assistant, think, /think, DSML, as ds4 does for rendered chat prompts). Decoding follows ds4: a
+token holding the fullwidth bar ``｜`` is literal text, any other maps its characters back to bytes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +33,82 @@ SPECIAL_TOKENS = (
     "<think>", "</think>", "｜DSML｜",
 )
 _BAR = "｜"  # U+FF5C: marks ds4's literal special tokens
+_CONTROL, _USER_DEFINED = 3, 4  # gguf TokenType values of tokenizer.json's added tokens
+
+# ---- pre-tokenizers (tokenizer.json "pre_tokenizer" objects) ------------------------------------
+
+# DeepSeek-V3 / V4 tokenizer.json: digits in groups of up to 3, then CJK / kana runs, then the general
+# pattern, each an isolating regex Split (text no regex matches stays a piece of its own), then the
+# byte-level mapping. llama.cpp's "deepseek-v3" and "joyai-llm" pre-types are these three regexes.
+DEEPSEEK_V4_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+)
+DEEPSEEK_V4_PRE_TOKENIZER: dict[str, Any] = {
+    "type": "Sequence",
+    "pretokenizers": [
+        *({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+          for r in DEEPSEEK_V4_SPLITS),
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+}
+GPT2_PRE_TOKENIZER: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                      "use_regex": True}
+# tokenizer.ggml.pre names this loader knows; the first with a given split is the one ds4x convert writes
+PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "joyai-llm": DEEPSEEK_V4_PRE_TOKENIZER, "deepseek-v3": DEEPSEEK_V4_PRE_TOKENIZER,
+    "gpt-2": GPT2_PRE_TOKENIZER, "gpt2": GPT2_PRE_TOKENIZER,
+}
+DS4_PRE = "ds4"  # antirez/ds4's hand-written split (ds4_split)
+
+
+def _stub(pre_tokenizer: Any = None, normalizer: Any = None) -> Any:
+    """A ``tokenizers.Tokenizer`` with an empty model, to deserialise pre-tokenizer / normalizer JSON."""
+    from tokenizers import Tokenizer
+
+    data = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": normalizer,
+            "pre_tokenizer": pre_tokenizer, "post_processor": None, "decoder": None,
+            "model": {"type": "BPE", "vocab": {}, "merges": []}}
+    try:
+        return Tokenizer.from_str(json.dumps(data))
+    except Exception as exc:  # the library raises a bare Exception for JSON it cannot read
+        raise ValueError(f"cannot build the tokenizer's pre-tokenizer / normalizer: {exc}") from None
+
+
+def pre_tokenizer_from_json(pre: str | dict[str, Any]) -> Any:
+    """A ``tokenizers`` pre-tokenizer from a ``tokenizer.json`` ``pre_tokenizer`` object (or its JSON text)."""
+    return _stub(pre_tokenizer=json.loads(pre) if isinstance(pre, str) else pre).pre_tokenizer
+
+
+def normalizer_from_json(norm: str | dict[str, Any]) -> Any:
+    return _stub(normalizer=json.loads(norm) if isinstance(norm, str) else norm).normalizer
+
+
+# a probe of the character classes the known splits treat differently (to name a tokenizer.json split)
+_PROBE = ("Hello, world! It's  I'LL don't\n\n\tdef f(x):\n    return x**2 ;;\n>;\n  ) a  b\r\n"
+          "1234567 ٣٤٥ x² ½ naïve café — 日本語テキスト 中文，標點。 a日本 ｆｕｌｌ 한국어 🙂🚨 e\u0301 "
+          "a\u00a0b\u3000c \x00\x00\x01 \v\f x ~y `z` @#$%^&*()[]{}<>|\\/'\"-_+=")
+
+
+def pre_tokenizer_name(pre: dict[str, Any] | None) -> str | None:
+    """The ``tokenizer.ggml.pre`` name of a ``tokenizer.json`` ``pre_tokenizer``, or None if it is none of
+    :data:`PRE_TOKENIZERS`: the same JSON, or the same pieces on a probe text of the classes that matter."""
+    if pre is None:
+        return None
+    for name, known in PRE_TOKENIZERS.items():
+        if pre == known:
+            return name
+    try:
+        pieces = pre_tokenizer_from_json(pre).pre_tokenize_str(_PROBE)
+    except ValueError:
+        return None
+    for name, known in PRE_TOKENIZERS.items():
+        if pre_tokenizer_from_json(known).pre_tokenize_str(_PROBE) == pieces:
+            return name
+    return None
+
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -150,10 +238,18 @@ def ds4_split(text: str) -> list[str]:
 # ---- tokenizer ---------------------------------------------------------------------------------
 
 class GGUFTokenizer:
-    """Byte-level BPE from GGUF token and merge lists (interface of runtime.tokenizer.Tokenizer)."""
+    """Byte-level BPE from GGUF token and merge lists (interface of runtime.tokenizer.Tokenizer).
+
+    ``pre`` names the split (:data:`PRE_TOKENIZERS` or ``"ds4"``, antirez/ds4's); ``pre_tokenizer`` (a
+    ``tokenizer.json`` ``pre_tokenizer``, dict or JSON text) overrides it. ``normalizer`` likewise, and
+    ``ignore_merges`` is the BPE model's flag. With ``token_types`` (gguf TokenType per token) the special
+    tokens are those typed control or user-defined, else ds4's :data:`SPECIAL_TOKENS`.
+    """
 
     def __init__(self, tokens: list[str], merges: list[str], bos_id: int | None = None,
-                 eos_ids: tuple[int, ...] | None = None):
+                 eos_ids: tuple[int, ...] | None = None, *, pre: str = DS4_PRE,
+                 pre_tokenizer: str | dict[str, Any] | None = None, normalizer: str | dict[str, Any] | None = None,
+                 ignore_merges: bool = False, token_types: list[int] | None = None):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         if not tokens:
@@ -172,18 +268,39 @@ class GGUFTokenizer:
             pairs.append((a, b))
         if dropped:
             log.warning("GGUF tokenizer: ignored %d merges whose parts or result are not in the vocabulary", dropped)
-        model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+        model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore_merges)
         tok = Tokenizer(model)
-        # pieces are already split (ds4_split); ByteLevel only maps bytes to its alphabet
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        if pre_tokenizer is not None:
+            self.pre = "tokenizer.json"
+            tok.pre_tokenizer = pre_tokenizer_from_json(pre_tokenizer)
+        elif pre == DS4_PRE:
+            self.pre = pre
+            # pieces are already split (ds4_split); ByteLevel only maps bytes to its alphabet
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        elif pre in PRE_TOKENIZERS:
+            self.pre = pre
+            tok.pre_tokenizer = pre_tokenizer_from_json(PRE_TOKENIZERS[pre])
+        else:
+            raise ValueError(f"GGUF tokenizer: unknown pre-tokenizer 'tokenizer.ggml.pre' = {pre!r} (known: "
+                             f"{', '.join(PRE_TOKENIZERS)}; ds4x convert stores others as "
+                             f"'ds4x.tokenizer.pre_tokenizer')")
+        if normalizer is not None:
+            tok.normalizer = normalizer_from_json(normalizer)
         tok.decoder = decoders.ByteLevel()
         self._tok = tok
         self._vocab = vocab
-        self.specials = {s: vocab[s] for s in SPECIAL_TOKENS if s in vocab}
+        if token_types is not None:
+            self.specials = {t: i for i, t in enumerate(self.tokens)
+                             if i < len(token_types) and token_types[i] in (_CONTROL, _USER_DEFINED) and t}
+        else:
+            self.specials = {s: vocab[s] for s in SPECIAL_TOKENS if s in vocab}
+        # leftmost, then longest, as tokenizer.json matches its added tokens
+        self._special_re = (re.compile("|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True)))
+                            if self.specials else None)
         self._bytes = [self._token_bytes(t) for t in self.tokens]
-        self.bos_id: int | None = bos_id if bos_id is not None else self.specials.get(SPECIAL_TOKENS[0])
+        self.bos_id: int | None = bos_id if bos_id is not None else vocab.get(SPECIAL_TOKENS[0])
         if eos_ids is None:
-            eos = self.specials.get(SPECIAL_TOKENS[1])
+            eos = vocab.get(SPECIAL_TOKENS[1])
             eos_ids = () if eos is None else (eos,)
         self.eos_ids: tuple[int, ...] = tuple(eos_ids)
 
@@ -210,10 +327,18 @@ class GGUFTokenizer:
         if model != "gpt2":
             raise ValueError(f"GGUF metadata key 'tokenizer.ggml.model' is {model!r}; only byte-level BPE ('gpt2') "
                              f"is supported")
+        pre_json = meta.get("ds4x.tokenizer.pre_tokenizer")
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre_json is None and pre is None:
+            log.warning("GGUF tokenizer: no 'tokenizer.ggml.pre'; splitting text as DeepSeek-V4 does (joyai-llm)")
+        types = meta.get("tokenizer.ggml.token_type")
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(tokens, merges, bos if isinstance(bos, int) else None,
-                   (eos,) if isinstance(eos, int) else None)
+                   (eos,) if isinstance(eos, int) else None, pre="joyai-llm" if pre is None else str(pre),
+                   pre_tokenizer=pre_json, normalizer=meta.get("ds4x.tokenizer.normalizer"),
+                   ignore_merges=bool(meta.get("ds4x.tokenizer.ignore_merges", False)),
+                   token_types=types if isinstance(types, list) and len(types) == len(tokens) else None)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
@@ -223,29 +348,24 @@ class GGUFTokenizer:
 
     # ---- encode / decode ----------------------------------------------------------------------
     def encode_plain(self, text: str) -> list[int]:
-        """BPE of ``text`` with no special-token recognition (ds4's ``bpe_tokenize_text``)."""
-        pieces = ds4_split(text)
-        if not pieces:
+        """BPE of ``text`` with no special-token recognition (ds4's ``bpe_tokenize_text`` for the ds4 split)."""
+        if not text:
             return []
-        return self._tok.encode(pieces, is_pretokenized=True, add_special_tokens=False).ids
+        if self.pre == DS4_PRE:
+            return self._tok.encode(ds4_split(text), is_pretokenized=True, add_special_tokens=False).ids
+        text.encode("utf-8")  # a lone surrogate is a UnicodeEncodeError here, as in ds4_split
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
         """Special tokens in ``text`` become their ids; the spans between are BPE-encoded."""
+        if self._special_re is None:
+            return self.encode_plain(text)
         ids: list[int] = []
         span = 0
-        i = 0
-        n = len(text)
-        while i < n:
-            # specials all start with '<' or the fullwidth bar
-            if text[i] in "<｜":
-                hit = next((s for s in self.specials if text.startswith(s, i)), None)
-                if hit is not None:
-                    ids += self.encode_plain(text[span:i])
-                    ids.append(self.specials[hit])
-                    i += len(hit)
-                    span = i
-                    continue
-            i += 1
+        for m in self._special_re.finditer(text):
+            ids += self.encode_plain(text[span:m.start()])
+            ids.append(self.specials[m.group()])
+            span = m.end()
         ids += self.encode_plain(text[span:])
         return ids
 

@@ -504,8 +504,8 @@ def weight_type_table(model: str = "default", types: tuple[str, ...] = WEIGHT_TY
 
     Each file is written by `ds4x convert` (options from `routed_type_args`) into a temporary directory and
     loaded with ``Engine.load``. Every model scores the same token ids, the reference (float checkpoint)
-    tokenizer's: the GGUF tokenizer (ds4's pre-tokenizer split) need not split this model's text the same way,
-    and a different split would change perplexity by itself. The ``float`` cache by default, so that only the
+    tokenizer's, so that only the weights differ between rows (a converted file's tokenizer keeps the source's
+    pre-tokenizer and gives the same ids; tests/test_tokenizers.py). The ``float`` cache by default, so that only the
     weights differ (the cache's own deltas are the cache report's). ``log(message)`` reports progress.
     """
     import tempfile

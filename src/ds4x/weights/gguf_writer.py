@@ -295,6 +295,13 @@ class GGUFVocab:
     bos_id: int
     eos_id: int
     synthetic: bool = False
+    # how text is split before BPE: the tokenizer.ggml.pre name, and the source tokenizer.json's own
+    # pre_tokenizer / normalizer (JSON text, None when absent) and BPE ignore_merges flag, so that the GGUF
+    # tokenizer (runtime/gguf_tokenizer.py) reproduces the source's ids exactly
+    pre: str = "joyai-llm"
+    pre_tokenizer: str | None = None
+    normalizer: str | None = None
+    ignore_merges: bool = False
 
 
 def synthetic_vocab(vocab_size: int) -> GGUFVocab:
@@ -335,13 +342,37 @@ def synthetic_vocab(vocab_size: int) -> GGUFVocab:
     return GGUFVocab(tokens, merges, types, bos_id=0, eos_id=1, synthetic=True)
 
 
+def _has_byte_level(pre: Any) -> bool:
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "ByteLevel":
+        return True
+    return pre.get("type") == "Sequence" and any(_has_byte_level(p) for p in pre.get("pretokenizers", []))
+
+
 def vocab_from_tokenizer_json(path: str | Path, vocab_size: int, bos_id: int | None,
                               eos_id: int | None) -> GGUFVocab:
-    """A GGUF vocabulary from an HF ``tokenizer.json`` (byte-level BPE), padded to ``vocab_size``."""
+    """A GGUF vocabulary from an HF ``tokenizer.json`` (byte-level BPE), padded to ``vocab_size``.
+
+    Its pre-tokenizer is kept: ``tokenizer.ggml.pre`` names it when it is a known one (``joyai-llm`` for
+    DeepSeek-V3/V4's, ``gpt-2`` for GPT-2's byte-level regex), and the JSON itself is stored too, as is a
+    normalizer, so the GGUF tokenizer gives the same ids as this file."""
+    from ds4x.runtime.gguf_tokenizer import pre_tokenizer_name
+
     data = json.loads(Path(path).read_text())
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise ValueError(f"{path}: only byte-level BPE tokenizers can be written to GGUF, got {model.get('type')!r}")
+    pre_json = data.get("pre_tokenizer")
+    if not _has_byte_level(pre_json):
+        raise ValueError(f"{path}: only byte-level BPE tokenizers can be written to GGUF; its pre_tokenizer has no "
+                         f"ByteLevel step")
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "dropout", "byte_fallback"):
+        if model.get(key):
+            raise ValueError(f"{path}: the BPE model sets {key!r}, which a byte-level GGUF tokenizer cannot represent")
+    norm = data.get("normalizer")
+    if isinstance(norm, dict) and norm.get("type") == "Sequence" and not norm.get("normalizers"):
+        norm = None
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     types = {i: 1 for i in by_id}
     for added in data.get("added_tokens", []):
@@ -353,7 +384,10 @@ def vocab_from_tokenizer_json(path: str | Path, vocab_size: int, bos_id: int | N
     ttypes = [types.get(i, 5) for i in range(vocab_size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     return GGUFVocab(tokens, merges, ttypes, bos_id=0 if bos_id is None else bos_id,
-                     eos_id=1 if eos_id is None else eos_id)
+                     eos_id=1 if eos_id is None else eos_id, pre=pre_tokenizer_name(pre_json) or "ds4x-json",
+                     pre_tokenizer=json.dumps(pre_json, ensure_ascii=False),
+                     normalizer=None if norm is None else json.dumps(norm, ensure_ascii=False),
+                     ignore_merges=bool(model.get("ignore_merges", False)))
 
 
 # ---- metadata ----------------------------------------------------------------------------------
@@ -419,13 +453,21 @@ def write_metadata(w: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra:
     w.add_key_value(k + "swiglu_clamp_shexp", clamps, GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
 
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "joyai-llm")  # ds4's pre-tokenizer split
+    # the text split before BPE: a name ds4 / llama.cpp know ("joyai-llm": DeepSeek-V4's; "ds4x-json" when
+    # none fits), and for a converted tokenizer.json its exact pre-tokenizer, which ds4x's loader prefers
+    w.add_string("tokenizer.ggml.pre", vocab.pre)
     w.add_key_value("tokenizer.ggml.tokens", vocab.tokens, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     w.add_key_value("tokenizer.ggml.token_type", vocab.token_types, GGUFValueType.ARRAY,
                     sub_type=GGUFValueType.INT32)
     w.add_key_value("tokenizer.ggml.merges", vocab.merges, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     w.add_uint32("tokenizer.ggml.bos_token_id", vocab.bos_id)
     w.add_uint32("tokenizer.ggml.eos_token_id", vocab.eos_id)
+    if vocab.pre_tokenizer is not None:
+        w.add_string("ds4x.tokenizer.pre_tokenizer", vocab.pre_tokenizer)
+    if vocab.normalizer is not None:
+        w.add_string("ds4x.tokenizer.normalizer", vocab.normalizer)
+    if vocab.ignore_merges:
+        w.add_bool("ds4x.tokenizer.ignore_merges", True)
     if vocab.synthetic:
         w.add_bool("ds4x.tokenizer.synthetic", True)
     for key, v in (extra or {}).items():
