@@ -5,6 +5,7 @@ import torch
 
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
+from ds4x.runtime.tokenizer import ByteTokenizer, TextStream
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +105,44 @@ def test_sampled_generation_is_seeded(engine):
     a = [t for t, _ in engine.new_session(ctx=128).generate(ids, 16, p, stop_ids=())]
     b = [t for t, _ in engine.new_session(ctx=128).generate(ids, 16, p, stop_ids=())]
     assert a == b
+
+
+class _CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer, recording how many ids each decode call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoded: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(len(ids))
+        return super().decode(ids)
+
+
+def test_text_stream_holds_a_window_not_the_whole_generation():
+    # a long decode streams every token through TextStream (`ds4x generate`, the server): it used to keep every
+    # id and re-decode all of them per token (memory growing per step, quadratic time: ~1 ms a token at 10k)
+    tok = _CountingTokenizer()
+    text = "naïve café — 日本語 🙂 def f(x):\n    return x\n" * 400  # ~20k byte tokens, 1-4 per character
+    ids = tok.encode(text)
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert max(tok.decoded) <= 8  # a character's bytes plus the previous piece, never the history
+    assert len(stream.ids) <= 4
+
+
+def test_text_stream_of_a_generation_matches_decoding_it_whole(engine):
+    tok = engine.tokenizer
+    s = engine.new_session(ctx=256, cache="packed")
+    stream = TextStream(tok)
+    out, generated = [], []
+    for token, _ in s.generate(_prompt(8, engine.cfg.vocab_size, seed=5), 120, SamplingParams(temperature=1.0,
+                                                                                               seed=3), stop_ids=()):
+        generated.append(token)
+        out.append(stream.push(token))
+    out.append(stream.flush())
+    assert "".join(out) == tok.decode(generated)
+    assert len(stream.ids) < len(generated)

@@ -57,22 +57,34 @@ class HFTokenizer:
 
 
 class TextStream:
-    """Incremental detokenisation: feed ids, get the newly completed text."""
+    """Incremental detokenisation: feed ids, get the newly completed text.
+
+    Only a window is held and decoded: the ids of the last piece shown (as context) and those not shown yet,
+    so a push costs the same at the 10,000th token as at the first and the stream does not grow with the
+    generation (it used to keep and re-decode every id: quadratic time). The shown part's text is cut off the
+    front of the window's, so a decoder that treats the first token specially (SentencePiece's leading space)
+    gives the same pieces as decoding everything at once.
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
-        self.ids: list[int] = []
-        self.shown = 0
+        self.ids: list[int] = []  # the window: ids[:read] were shown, ids[read:] are not yet
+        self.read = 0
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
-        new, self.shown = text[self.shown :], len(text)
-        return new
+        return self._emit(text)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        new, self.shown = text[self.shown :], len(text)
+        return self._emit(self.tok.decode(self.ids))
+
+    def _emit(self, text: str) -> str:
+        shown = self.tok.decode(self.ids[: self.read]) if self.read else ""
+        new = text[len(shown) :]
+        # the window now starts at the piece just shown: it stays the context of the next decode
+        del self.ids[: self.read]
+        self.read = len(self.ids)
         return new
