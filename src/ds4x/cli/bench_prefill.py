@@ -21,7 +21,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="working dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights seed")
-    p.add_argument("--profile", action="store_true", help="also break one decode step down by kernel group")
+    p.add_argument("--profile", action="store_true",
+                   help="also break one decode step and one prefill chunk (after the context) down by kernel group")
     p.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
 
 
@@ -57,14 +58,18 @@ def run(args: argparse.Namespace) -> int:
         from ds4x.weights.synthetic_gguf import active_weight_bytes
 
         for n in contexts:
-            session = engine.new_session(n + 16, bc.cache, bc.chunk, bc.mode, announce=False)
-            token = int(session.prefill(fixture_ids(engine, n)).argmax())
+            session = engine.new_session(n + 16 + 3 * bc.chunk, bc.cache, bc.chunk, bc.mode, announce=False)
+            ids = fixture_ids(engine, n + bc.chunk)
+            token = int(session.prefill(ids[:n]).argmax())
 
             groups, wall_us = profile_step(lambda s=session, t=token: s.step(t))  # consecutive steps from position n
             for g in groups:
                 if g["group"].startswith("quantized matmul"):
                     g["bytes"] = active_weight_bytes(engine.cfg, engine.model.w, quantized_only=True)
             print(f"\none decode step at context {n}, by kernel group:")
+            print(format_profile(groups, wall_us))
+            groups, wall_us = profile_step(lambda s=session, c=ids[n:]: s.prefill(c), reps=1)
+            print(f"\none prefill chunk of {bc.chunk} tokens after context {n}, by kernel group:")
             print(format_profile(groups, wall_us))
             del session
             torch.cuda.empty_cache()

@@ -209,7 +209,7 @@ if HAVE_TRITON:
         o_row = out_ptr + rows64[:, None] * 128
         y = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=m2, other=0.0)
         for stage in tl.static_range(7):
-            stride: tl.constexpr = 1 << stage
+            stride = 1 << stage
             tl.store(o_row + cols[None, :], y, mask=m2)
             tl.debug_barrier()
             partner = tl.load(o_row + (cols[None, :] ^ stride), mask=m2, other=0.0)
