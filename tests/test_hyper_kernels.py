@@ -8,6 +8,17 @@ from ds4x.kernels import hyper as hk
 from ds4x.model.hyper import hc_post, hc_pre
 
 pytestmark = pytest.mark.skipif(not hk.HAVE_TRITON, reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels on a GPU, else the interpreter
+
+
+def _fast_pre(streams, fn, base, scale, cfg):
+    out = hk.hc_pre_fused(streams.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
+                          cfg.hc_sinkhorn_iters)
+    return tuple(t.cpu() for t in out)
+
+
+def _fast_post(streams, block_out, post, comb):
+    return hk.hc_post_fused(streams.to(DEV), block_out.to(DEV), post.to(DEV), comb.to(DEV)).cpu()
 
 
 def _inputs(t: int, n: int, hd: int, seed: int, dtype=torch.float32):
@@ -25,7 +36,7 @@ def test_hc_pre_matches_reference(t, hd):
     n = cfg.hc_mult
     streams, fn, base, scale = _inputs(t, n, hd, seed=t + hd)
     ref = hc_pre(streams, fn, base, scale, cfg)
-    fast = hk.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    fast = _fast_pre(streams, fn, base, scale, cfg)
     for a, b, what in zip(fast, ref, ("block input", "post", "comb"), strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6, msg=what)
     comb = fast[2]  # doubly stochastic after Sinkhorn
@@ -39,18 +50,18 @@ def test_hc_post_matches_reference(t, hd):
     streams, fn, base, scale = _inputs(t, n, hd, seed=7)
     _, post, comb = hc_pre(streams, fn, base, scale, cfg)
     block_out = torch.randn(t, hd, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(hk.hc_post_fused(streams, block_out, post, comb),
+    torch.testing.assert_close(_fast_post(streams, block_out, post, comb),
                                hc_post(streams, block_out, post, comb), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_streams_round_once():
     cfg = tiny_config().replace(hidden_size=256)
     streams, fn, base, scale = _inputs(2, cfg.hc_mult, 256, seed=3, dtype=torch.bfloat16)
-    x, post, comb = hk.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    x, post, comb = _fast_pre(streams, fn, base, scale, cfg)
     assert x.dtype == torch.bfloat16 and post.dtype == comb.dtype == torch.float32
     ref = hc_pre(streams, fn, base, scale, cfg)
     torch.testing.assert_close(x.float(), ref[0].float(), rtol=1e-2, atol=1e-2)
-    y = hk.hc_post_fused(streams, x, post, comb)
+    y = _fast_post(streams, x, post, comb)
     assert y.dtype == torch.bfloat16 and y.shape == streams.shape
 
 
@@ -65,6 +76,8 @@ def test_model_with_fused_mhc_matches_reference(monkeypatch):
     from ds4x.model import hyper
     from ds4x.runtime.engine import Engine
 
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case; on a GPU the model's CUDA tests run the fused kernels")
     engine = Engine.load("default", device="cpu")
     prompt = engine.tokenizer.encode("def add(a, b):\n    return")
 

@@ -38,7 +38,7 @@ def test_route_matches_reference(interp, monkeypatch, experts, k, func, hashed):
                                      w["gate.tid2eid"] if hashed else None, k, func, 1.5)
     monkeypatch.setattr(moe, "use_triton", lambda device: False)
     want_ids, want_w = moe.route(x, w, "", tokens, cfg, hashed)
-    assert torch.equal(ids, want_ids)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
     assert torch.allclose(weights, want_w, rtol=1e-5, atol=1e-6)
 
 
@@ -50,3 +50,13 @@ def test_swiglu_matches_reference(interp, monkeypatch):
     monkeypatch.setattr(moe, "use_triton", lambda device: False)
     want = moe.swiglu(gate, up, 10.0)
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_matches_reference(interp, monkeypatch):
+    dev = _device()
+    g = torch.Generator().manual_seed(3)
+    y, weights = torch.randn(3, 6, 300, generator=g), torch.rand(3, 6, generator=g)
+    shared = torch.randn(3, 300, generator=g)
+    fast = fused.combine_fused(y.to(dev), weights.to(dev), shared.to(dev)).cpu()
+    monkeypatch.setattr(moe, "use_triton", lambda device: False)
+    torch.testing.assert_close(fast, moe.combine(y, weights, shared), rtol=1e-5, atol=1e-5)

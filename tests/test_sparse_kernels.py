@@ -133,6 +133,32 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
     assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("position", [3, 40, 299])
+def test_attention_slots_from_the_position_match_explicit_indices(position):
+    """Window-of-a-ring and closed-compressed-rows slots, derived in the kernel from the device position, give
+    the same bits as the explicit index tensors they stand for (`Slots.explicit`)."""
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    g = torch.Generator().manual_seed(5)
+    dev = _device()
+    rows = pack_kv_rows(torch.randn(64, 128, generator=g) * 2, rope_dim=64).to(dev)
+    q = torch.randn(16, 128, generator=g).to(dev)
+    sinks = torch.randn(16, generator=g).to(dev)
+    pos = torch.tensor([position], device=dev)
+    window, comp = Slots(24, position=pos, ring=48), Slots(40, position=pos, ratio=8)
+    assert window.explicit().tolist() == [p % 48 if p >= 0 else -1 for p in range(position - 23, position + 1)]
+    assert comp.explicit().tolist() == [j if j < (position + 1) // 8 else -1 for j in range(40)]
+    for config in (None, (16, 16, 4)):
+        out = attention_decode_triton(q, [(rows, window), (rows, comp)], sinks, 128**-0.5, 64, True, config)
+        ref = attention_decode_triton(q, [(rows, window.explicit()), (rows, comp.explicit())], sinks, 128**-0.5, 64,
+                                      True, config)
+        assert torch.equal(out, ref)
+        native = attention_decode_triton(q, [(unpack_kv_rows(rows, rope_dim=64).contiguous(), window),
+                                             (unpack_kv_rows(rows, rope_dim=64).contiguous(), comp)], sinks,
+                                         128**-0.5, 64, False, config)
+        assert torch.equal(out, native)
+
+
 @pytest.mark.gpu
 def test_flash_shapes_at_1m_on_gpu():
     from ds4x.kernels.indexer import indexer_scores_triton

@@ -59,7 +59,7 @@ def test_engine_loads_a_synthetic_mix_and_runs():
 
 def test_experts_by_slot_matches_by_expert():
     """The fused routed-experts form (decode on the GPU) against the per-expert reference."""
-    from ds4x.model.moe import experts_by_expert, experts_by_slot
+    from ds4x.model.moe import combine, experts_by_expert, experts_by_slot
 
     cfg = tiny_config().replace(hidden_size=256, moe_intermediate_size=256)
     w = synthetic_quantized_weights(cfg, "q2", seed=2, dtype=torch.float32, device="cpu")
@@ -68,6 +68,7 @@ def test_experts_by_slot_matches_by_expert():
     ids = torch.tensor([[0, 5], [5, 7], [2, 0]])
     weights = torch.rand(3, 2, generator=g)
     p = "layers.3.ffn.experts."
-    args = (x, w[p + "w1"], w[p + "w3"], w[p + "w2"], ids, weights, cfg.swiglu_limit)
-    ref, fast = experts_by_expert(*args), experts_by_slot(*args)
+    experts = (w[p + "w1"], w[p + "w3"], w[p + "w2"])
+    ref = experts_by_expert(x, *experts, ids, weights, cfg.swiglu_limit)
+    fast = combine(experts_by_slot(x, *experts, ids, cfg.swiglu_limit), weights, torch.zeros_like(x))
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,9 @@ launched eagerly and replayed from a CUDA graph (the GPU time without Python lau
 The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 512, indexer 64 x 128,
 top-512, window 128, ratios 4/128, vocab 129280) with its MoE shrunk to fit next to the cache in bf16:
 ``experts`` routed experts (default 8 instead of 256, top-6 kept), weights random (seeded, generated on
-the GPU). Attention, indexer and cache sizes are the real ones.
+the GPU). Attention, indexer and cache sizes are the real ones. With ``weights="q2"`` it is the whole model
+instead: all 256 experts, GGML blocks in the ds4 q2 mix (``ds4x.weights.synthetic_gguf``), about 81 GiB.
+On CUDA the decode steps replay the captured step (``ds4x.runtime.decode_graph``), as a session decodes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ds4x.kernels.indexer import indexer_scores_triton
 from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_radix, select_topk_threshold
 from ds4x.model.cache import ModelCache, RowStore
 from ds4x.model.transformer import Transformer
+from ds4x.runtime.decode_graph import make_decoder
 from ds4x.weights.synthetic import synthetic_weights
 
 COPY_BANDWIDTH = 4.26e12  # bytes/s, measured device-to-device copy on the H200 (read + write)
@@ -40,6 +43,8 @@ class FrontierConfig:
     warmup: int = 3
     seed: int = 0
     experts: int = 8
+    weights: str = "bf16"  # "bf16": the shrunk MoE above; "q2": the full model in the ds4 q2 mix
+    profile: bool = False  # also break one decode step down by kernel group (ds4x.bench.profile), CUDA only
     topk: str = "radix"
     ab: tuple[str, ...] = ()  # other top-k variants to alternate with, e.g. ("keys",)
     preset: str = "flash"  # "tiny" runs the same code small (tests, CPU dry runs under the Triton interpreter)
@@ -164,10 +169,22 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the frontier benchmark needs a CUDA GPU")
     base = PRESETS[fc.preset]()
-    cfg = base.replace(n_routed_experts=fc.experts, n_experts_per_tok=min(base.n_experts_per_tok, fc.experts))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    log(f"synthesizing {fc.preset} attention shapes with {fc.experts} routed experts ({dtype}, seed {fc.seed}) ...")
-    weights = synthetic_weights(cfg, fc.seed, dtype, dev, generate_on=dev)
+    if fc.weights == "q2":
+        from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
+
+        cfg = base
+        log(f"synthesizing the full {fc.preset} model in the q2 mix ({dtype} activations, seed {fc.seed}) ...")
+        weights = synthetic_quantized_weights(cfg, "q2", seed=fc.seed, dtype=dtype, device=dev)
+        label = f"synthetic {fc.preset}:q2 (full model), seed {fc.seed}"
+    elif fc.weights == "bf16":
+        cfg = base.replace(n_routed_experts=fc.experts, n_experts_per_tok=min(base.n_experts_per_tok, fc.experts))
+        log(f"synthesizing {fc.preset} attention shapes with {fc.experts} routed experts ({dtype}, seed {fc.seed}) "
+            "...")
+        weights = synthetic_weights(cfg, fc.seed, dtype, dev, generate_on=dev)
+        label = f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {fc.experts} routed experts"
+    else:
+        raise ValueError(f"weights must be 'bf16' or 'q2', got {fc.weights!r}")
     model = Transformer(cfg, weights, dtype)
     csa = next(i for i, k in enumerate(cfg.attn_kinds) if k == CSA)
     hca = next(i for i, k in enumerate(cfg.attn_kinds) if k == HCA)
@@ -175,26 +192,33 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
     n_csa, n_hca, n_sld = (sum(k == x for k in cfg.attn_kinds) for x in (CSA, HCA, SLIDING))
     rows = []
     for L in fc.contexts:
-        cache = model.new_cache(L + fc.warmup + fc.steps + 1, "packed", chunk=32)
+        cache = model.new_cache(L + fc.warmup + fc.steps + 8, "packed", chunk=32)  # + the profiled steps
         seed_frontier(cache, L, fc.seed)
         g = torch.Generator(device=dev).manual_seed(fc.seed + 1)
-        tok = torch.tensor([1], device=dev)
+        decode = make_decoder(model, cache)  # the captured step on CUDA (the first call captures it)
+        tok = 1
         step_ms = []
         for i in range(fc.warmup + fc.steps):
             t0 = time.perf_counter()
             if dev.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            logits = model.forward(tok, cache)
+            logits = decode(tok)
             if dev.type == "cuda":
                 end.record()
                 torch.cuda.synchronize()
                 ms = start.elapsed_time(end)
             else:
                 ms = 1000 * (time.perf_counter() - t0)
-            tok = logits.argmax().view(1)
+            tok = int(logits.argmax())
             if i >= fc.warmup:
                 step_ms.append(ms)
+        if fc.profile and dev.type == "cuda":
+            from ds4x.bench.profile import format_profile, profile_step
+
+            groups, wall_us = profile_step(lambda d=decode, t=tok: d(t))  # 7 more steps
+            log(f"one decode step at context {L}, by kernel group:\n{format_profile(groups, wall_us)}")
+        del decode  # the graph holds buffers of this cache
         cache.length = L  # the kernels below read the same frontier the steps started from
         k_csa, k_hca, k_sld = (_layer_kernels(cache, i, fc.topk, g) for i in (csa, hca, sld))
         variants = [fc.topk, *[v for v in fc.ab if v != fc.topk]]
@@ -216,9 +240,11 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
             t_eager = _median_ms(seq)
             t_graph = _graph_ms(seq)
             row = {
-                "bench": "frontier", "context": L, "flags": {"cache": "packed", "topk": v, "experts": fc.experts,
-                                                             "dtype": "bfloat16", "steps": fc.steps},
-                "model": f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {fc.experts} routed experts",
+                "bench": "frontier", "context": L,
+                "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
+                          "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
+                          else "eager"},
+                "model": label,
                 "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
                 "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,
                 "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,

@@ -59,7 +59,7 @@ def fixture_ids(engine: Engine, n: int) -> list[int]:
 class PrefillBenchConfig:
     contexts: tuple[int, ...] = (4096, 16384)
     decode: int = 32
-    chunk: int = 512
+    chunk: int = 2048  # H200, flash:q2, 4K fixture: 844 tok/s against 630 with 512-token chunks
     mode: str = "default"
     cache: str = "packed"
 

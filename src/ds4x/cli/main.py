@@ -70,6 +70,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--steps", type=int, default=50, help="timed decode steps per context (median reported)")
     f.add_argument("--seed", type=int, default=0, help="synthetic weights and cache seed")
     f.add_argument("--experts", type=int, default=8, help="routed experts of the shrunk model (Flash: 256)")
+    f.add_argument("--weights", default="bf16", choices=["bf16", "q2"],
+                   help="bf16: attention shapes with the MoE shrunk to --experts; q2: the full model in the ds4 q2 "
+                        "mix (about 81 GiB)")
+    f.add_argument("--profile", action="store_true", help="also break one decode step down by kernel group (CUDA)")
     f.add_argument("--topk", default="radix", choices=["radix", "blocked", "keys", "threshold"],
                    help="top-k variant")
     f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (radix, blocked, "
@@ -122,7 +126,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if any(c <= 0 for c in contexts) or args.steps <= 0:
         raise ValueError("--contexts and --steps must be positive")
     rows = run_frontier(FrontierConfig(contexts=contexts, steps=args.steps, seed=args.seed, experts=args.experts,
-                                       topk=args.topk, ab=tuple(v for v in args.ab.split(",") if v)),
+                                       weights=args.weights, profile=args.profile, topk=args.topk,
+                                       ab=tuple(v for v in args.ab.split(",") if v)),
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     env = ledger.environment()
     ledger.append([{**env, **row} for row in rows], Path(args.ledger))

@@ -2,28 +2,81 @@
 
 The rows come from the cache's stores: packed KV rows (E4M3 non-RoPE values with a UE8M0 scale per 64,
 FP16 RoPE values) are decoded tile by tile in registers, unpacked native rows are read as float32; no
-float copy of the history is made. Flash-decoding: one program per block of rows for all heads, one launch
-per row source (`ds4x.kernels.triton_attention`), then one merge of the blocks' softmax states with the
-per-head sink.
+float copy of the history is made. Flash-decoding: one program per block of rows (and group of heads), one
+launch per row source (`ds4x.kernels.triton_attention`), then one merge of the blocks' softmax states with
+the per-head sink. A source names its rows by `Slots`: an explicit index tensor, or (so that a decode step
+needs no index arithmetic of its own) the sliding window of a ring or the closed compressed rows, both
+derived inside the kernel from the query's position on the device.
 The torch reference is the model's attention path (`ds4x.model.attention`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                            scale: float, nope: int, packed: bool, rows_per_split: int = 64,
-                            heads_per_program: int = 16) -> torch.Tensor:
-    """q [H, D] float32; sources: (store data, slot indices [n] with -1 = skip) -> out [H, D] float32.
+@dataclass(frozen=True)
+class Slots:
+    """The stored rows one source offers a query, as ``n`` slots (-1 = no row):
+
+    - ``index`` given: slot j is row ``index[j]``;
+    - ``ring`` given: the sliding window of ``n`` positions ending at ``position`` in a ring of ``ring`` rows
+      (slot j is position ``position - n + 1 + j``, none before 0);
+    - ``ratio`` given: compressed rows 0 .. n-1, those whose window has closed by ``position``
+      (``(position + 1) // ratio`` of them).
+
+    ``position`` is a device tensor [1], read by the kernel: a captured step replays at any position."""
+
+    n: int
+    index: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    ring: int = 0
+    ratio: int = 0
+
+    @property
+    def mode(self) -> int:
+        return 0 if self.index is not None else 1 if self.ring else 2
+
+    def explicit(self) -> torch.Tensor:
+        """The slots as an index tensor [n] (-1 = none)."""
+        if self.index is not None:
+            return self.index
+        assert self.position is not None
+        j = torch.arange(self.n, device=self.position.device)
+        if self.ring:
+            p = self.position - (self.n - 1) + j
+            return torch.where(p >= 0, p % self.ring, -1)
+        return torch.where(j < (self.position + 1) // self.ratio, j, -1)
+
+
+# Measured (H200, Flash shapes, one source + combine replayed from a CUDA graph, 2026-12-01): a program's time
+# grows with its rows (128-row window: 16 rows x 16 heads per program 16.6 us, 32 x 16 30.1 us, 32 x 32 30.3
+# us), so few rows per program win while the blocks are few; large sources (HCA at long context) take 64 rows
+# so the partial softmax states to merge stay few. 64 heads per program gave NaN (16 rows) and an illegal
+# memory access (32 rows) on the H200 with Triton 3.6, so a program takes at most 32 heads.
+SMALL_SOURCE_ROWS = 1024
+MAX_HEADS_PER_PROGRAM = 32
+
+
+def blocking(n: int, heads: int) -> tuple[int, int]:
+    """(rows per program, heads per program) for a source of ``n`` slots."""
+    return (16 if n <= SMALL_SOURCE_ROWS else 64), 16
+
+
+def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
+                            sinks: torch.Tensor, scale: float, nope: int, packed: bool,
+                            config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """q [H, D] float32; sources: (store data, its `Slots` or an explicit index tensor [n] with -1 = skip) ->
+    out [H, D] float32.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
     give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
-    ``rows_per_split``: rows per program; ``heads_per_program``: heads per program (at least 16, the smallest
-    tensor-core tile; a decode step has few rows, so splitting the heads is what fills the GPU). Packed and
-    native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
+    ``config``: (rows per program, heads per program, warps) for every source instead of `blocking`'s choice
+    (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile). Packed and native
+    rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 
@@ -31,6 +84,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, t
     if D % 64 or D > 512 or D - nope != 64:
         raise ValueError(f"the decode kernel handles rows of <= 512 values in 64-value chunks with 64 RoPE dims; "
                          f"got {D} values, {nope} non-RoPE")
+    rows_of = [rows for rows, _ in sources]
+    slots = [s if isinstance(s, Slots) else Slots(int(s.numel()), index=s) for _, s in sources]
     if not packed:
         # Native rows: pack the rows this query reads (lossless for native values), so both storages run one
         # kernel. Decoding float and packed rows in two kernel variants gave the same operand values but not
@@ -38,21 +93,28 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, t
         from ds4x.formats import pack_kv_rows, rows_triton
 
         pack = rows_triton.pack_kv_rows_triton if q.is_cuda else pack_kv_rows
-        sources = [(pack(rows[idx.clamp(min=0)], validate=False, rope_dim=D - nope),
-                    torch.where(idx >= 0, torch.arange(idx.numel(), device=idx.device), -1)) for rows, idx in sources]
-    block = rows_per_split
-    splits = [max(1, -(-idx.numel() // block)) for _, idx in sources]
-    n_split = sum(splits)
+        for i, s in enumerate(slots):
+            idx = s.explicit()
+            rows_of[i] = pack(rows_of[i][idx.clamp(min=0)], validate=False, rope_dim=D - nope)
+            slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
     hp = max(16, 1 << (H - 1).bit_length())
-    hb = min(hp, max(16, heads_per_program))
+    plans = []  # (rows per program, heads per program, warps, row blocks) per source
+    for s in slots:
+        block, hb, warps = config if config is not None else (*blocking(s.n, H), 0)
+        hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
+        plans.append((block, hb, warps or (8 if block * hb >= 4096 else 4), max(1, -(-s.n // block))))
+    n_split = sum(p[3] for p in plans)
     m = torch.empty(n_split, hp, device=q.device)
     l = torch.empty(n_split, hp, device=q.device)
     acc = torch.empty(n_split, hp, D, device=q.device)
     offset = 0
-    for (rows, idx), n_blocks in zip(sources, splits, strict=True):
-        partial_kernel[(n_blocks, hp // hb)](q.contiguous(), rows, idx.contiguous(), idx.numel(), rows.stride(0), m, l,
-                                             acc, scale, offset, H=H, HP=hp, HB=hb, D=D, NOPE=nope, BLOCK=block,
-                                             SPLIT=q.is_cuda, num_warps=8 if block * hb >= 4096 else 4)
+    qc = q.contiguous()
+    for rows, s, (block, hb, warps, n_blocks) in zip(rows_of, slots, plans, strict=True):
+        pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
+        partial_kernel[(n_blocks, hp // hb)](qc, rows, s.index if s.index is not None else pos, pos, s.n,
+                                             s.ring or s.ratio or 1, rows.stride(0), m, l, acc, scale, offset,
+                                             H=H, HP=hp, HB=hb, D=D, NOPE=nope, BLOCK=block, SPLIT=q.is_cuda,
+                                             MODE=s.mode, num_warps=warps)
         offset += n_blocks
     out = torch.empty(H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants

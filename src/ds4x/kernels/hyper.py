@@ -2,10 +2,11 @@
 (:mod:`ds4x.model.hyper`) launches about a hundred small ops per call (twenty Sinkhorn iterations on 4x4
 matrices, sigmoids, a softmax, the collapse), which dominates the launch count of a decode step.
 
-- ``hc_pre_fused``: the mixing logits come from one dense product ``streams @ fn.T`` (torch); the RMS factor
-  is applied after it (``r * (x @ fn.T)`` instead of ``(r * x) @ fn.T``: the same value up to rounding), then
-  one program per token computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and the
-  collapsed block input.
+- ``hc_pre_fused``: split-K mixing dots ``streams @ fn.T`` and sums of squares (one program per 256 values of
+  a token's flattened streams), then one program per (token, block of the hidden size) sums the partials in
+  a fixed order, computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and collapses
+  its block. The RMS factor is applied after the dots (``r * (x @ fn.T)`` instead of ``(r * x) @ fn.T``: the
+  same value up to rounding). A decode step has one token: a single program per token was latency bound.
 - ``hc_post_fused``: ``out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]`` in float32, one
   rounding to the streams' dtype.
 
@@ -28,39 +29,57 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _hc_pre_kernel(streams, mixes, base, scale, out, post_out, comb_out, H: tl.constexpr, rms_eps, hc_eps,
-                       ITERS: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _hc_mix_kernel(streams, fn, mix_part, sq_part, K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+                       CH: tl.constexpr, S: tl.constexpr):
+        # program (token, chunk of the flattened streams): partial mixing dots and partial sum of squares; the
+        # chunks are summed in a fixed order by _hc_pre_kernel (no atomics: replays give the same bits)
         t = tl.program_id(0)
+        s = tl.program_id(1)
+        k = s * CH + tl.arange(0, CH)
+        km = k < K
+        x = tl.load(streams + t * K + k, mask=km, other=0.0).to(tl.float32)
+        m = tl.arange(0, MP)
+        f = tl.load(fn + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & km[None, :], other=0.0).to(tl.float32)
+        tl.store(mix_part + (t * S + s) * MP + m, tl.sum(f * x[None, :], axis=1))
+        tl.store(sq_part + t * S + s, tl.sum(x * x, axis=0))
+
+    @triton.jit
+    def _hc_pre_kernel(streams, mix_part, sq_part, base, scale, out, post_out, comb_out, H: tl.constexpr, rms_eps,
+                       hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, S: tl.constexpr,
+                       SP: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (token, block of the hidden size): every program of a token derives the same pre / post /
+        # comb from the partials (4x4 work, cheaper than another launch), then collapses its block
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
         j = tl.arange(0, N)
-        h = tl.arange(0, BLOCK_H)
-        row = streams + t * N * H
-        sq = tl.zeros([N, BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            m = (h0 + h) < H
-            x = tl.load(row + j[:, None] * H + h0 + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-            sq += x * x
-        r = 1.0 / tl.sqrt(tl.sum(tl.sum(sq, axis=1), axis=0) / (N * H) + rms_eps)
-        mix = mixes + t * (2 * N + N * N)
-        s0 = tl.load(scale)
-        s1 = tl.load(scale + 1)
-        s2 = tl.load(scale + 2)
-        pre = tl.sigmoid(tl.load(mix + j) * r * s0 + tl.load(base + j)) + hc_eps
-        post = 2.0 * tl.sigmoid(tl.load(mix + N + j) * r * s1 + tl.load(base + N + j))
+        sp = tl.arange(0, SP)
+        s_ok = sp < S
+        r = 1.0 / tl.sqrt(tl.sum(tl.load(sq_part + t * S + sp, mask=s_ok, other=0.0), axis=0) / (N * H) + rms_eps)
+        part = mix_part + t * S * MP + sp * MP  # [SP] pointers to each chunk's mixing dots
+        s0 = tl.load(scale).to(tl.float32)
+        s1 = tl.load(scale + 1).to(tl.float32)
+        s2 = tl.load(scale + 2).to(tl.float32)
+        pre_dot = tl.sum(tl.load(part[:, None] + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
+        post_dot = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
         nn = j[:, None] * N + j[None, :]  # [row i, column k]
-        logits = tl.load(mix + 2 * N + nn) * r * s2 + tl.load(base + 2 * N + nn)
+        comb_dot = tl.sum(tl.load(part[:, None, None] + 2 * N + nn[None, :, :], mask=s_ok[:, None, None], other=0.0),
+                          axis=0)
+        pre = tl.sigmoid(pre_dot * r * s0 + tl.load(base + j).to(tl.float32)) + hc_eps
+        post = 2.0 * tl.sigmoid(post_dot * r * s1 + tl.load(base + N + j).to(tl.float32))
+        logits = comb_dot * r * s2 + tl.load(base + 2 * N + nn).to(tl.float32)
         e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         for _ in range(ITERS - 1):
             comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(post_out + t * N + j, post)
-        tl.store(comb_out + t * N * N + nn, comb)
-        for h0 in range(0, H, BLOCK_H):
-            m = (h0 + h) < H
-            x = tl.load(row + j[:, None] * H + h0 + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-            y = tl.sum(pre[:, None] * x, axis=0)
-            tl.store(out + t * H + h0 + h, y.to(out.dtype.element_ty), mask=m)
+        first = hb == 0
+        tl.store(post_out + t * N + j, post, mask=first & (j < N))
+        tl.store(comb_out + t * N * N + nn, comb, mask=first & (nn < N * N))
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = h < H
+        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        tl.store(out + t * H + h, tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _hc_post_kernel(streams, block_out, post, comb, out, H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -91,15 +110,29 @@ def supported(streams: torch.Tensor, n: int) -> bool:
 
 def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
                  hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32."""
+    """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32.
+
+    Two launches, both spread over the GPU: split-K mixing dots straight from the streams and ``fn`` in their
+    stored dtypes, then the per-token mHC math and the collapse by blocks of the hidden size."""
     t, n, hd = streams.shape
+    m = fn.shape[0]
     streams = streams.contiguous()
-    mixes = (streams.reshape(t, n * hd).float() @ fn.float().t()).contiguous()
-    out = torch.empty(t, hd, dtype=streams.dtype, device=streams.device)
-    post = torch.empty(t, n, dtype=torch.float32, device=streams.device)
-    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
-    _kernels()._hc_pre_kernel[(t,)](streams, mixes, base.float().contiguous(), scale.float().contiguous(), out,
-                                    post, comb, hd, rms_eps, hc_eps, ITERS=iters, N=n, BLOCK_H=256)
+    k = n * hd
+    ch = 256
+    s = triton.cdiv(k, ch)
+    mp = triton.next_power_of_2(m)
+    dev = streams.device
+    mix_part = torch.empty(t, s, mp, dtype=torch.float32, device=dev)
+    sq_part = torch.empty(t, s, dtype=torch.float32, device=dev)
+    kern = _kernels()
+    kern._hc_mix_kernel[(t, s)](streams, fn.contiguous(), mix_part, sq_part, K=k, M=m, MP=mp, CH=ch, S=s)
+    out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
+    post = torch.empty(t, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
+    block = 256
+    kern._hc_pre_kernel[(t, triton.cdiv(hd, block))](
+        streams, mix_part, sq_part, base.contiguous(), scale.contiguous(), out, post, comb, hd, rms_eps, hc_eps,
+        ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=block)
     return out, post, comb
 
 

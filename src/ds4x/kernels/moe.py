@@ -2,7 +2,8 @@
 SwiGLU between the expert projections.
 
 The torch references (:func:`ds4x.model.moe.route`, :func:`ds4x.model.moe.swiglu`) take about a dozen small
-kernels per call each, twice per layer in a decode step. The kernels compute in float32 and round to the
+kernels per call each, twice per layer in a decode step; the combine of the routed outputs with their weights
+and the shared expert (:func:`ds4x.model.moe.combine`) three. The kernels compute in float32 and round to the
 activations' dtype where the reference holds a value in it (the scores and the biased scores, so low-precision
 ties break the same way, lower expert id first); values agree to that dtype's rounding, not bit for bit. The
 interpreter (``TRITON_INTERPRET=1``) runs them on CPU tensors for the parity tests.
@@ -70,6 +71,18 @@ if HAVE_TRITON:
         tl.store(out + i, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=m)
 
 
+    @triton.jit
+    def _combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = n < N
+        acc = tl.load(shared + t * N + n, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(weights + t * K + j).to(tl.float32)
+            acc += w * tl.load(y + (t * K + j) * N + n, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + t * N + n, acc.to(out.dtype.element_ty), mask=m)
+
+
 def _kernels() -> Any:
     return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
@@ -81,11 +94,11 @@ def supported(x: torch.Tensor) -> bool:
 
 def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor | None,
                 tid2eid: torch.Tensor | None, k: int, func: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in the logits' dtype): top-k of
+    """Router logits [T, E] -> (expert ids [T, k] int32, weights [T, k] in the logits' dtype): top-k of
     score + bias (or the ids ``tid2eid[tokens]`` of a hash layer), their scores renormalised and scaled."""
     t, n_exp = logits.shape
     hashed = tid2eid is not None
-    ids = torch.empty(t, k, dtype=torch.long, device=logits.device)
+    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)  # what the routed kernels index with
     weights = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
     if t:
         lg = logits.contiguous()
@@ -105,4 +118,16 @@ def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     if n:
         block = 1024
         _kernels()._swiglu_kernel[(triton.cdiv(n, block),)](g, u, out, n, float(limit), BLOCK=block)
+    return out
+
+
+def combine_fused(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * y[t, j] + shared[t] in float32, one rounding to shared's dtype: y [T, k, N],
+    weights [T, k], shared [T, N]."""
+    t, k, n = y.shape
+    out = torch.empty_like(shared, memory_format=torch.contiguous_format)
+    if t:
+        block = 1024
+        _kernels()._combine_kernel[(t, triton.cdiv(n, block))](y.contiguous(), weights.contiguous(),
+                                                               shared.contiguous(), out, N=n, K=k, BLOCK=block)
     return out

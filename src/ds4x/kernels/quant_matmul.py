@@ -86,6 +86,11 @@ _TYPES = {
 SUPPORTED = tuple(_TYPES)
 MATVEC_MAX_ROWS = 16  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
 DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
+# routed experts (prefill spreads T * k pairs over the experts): where the matvec stops winning, by type. H200,
+# 2026-12-01, Flash shapes, 256 experts, k = 6, ms matvec / skinny: IQ2_XXS gate 4096->2048 at 128 / 256 / 512 /
+# 2048 tokens (3 / 6 / 12 / 48 pairs per expert) 2.56 / 3.91, 5.10 / 4.07, 10.18 / 4.36, 40.7 / 6.17; Q2_K down
+# 2048->4096 at 512 / 2048 tokens 3.21 / 6.95, 13.28 / 9.92
+ROUTED_MATVEC_MAX_ROWS = {T.IQ2_XXS: 4, T.Q2_K: 32}
 # Types whose matvec quantizes the activations to int8 (per 16 values) for integer dot products unless told
 # otherwise (DS4X_QUANT_ACT=float turns it off everywhere). IQ2_XXS has the path too but stays exact by default:
 # its speed is set by table gathers, and int8 gained 8% for 6 experts and lost 16% for one (measured).
@@ -573,7 +578,16 @@ def _sign_bytes(device: torch.device) -> torch.Tensor:
     return (bits * 255).to(torch.uint8).contiguous().view(torch.int64).reshape(-1).to(device)
 
 
+@lru_cache(maxsize=64)
+def _group_ids(groups: int, t: int, device: torch.device) -> torch.Tensor:
+    """0 .. groups-1 repeated for t rows, int32 (never written: cached instead of built per call)."""
+    return torch.arange(groups, device=device, dtype=torch.int32).repeat(t)
+
+
+@lru_cache(maxsize=8)
 def _dummy(device: torch.device) -> torch.Tensor:
+    """A placeholder for pointer arguments a kernel variant never reads; one per device (a fresh one per call
+    was two launches per matmul)."""
     return torch.zeros(1, dtype=torch.int64, device=device)
 
 
@@ -617,10 +631,10 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
 
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
-            int8: bool | None = None) -> torch.Tensor:
+            int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS) -> torch.Tensor:
     """y [n_pairs, N]: row p = x2[p // x_div] @ W[ids[p] if ids is not None else 0].T; ``rows_per_weight``
-    (rows a weight matrix meets, on average) picks the kernel unless ``force`` is "mv" or "mm"; ``slots``:
-    products per activation row (see matvec_config)."""
+    (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
+    is "mv" or "mm"; ``slots``: products per activation row (see matvec_config)."""
     mod = _kernels()
     code, s, _block_bytes, _, unit = _TYPES[w.qtype]
     wr = w.raw
@@ -635,7 +649,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     has_ids = ids is not None
     ids_t = ids.reshape(-1).to(torch.int32).contiguous() if has_ids else _dummy(dev)
     x2 = x2.contiguous()
-    use_mv = force == "mv" or (force is None and rows_per_weight <= MATVEC_MAX_ROWS)
+    use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         n_units = k // unit
@@ -717,7 +731,8 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
     # rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
     # step, also for the down projection's [T * k, 1] form
     per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
-    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8)
+    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8,
+                ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS))
     return y.reshape(t, kk, w.shape[1])
 
 
@@ -731,7 +746,7 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
                          f"{groups} groups")
     out_g = w.shape[0] // groups
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin))
-    ids = torch.arange(groups, device=x.device, dtype=torch.int32).repeat(t)
+    ids = _group_ids(groups, t, x.device)
     y = _launch(x.reshape(t * g, kin), wg, ids, 1, t * g, t, g, config, force, int8)
     return y.reshape(t, g, out_g)
 

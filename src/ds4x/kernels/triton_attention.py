@@ -61,15 +61,23 @@ def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
-def partial_kernel(q_ptr, rows_ptr, idx_ptr, n, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset, H: tl.constexpr,
-                   HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, BLOCK: tl.constexpr,
-                   SPLIT: tl.constexpr):
-    # program (row block, group of HB heads): a decode step has few rows per source, so the heads are split over
-    # programs to keep more of the GPU busy (each group decodes the block's rows again; they are small)
+def partial_kernel(q_ptr, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset,
+                   H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+                   BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr):
+    # program (row block, group of HB heads): a decode step has few rows per source, so the heads may be split
+    # over programs to keep more of the GPU busy (each group decodes the block's rows again)
     blk = tl.program_id(0)
     pid = blk + split_offset  # this block's slot in the partial states (one launch per row source)
     offs_r = blk * BLOCK + tl.arange(0, BLOCK)
-    idx = tl.load(idx_ptr + offs_r, mask=offs_r < n, other=-1)
+    # the stored row of each of the n slots (-1: none), see kernels/attention.Slots; modes 1 and 2 derive it from
+    # the query's position on the device, so the step needs no index tensors
+    if MODE == 0:  # explicit
+        idx = tl.load(idx_ptr + offs_r, mask=offs_r < n, other=-1)
+    elif MODE == 1:  # sliding window over a ring of `ring` slots: slot j holds position pos - n + 1 + j
+        p = tl.load(pos_ptr) - (n - 1) + offs_r
+        idx = tl.where((p >= 0) & (offs_r < n), p % ring, -1)
+    else:  # compressed rows whose window has closed: (pos + 1) // ring of them (ring = the compression ratio)
+        idx = tl.where(offs_r < tl.minimum((tl.load(pos_ptr) + 1) // ring, n), offs_r, -1)
     ok = idx >= 0
     base = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)

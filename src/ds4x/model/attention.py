@@ -25,13 +25,14 @@ import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
 from ds4x.kernels import compressor
-from ds4x.kernels.attention import attention_decode_triton
+from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
 from ds4x.kernels.select import select_topk, select_topk_radix
 from ds4x.model.cache import LayerState, ModelCache, RowStore
 from ds4x.model.norms import rms_norm
+from ds4x.model.projections import project, stacked_name
 from ds4x.model.rope import apply_rope, cos_sin
 
 
@@ -81,8 +82,10 @@ def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torc
 
 def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The compressor's per-token [kv | gate] projections, float32 (token-local: runs over the whole batch)."""
-    return torch.cat([linear(x, w[prefix + "wkv.weight"]).float(), linear(x, w[prefix + "wgate.weight"]).float()],
-                     dim=-1)
+    names = (prefix + "wkv.weight", prefix + "wgate.weight")
+    if stacked_name(names) in w:  # already [kv | gate] side by side
+        return linear(x, w[stacked_name(names)]).float()
+    return torch.cat([part.float() for part in project(x, w, names)], dim=-1)
 
 
 @dataclass
@@ -144,10 +147,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     N, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
     cos, sin = rope_at_positions if rope_at_positions is not None else cos_sin(rope, positions)
 
-    q_res = rms_norm(linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], cfg.rms_norm_eps)
+    q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
+    q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
     q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)
     q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), cos, sin).float()
-    kv = apply_rope(rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], cfg.rms_norm_eps), cos, sin)
+    kv = apply_rope(rms_norm(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps), cos, sin)
     comp = idx = index_q = index_w = None
     if kind in (CSA, HCA):
         comp = _compressor_projection(x, w, p + "compressor.")
@@ -202,19 +206,17 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     row count read on the device."""
     cfg, st, pos = step.cfg, step.st, step.positions
     packed = step.cache.mode == "packed"
-    dev = q.device
-    window = pos - (cfg.sliding_window - 1) + torch.arange(cfg.sliding_window, device=dev)
-    sources = [(st.raw.data, torch.where(window >= 0, window % st.raw.capacity, -1))]
-    if step.kind in (CSA, HCA):
-        n_rows = (pos + 1) // cfg.compress_ratios[step.layer]  # [1]: compressed rows whose window has closed
-        if step.kind == HCA:
-            slots = torch.arange(st.comp_rows.capacity, device=dev)
-            sources.append((st.comp_rows.data, torch.where(slots < n_rows, slots, -1)))
-        else:
-            assert step.index_q is not None and step.index_w is not None
-            scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
-            index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
-            sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
+    ratio = cfg.compress_ratios[step.layer]
+    sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
+        (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
+    if step.kind == HCA:
+        sources.append((st.comp_rows.data, Slots(st.comp_rows.capacity, position=pos, ratio=ratio)))
+    elif step.kind == CSA:
+        assert step.index_q is not None and step.index_w is not None
+        n_rows = (pos + 1) // ratio  # [1]: compressed rows whose window has closed
+        scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
+        index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
+        sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
     return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 

@@ -66,13 +66,20 @@ def experts_by_expert(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: 
 
 
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
-                    weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """Routed experts, every (row, slot) pair in one routed product per projection: no host sync and three
-    launches, but an expert chosen by several rows is read once per row (decode: few rows)."""
+                    limit: float) -> torch.Tensor:
+    """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
+    projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
+    dense weights (the quantized kernel groups the pairs by expert)."""
     t, k = ids.shape
     h = swiglu(routed_linear(x, w1, ids), routed_linear(x, w3, ids), limit)  # [T, k, I]
-    y = routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
-    return (y * weights[..., None].to(y.dtype)).sum(dim=1).to(x.dtype)
+    return routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The routed outputs y [T, k, out] weighted and summed, plus the shared expert's output [T, out]."""
+    if use_triton(y.device) and not rowwise_enabled():
+        return fused.combine_fused(y, weights, shared)
+    return (y * weights[..., None].to(y.dtype)).sum(dim=1).to(shared.dtype) + shared
 
 
 # dense weights: above this many (row, slot) pairs the by-expert loop reads less weight than gathering a copy of
@@ -87,8 +94,9 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
     # the quantized routed kernel at any size: no host sync, and the by-expert loop measured 147 ms against 16 ms
     # for a 512-token chunk of Flash (H200); row-wise products (batch invariance) stay on one path too
-    fused = has_routed_kernel(w1) or (routes_without_sync(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS)
-    out = (experts_by_slot if fused else experts_by_expert)(x, w1, w3, w2, ids, weights, cfg.swiglu_limit)
     s = prefix + "shared_experts."
-    h = swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit)
-    return out + linear(h, w[s + "w2.weight"])
+    shared = linear(swiglu(linear(x, w[s + "w1.weight"]), linear(x, w[s + "w3.weight"]), cfg.swiglu_limit),
+                    w[s + "w2.weight"])
+    if has_routed_kernel(w1) or (routes_without_sync(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS):
+        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit), weights, shared)
+    return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared

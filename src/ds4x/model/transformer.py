@@ -13,6 +13,7 @@ from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
 from ds4x.model.moe import moe
 from ds4x.model.norms import rms_norm
+from ds4x.model.projections import stack_shared_inputs
 from ds4x.model.rope import cos_sin, rope_kind, rope_tables
 
 
@@ -21,6 +22,9 @@ class Transformer:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         self.cfg, self.w, self.dtype = cfg, weights, dtype
+        # one product for projections of the same input (model/projections.py); the forward reads both dicts
+        stacked = stack_shared_inputs(weights, cfg)  # replaces the separate entries by views first
+        self.w_forward = {**weights, **stacked}
         self.device = device = weights["embed.weight"].device
         self.rope = {k: (inv.to(device), mag) for k, (inv, mag) in rope_tables(cfg).items()}
 
@@ -78,7 +82,7 @@ class Transformer:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                  all_logits: bool) -> torch.Tensor:
-        cfg, w = self.cfg, self.w
+        cfg, w = self.cfg, self.w_forward
         N = ids.shape[0]
         x = embedding(w["embed.weight"], ids, self.dtype)
         streams = x.unsqueeze(1).expand(N, cfg.hc_mult, cfg.hidden_size).contiguous()
