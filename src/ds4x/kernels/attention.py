@@ -51,18 +51,15 @@ class Slots:
         return torch.where(j < (self.position + 1) // self.ratio, j, -1)
 
 
-# Measured (H200, Flash shapes, one source + combine replayed from a CUDA graph, 2026-12-01): a program's time
-# grows with its rows (128-row window: 16 rows x 16 heads per program 16.6 us, 32 x 16 30.1 us, 32 x 32 30.3
-# us), so few rows per program win while the blocks are few; large sources (HCA at long context) take 64 rows
-# so the partial softmax states to merge stay few. 64 heads per program gave NaN (16 rows) and an illegal
-# memory access (32 rows) on the H200 with Triton 3.6, so a program takes at most 32 heads.
-SMALL_SOURCE_ROWS = 1024
+# Measured (H200, Flash shapes, 2026-12-01): a program's time grows with its rows (128-row window, one source +
+# combine replayed from a CUDA graph: 16 rows x 16 heads per program 16.6 us, 32 x 16 30.1 us, 32 x 32 30.3 us),
+# and 16-row blocks also won for HCA at long context over 64-row ones (full q2 model, graph-replayed step: 128K
+# 15.32 against 16.74 ms, 1M 19.02 against 22.58 ms), the extra partial states to merge notwithstanding. 64 heads
+# per program gave NaN (16 rows) and an illegal memory access (32 rows) with Triton 3.6, so a program takes at
+# most 32 heads.
+ROWS_PER_PROGRAM = 16
+HEADS_PER_PROGRAM = 16
 MAX_HEADS_PER_PROGRAM = 32
-
-
-def blocking(n: int, heads: int) -> tuple[int, int]:
-    """(rows per program, heads per program) for a source of ``n`` slots."""
-    return (16 if n <= SMALL_SOURCE_ROWS else 64), 16
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -74,7 +71,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
     give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
-    ``config``: (rows per program, heads per program, warps) for every source instead of `blocking`'s choice
+    ``config``: (rows per program, heads per program, warps) for every source instead of ``ROWS_PER_PROGRAM``,
+    ``HEADS_PER_PROGRAM`` and 4 warps
     (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile). Packed and native
     rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
@@ -100,9 +98,9 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     hp = max(16, 1 << (H - 1).bit_length())
     plans = []  # (rows per program, heads per program, warps, row blocks) per source
     for s in slots:
-        block, hb, warps = config if config is not None else (*blocking(s.n, H), 0)
+        block, hb, warps = config if config is not None else (ROWS_PER_PROGRAM, HEADS_PER_PROGRAM, 4)
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
-        plans.append((block, hb, warps or (8 if block * hb >= 4096 else 4), max(1, -(-s.n // block))))
+        plans.append((block, hb, warps, max(1, -(-s.n // block))))
     n_split = sum(p[3] for p in plans)
     m = torch.empty(n_split, hp, device=q.device)
     l = torch.empty(n_split, hp, device=q.device)
