@@ -19,18 +19,25 @@ def _sequence_ms(r: dict[str, Any]) -> str:
     return f"{r['compressed_eager_ms']:.3f} / " + ("-" if graph is None else f"{graph:.3f}")
 
 
+def _frontier_model(r: dict[str, Any]) -> str:
+    """Which model a frontier row measured and how its step ran (rows before these flags: shrunk MoE, eager)."""
+    flags = r["flags"]
+    weights = "full q2" if flags.get("weights") == "q2" else f"bf16, {flags.get('experts', '?')} experts"
+    return f"{weights}, {flags.get('decode', 'eager')}"
+
+
 def _frontier_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| date | commit | GPU | context | top-k | step ms | CSA indexer us (GB/s) | CSA top-k us | CSA attn us "
-        "| HCA attn us | 41 compressed layers ms | 41 layers eager / graph ms | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| date | commit | GPU | model, step | context | top-k | step ms | CSA indexer us (GB/s) | CSA top-k us "
+        "| CSA attn us | HCA attn us | 41 compressed layers ms | 41 layers eager / graph ms | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['context']:,} | {r['flags']['topk']} "
-            f"| {r['decode_ms']:.1f} | {r['csa_indexer_us']:.1f} ({r['indexer_gb_s']:.0f}) | {r['csa_topk_us']:.1f} "
-            f"| {r['csa_attention_us']:.1f} | {r['hca_attention_us']:.1f} | {r['compressed_layers_ms']:.3f} "
-            f"| {_sequence_ms(r)} | {r.get('status', 'ok')} |"
+            f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {_frontier_model(r)} | {r['context']:,} "
+            f"| {r['flags']['topk']} | {r['decode_ms']:.1f} | {r['csa_indexer_us']:.1f} ({r['indexer_gb_s']:.0f}) "
+            f"| {r['csa_topk_us']:.1f} | {r['csa_attention_us']:.1f} | {r['hca_attention_us']:.1f} "
+            f"| {r['compressed_layers_ms']:.3f} | {_sequence_ms(r)} | {r.get('status', 'ok')} |"
         )
     return out
 
