@@ -51,12 +51,12 @@ class Slots:
         return torch.where(j < (self.position + 1) // self.ratio, j, -1)
 
 
-# Measured (H200, Flash shapes, 2026-12-01): a program's time grows with its rows (128-row window, one source +
-# combine replayed from a CUDA graph: 16 rows x 16 heads per program 16.6 us, 32 x 16 30.1 us, 32 x 32 30.3 us),
-# and 16-row blocks also won for HCA at long context over 64-row ones (full q2 model, graph-replayed step: 128K
-# 15.32 against 16.74 ms, 1M 19.02 against 22.58 ms), the extra partial states to merge notwithstanding. 64 heads
-# per program gave NaN (16 rows) and an illegal memory access (32 rows) with Triton 3.6, so a program takes at
-# most 32 heads.
+# Measured (H200, Flash shapes, 2026-12-01, scripts/attention_sweep.py): a program's time grows with its rows
+# (128-row window, one source + combine replayed from a CUDA graph: 16 rows x 16 heads per program 16.6 us,
+# 32 x 16 30.1 us, 32 x 32 30.3 us), and 16-row blocks also won for HCA at long context over 64-row ones (full
+# q2 model, graph-replayed step: 128K 15.32 against 16.74 ms, 1M 19.02 against 22.58 ms), the extra partial
+# states to merge notwithstanding. 64 heads per program gave NaN (16 rows) and an illegal memory access (32 rows)
+# with Triton 3.6, so a program takes at most 32 heads.
 ROWS_PER_PROGRAM = 16
 HEADS_PER_PROGRAM = 16
 MAX_HEADS_PER_PROGRAM = 32
