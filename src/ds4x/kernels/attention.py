@@ -71,10 +71,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
     give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
-    ``config``: (rows per program, heads per program, warps) for every source instead of ``ROWS_PER_PROGRAM``,
-    ``HEADS_PER_PROGRAM`` and 4 warps
-    (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile). Packed and native
-    rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
+    ``config``: (rows per program, heads per program, warps) instead of ``ROWS_PER_PROGRAM``,
+    ``HEADS_PER_PROGRAM`` and 4 warps (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest
+    tensor-core tile). Packed and native rows run the same kernel with the same blocks, so they agree bit for bit
+    at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 
@@ -96,18 +96,16 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             rows_of[i] = pack(rows_of[i][idx.clamp(min=0)], validate=False, rope_dim=D - nope)
             slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
     hp = max(16, 1 << (H - 1).bit_length())
-    plans = []  # (rows per program, heads per program, warps, row blocks) per source
-    for s in slots:
-        block, hb, warps = config if config is not None else (ROWS_PER_PROGRAM, HEADS_PER_PROGRAM, 4)
-        hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
-        plans.append((block, hb, warps, max(1, -(-s.n // block))))
-    n_split = sum(p[3] for p in plans)
+    block, hb, warps = config if config is not None else (ROWS_PER_PROGRAM, HEADS_PER_PROGRAM, 4)
+    hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
+    row_blocks = [max(1, -(-s.n // block)) for s in slots]
+    n_split = sum(row_blocks)
     m = torch.empty(n_split, hp, device=q.device)
     l = torch.empty(n_split, hp, device=q.device)
     acc = torch.empty(n_split, hp, D, device=q.device)
     offset = 0
     qc = q.contiguous()
-    for rows, s, (block, hb, warps, n_blocks) in zip(rows_of, slots, plans, strict=True):
+    for rows, s, n_blocks in zip(rows_of, slots, row_blocks, strict=True):
         pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
         partial_kernel[(n_blocks, hp // hb)](qc, rows, s.index if s.index is not None else pos, pos, s.n,
                                              s.ring or s.ratio or 1, rows.stride(0), m, l, acc, scale, offset,
