@@ -41,6 +41,7 @@ from ds4x.formats.ggml import (
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.weights.gguf import ARCH, GGUFError, allowed_types, gguf_tensor_name, mtp_expected_shapes
 from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
+from ds4x.weights.pretokenizers import pre_tokenizer_name
 
 T = GGMLQuantizationType
 
@@ -357,8 +358,6 @@ def vocab_from_tokenizer_json(path: str | Path, vocab_size: int, bos_id: int | N
     Its pre-tokenizer is kept: ``tokenizer.ggml.pre`` names it when it is a known one (``joyai-llm`` for
     DeepSeek-V3/V4's, ``gpt-2`` for GPT-2's byte-level regex), and the JSON itself is stored too, as is a
     normalizer, so the GGUF tokenizer gives the same ids as this file."""
-    from ds4x.runtime.gguf_tokenizer import pre_tokenizer_name
-
     data = json.loads(Path(path).read_text())
     model = data.get("model", {})
     if model.get("type") != "BPE":
