@@ -118,6 +118,37 @@ def test_half_activations_interpreter(interp):
             assert rel(y, x.double() @ w.dequantize().double().T) < 1e-2
 
 
+@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
+def test_dequantize_gpu_interpreter(interp, qt):
+    # the decode kernel gives the reference's float32 values exactly, for a whole weight, an expert slice and into
+    # a larger scratch (bf16 is compared on the GPU: the interpreter truncates float32 -> bf16)
+    w = weight(qt, (3, 40, 512), seed=int(qt) + 50)
+    assert torch.equal(qm.dequantize_gpu(w, torch.float32), w.dequantize())
+    scratch = torch.full((5 * 40 * 512,), float("nan"))
+    assert torch.equal(qm.dequantize_gpu(w, torch.float32, slice(1, 3), out=scratch), w.dequantize()[1:3])
+    assert torch.equal(qm.dequantize_gpu(w[2], torch.float32), w.dequantize()[2])
+
+
+def test_routed_grouped_interpreter(interp, monkeypatch):
+    # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
+    # (a 2-expert scratch here), with an expert no row picks
+    monkeypatch.setattr(qm, "GROUPED_SCRATCH_BYTES", 2 * 16 * 256 * 2)
+    n_exp, n, k = 5, 16, 256
+    w = weight(T.IQ2_XXS, (n_exp, n, k), seed=61)
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(12, k, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=g)[:3] for _ in range(12)])  # expert 4 unused
+    assert 12 * 3 // n_exp > qm.ROUTED_MATVEC_MAX_ROWS[T.IQ2_XXS] and qm._grouped_path(x)
+    ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
+    y = qm.quant_matmul_routed(x, w, ids)
+    assert y.shape == (12, 3, n) and y.dtype == torch.bfloat16
+    assert rel(y, ref) < 1e-2
+    # the down projection's form: one activation row per (token, slot) pair
+    xd = torch.randn(36, k, generator=g).bfloat16()
+    yd = qm.quant_matmul_routed(xd, w, ids.reshape(36, 1))
+    assert rel(yd.view(36, n), torch.einsum("pk,pnk->pn", xd.double(), w.dequantize().double()[ids.reshape(36)])) < 1e-2
+
+
 def test_errors():
     w = weight(T.Q8_0, (8, 64), seed=1)
     with pytest.raises(ValueError, match="features"):
@@ -150,6 +181,23 @@ def test_gpu_real_shapes(qt, n, k):
             assert rel(qm.quant_linear(x, w, int8=False), x.double() @ wd.T) < 1e-5
     xb = torch.randn(64, k, device="cuda", generator=g).bfloat16()
     assert rel(qm.quant_linear(xb, w), xb.double() @ wd.T) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_and_grouped():
+    # bf16 decode bit-exact to the reference's rounding; the grouped routed path at a prefill-like shape (48 pairs
+    # per expert) against float64 and the skinny kernel
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for qt in TYPES:
+        w = GGMLTensor(random_blocks(qt, (4, 256, 1024), g), qt, (4, 256, 1024))
+        assert torch.equal(qm.dequantize_gpu(w), w.dequantize(torch.bfloat16)), qt.name
+    w = GGMLTensor(random_blocks(T.IQ2_XXS, (16, 512, 1024), g), T.IQ2_XXS, (16, 512, 1024))
+    x = torch.randn(128, 1024, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(128, 16, device="cuda", generator=g).topk(6, dim=1).indices
+    ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
+    assert qm._grouped_path(x)
+    assert rel(qm.quant_matmul_routed(x, w, ids), ref) < 1e-2
+    assert rel(qm.quant_matmul_routed(x, w, ids, force="mm"), ref) < 1e-2
 
 
 @pytest.mark.gpu

@@ -159,6 +159,51 @@ def test_attention_slots_from_the_position_match_explicit_indices(position):
         assert torch.equal(out, native)
 
 
+def _prefill_reference(q, positions, ring_rows, ring, w, sinks, scale, extra):
+    """float64 softmax over each query's window slots and extra rows (``extra[t]``: row ids), with the sink."""
+    out = []
+    for t, pos in enumerate(positions.tolist()):
+        keys = [ring_rows[p % ring] for p in range(max(0, pos - w + 1), pos + 1)] + [row for row in extra[t]]
+        k = torch.stack(keys).double()
+        logits = torch.cat([q[t].double() @ k.T * scale, sinks.double()[:, None]], dim=1)
+        out.append(logits.softmax(-1)[:, :-1] @ k)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dim, heads", [(128, 16), (512, 20)])
+def test_prefill_attention_kernel_matches_reference(dim, heads):
+    """Many queries at once: each over the W ring slots ending at its position, plus per-query picked rows (CSA)
+    or the compressed rows closed by its position (HCA), with the sink; TF32 products."""
+    from ds4x.kernels.attention import attention_prefill_triton
+
+    if dim == 512 and not torch.cuda.is_available():
+        pytest.skip("Flash shapes only compiled on the GPU (too slow in the interpreter)")
+    g = torch.Generator().manual_seed(6)
+    dev = _device()
+    ring, w, ratio = 48, 24, 4
+    x = torch.randn(ring, dim, generator=g) * 2
+    x[::5, 3] = 300.0  # E4M3 subnormal codes in that block
+    ring_rows = pack_kv_rows(x, rope_dim=64).to(dev)
+    comp = pack_kv_rows(torch.randn(40, dim, generator=g), rope_dim=64).to(dev)
+    positions = torch.tensor([2, 30, 31, 57, 58, 90, 91], device=dev)  # a chunk wraps the ring
+    q = torch.randn(len(positions), heads, dim, generator=g).bfloat16().float().to(dev)
+    sinks = torch.randn(heads, generator=g).to(dev)
+    plain, plain_comp = unpack_kv_rows(ring_rows.cpu(), rope_dim=64), unpack_kv_rows(comp.cpu(), rope_dim=64)
+    index = torch.randint(0, 40, (len(positions), 9), generator=g)
+    index[:, ::3] = -1
+    cases = {
+        "window": ({}, [[] for _ in positions]),
+        "csa": ({"index": index.to(dev)}, [[plain_comp[i] for i in row if i >= 0] for row in index.tolist()]),
+        "hca": ({"ratio": ratio, "n_rows": 20},
+                [[plain_comp[j] for j in range(min(20, (p + 1) // ratio))] for p in positions.tolist()]),
+    }
+    for name, (kw, extra) in cases.items():
+        out = attention_prefill_triton(q, positions, (ring_rows, ring, w), comp if kw else None, sinks, dim**-0.5,
+                                       dim - 64, **kw, config=(16, 16, 4))
+        ref = _prefill_reference(q.cpu(), positions.cpu(), plain, ring, w, sinks.cpu(), dim**-0.5, extra)
+        assert float((out.cpu().double() - ref).norm() / ref.norm()) < 2e-3, name
+
+
 @pytest.mark.gpu
 def test_flash_shapes_at_1m_on_gpu():
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -290,9 +335,53 @@ def test_model_decode_through_the_triton_path_in_the_interpreter(monkeypatch):
     for path in ("reference", "triton"):
         monkeypatch.setattr(attention, "use_triton", lambda device, p=path: p == "triton")
         for cache in ("native", "packed"):
-            s = engine.new_session(ctx=128, cache=cache, prefill_chunk=32)
+            # the prefill on the reference path for both storages (the Triton prefill reads packed rows only)
+            s = engine.new_session(ctx=128, cache=cache, prefill_chunk=32, prefill_mode="reference")
             s.prefill(ids)
             out[path, cache] = torch.stack([s.step(t) for t in (5, 9)])
     assert torch.equal(out["triton", "native"], out["triton", "packed"])
     ref = out["reference", "packed"]
     assert float((out["triton", "packed"] - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_model_prefill_through_the_triton_kernel_in_the_interpreter(monkeypatch):
+    """Default-mode prefill of a packed cache with the Triton prefill attention (the GPU path) on the CPU
+    interpreter: the logits of the prefill and of the decode steps after it stay close to reference-mode prefill."""
+    import ds4x.model.attention as attention
+    from ds4x.runtime.engine import Engine
+
+    if torch.cuda.is_available():
+        pytest.skip("covered by the gpu tests")
+    engine = Engine.load("tiny", device="cpu")
+    ids = torch.randint(3, 259, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    monkeypatch.setattr(attention, "use_triton", lambda device: True)
+    calls = []
+    monkeypatch.setattr(attention, "attention_prefill_triton",
+                        lambda *a, f=attention.attention_prefill_triton, **k: calls.append(1) or f(*a, **k))
+    out = {}
+    for mode in ("reference", "default"):
+        s = engine.new_session(ctx=128, cache="packed", prefill_chunk=32, prefill_mode=mode)
+        out[mode] = torch.stack([s.prefill(ids), s.step(5), s.step(9)])
+    assert calls  # the default mode took the kernel, the reference mode did not (checked by the difference)
+    ref = out["reference"]
+    assert not torch.equal(out["default"], ref)
+    assert float((out["default"] - ref).abs().max() / ref.abs().max()) < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_default_mode_tracks_reference_mode():
+    """Packed cache on the GPU, bf16 default model: default-mode prefill (Triton attention, grouped experts where
+    they apply) against reference-mode prefill, logits after the prompt and greedy tokens after it."""
+    from ds4x.runtime.engine import Engine
+    from ds4x.runtime.sampling import SamplingParams
+
+    engine = Engine.load("default", device="cuda")
+    prompt = engine.tokenizer.encode("import os\n\n\ndef list_files(path):\n" * 8)
+    logits, tokens = {}, {}
+    for mode in ("reference", "default"):
+        s = engine.new_session(ctx=1024, cache="packed", prefill_chunk=128, prefill_mode=mode)
+        logits[mode] = s.prefill(prompt)
+        tokens[mode] = [t for t, _ in s.generate([], 32, SamplingParams(temperature=0.0), stop_ids=())]
+    ref = logits["reference"]
+    assert float((logits["default"] - ref).abs().max() / ref.abs().max()) < 2e-2
+    assert tokens["default"][:8] == tokens["reference"][:8]

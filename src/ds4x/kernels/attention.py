@@ -1,4 +1,4 @@
-"""Decode attention (one query, H heads sharing one K = V row set) straight from stored rows.
+"""Attention over stored rows (H heads sharing one K = V row set): decode (one query) and prefill (a chunk of queries).
 
 The rows come from the cache's stores: packed KV rows (E4M3 non-RoPE values with a UE8M0 scale per 64,
 FP16 RoPE values) are decoded tile by tile in registers, unpacked native rows are read as float32; no
@@ -115,4 +115,41 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     out = torch.empty(H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
     combine_kernel[(H, D // 64)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4)
+    return out
+
+
+# Prefill blocking (rows per step, heads per program, warps); see PROFILE.md for the sweep behind it.
+PREFILL_CONFIG = (16, 16, 8)
+
+
+def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
+                             compressed: torch.Tensor | None, sinks: torch.Tensor, scale: float, nope: int, *,
+                             index: torch.Tensor | None = None, ratio: int = 0, n_rows: int = 0,
+                             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """T queries q [T, H, D] float32 at ``positions`` [T] over packed rows -> [T, H, D] float32.
+
+    ``window``: (ring rows, ring size, W): each query sees the W ring slots ending at its position (none before
+    0). ``compressed``: packed compressed rows, offered per query either by ``index`` [T, k] (-1 = none) or as
+    the first ``n_rows`` rows of which a query sees (position + 1) // ``ratio``. The products run in TF32 (the
+    stored values and bf16-valued queries exactly, probabilities to 10 bits): the ``default`` prefill mode's
+    precision, not the decode kernel's bits."""
+    from ds4x.kernels.triton_attention import prefill_kernel
+
+    T, H, D = q.shape
+    if D % 64 or D - nope != 64 or D & (D - 1):
+        raise ValueError(f"the prefill kernel handles rows of a power-of-two width with 64 RoPE dims; got {D} "
+                         f"values, {nope} non-RoPE")
+    block, hb, warps = config if config is not None else PREFILL_CONFIG
+    hb = min(max(16, 1 << (H - 1).bit_length()), max(16, hb))
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    rows, ring, w = window
+    src_mode = 0 if compressed is None else 1 if index is not None else 2
+    src = compressed if compressed is not None else rows
+    idx = index.to(torch.int32).contiguous() if index is not None else positions
+    prefill_kernel[(T, -(-H // hb))](q.contiguous(), positions.contiguous(), rows, ring, rows.stride(0), src, idx,
+                                     n_rows, max(1, ratio), src.stride(0), sinks, out, scale, H=H, HB=hb, D=D,
+                                     NOPE=nope, W=w, K=index.shape[1] if index is not None else 1, BLOCK=block,
+                                     SRC=src_mode, num_warps=warps)
     return out

@@ -31,7 +31,10 @@ def describe(device: torch.device, cache_mode: str) -> str:
     fast = use_triton(device) and cache_mode in ("native", "packed")
     decode = ("triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)" if fast
               else "torch reference")
+    prefill = "triton (TF32; torch in reference mode)" if fast and cache_mode == "packed" else "torch reference"
     return (f"decode attention + indexer scoring: {decode}; top-k: {'triton radix select' if fast else 'torch'}"
             f"; mHC pre/post, RMSNorm, RoPE, compressor emit (pool + norm + RoPE), MoE routing and SwiGLU, "
             f"row packing and Hadamard: {'triton fused' if use_triton(device) else 'torch reference'}"
-            f"; prefill attention: torch reference")
+            f"; prefill attention: {prefill}"
+            f"; routed experts at prefill: "
+            f"{'bf16 decode + torch._grouped_mm' if use_triton(device) else 'torch reference'}")

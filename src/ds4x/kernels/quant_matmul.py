@@ -95,6 +95,12 @@ ROUTED_MATVEC_MAX_ROWS = {T.IQ2_XXS: 4, T.Q2_K: 32}
 # otherwise (DS4X_QUANT_ACT=float turns it off everywhere). IQ2_XXS has the path too but stays exact by default:
 # its speed is set by table gathers, and int8 gained 8% for 6 experts and lost 16% for one (measured).
 INT8_ACTIVATIONS = frozenset({T.Q2_K})
+# Past the routed matvec's range, bf16 activations outside a CUDA-graph capture take the grouped path: decode the
+# experts to bf16 (dequantize_gpu) a slice at a time, then one torch._grouped_mm per slice. H200, Flash shapes, 2,048
+# tokens x 6 of 256 experts, ms grouped / best skinny config / default skinny config: IQ2_XXS gate 3.64 / 4.58 / 6.17,
+# Q2_K down 3.67 / 6.12 / 9.91 (scripts/prefill_moe_sweep.py). The decode writes and the GEMM reads every bf16 weight
+# once (2 x 4.3 GB per matrix), so the path is bandwidth-bound on its scratch, not on the blocks.
+GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per slice needs one host sync)
 
 
 _DEFINED_INTERPRETED = interpret_mode()
@@ -544,6 +550,21 @@ if HAVE_TRITON:
 
 
 
+    @triton.jit
+    def _dequant_kernel(w_ptr, grid_ptr, out_ptr, N, K, row_bytes, expert_bytes, QTYPE: tl.constexpr,
+                        S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # program (row block, K block, expert): the skinny kernel's decoded tile, stored in out's dtype
+        e = tl.program_id(2).to(tl.int64)
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        r4 = rows[:, None, None, None]
+        k0 = tl.program_id(1) * BK
+        tile = tl.reshape(_tile(QTYPE, w_ptr + e * expert_bytes, grid_ptr, r4.to(tl.int64) * row_bytes, r4 < N, k0,
+                                K, BK // S), (BN, BK))
+        kk = k0 + tl.arange(0, BK)
+        out = out_ptr + (e * N + rows.to(tl.int64))[:, None] * K + kk[None, :]
+        tl.store(out, tile.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (kk < K)[None, :])
+
+
 def _kernels() -> Any:
     """The module whose kernels match the current TRITON_INTERPRET mode."""
     if not HAVE_TRITON:
@@ -693,6 +714,58 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     return y
 
 
+def dequantize_gpu(w: GGMLTensor, dtype: torch.dtype = torch.bfloat16, experts: slice | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``w`` (or ``w[experts]`` of a 3-D weight) in ``dtype``, decoded by one Triton launch: the same values
+    as ``w.dequantize(dtype)`` bit for bit (the decode is exact in float32, then one rounding). ``out``: a buffer
+    of at least that many elements to decode into (a scratch reused across calls)."""
+    if w.qtype not in _TYPES:
+        raise ValueError(f"dequantize_gpu: no kernel for {w.qtype.name}")
+    code, s, *_ = _TYPES[w.qtype]
+    n, k = w.shape[-2], w.shape[-1]
+    raw = w.raw if w.ndim == 2 else w.raw.view(w.shape[0], n, w.row_bytes)
+    if experts is not None:
+        raw = raw[experts]
+    n_exp = raw.shape[0] if w.ndim == 3 else 1
+    shape = (n_exp, n, k) if w.ndim == 3 else (n, k)
+    y = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(-1)[: n_exp * n * k].view(shape)
+    if y.numel():
+        bn, bk = 32, 256
+        iq2 = w.qtype == T.IQ2_XXS
+        _kernels()._dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk), n_exp)](
+            raw, _grid_bytes(raw.device) if iq2 else _dummy(raw.device), y, n, k, w.row_bytes, n * w.row_bytes,
+            QTYPE=code, S=s, BN=bn, BK=bk, num_warps=4)
+    return y
+
+
+def _routed_grouped(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+    """y [P, N], row p = x2[p // x_div] @ W[ids[p]].T through bf16 experts and torch._grouped_mm (see
+    GROUPED_SCRATCH_BYTES). Reads the per-expert row counts on the host once."""
+    n_exp, n, k = w.shape
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    ends = torch.cumsum(torch.zeros(n_exp, dtype=torch.long, device=x2.device).scatter_add_(
+        0, flat, torch.ones_like(flat)), 0)
+    xs = x2[order // x_div]
+    ys = torch.empty((flat.numel(), n), dtype=x2.dtype, device=x2.device)
+    per = max(1, min(n_exp, GROUPED_SCRATCH_BYTES // (n * k * x2.element_size())))
+    scratch = torch.empty(per * n * k, dtype=x2.dtype, device=x2.device)
+    bounds = [0, *ends.tolist()]
+    for e0 in range(0, n_exp, per):
+        e1 = min(n_exp, e0 + per)
+        lo, hi = bounds[e0], bounds[e1]
+        if hi > lo:
+            wd = dequantize_gpu(w, x2.dtype, slice(e0, e1), out=scratch)
+            ys[lo:hi] = torch._grouped_mm(xs[lo:hi], wd.transpose(1, 2), offs=(ends[e0:e1] - lo).to(torch.int32))
+    return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def _grouped_path(x: torch.Tensor) -> bool:
+    """Whether a routed product with these activations may take the grouped path."""
+    return (x.dtype == torch.bfloat16 and (x.is_cuda or interpret_mode()) and hasattr(torch, "_grouped_mm")
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def _check(x: torch.Tensor, w: GGMLTensor, what: str) -> None:
     if w.qtype not in _TYPES:
         raise ValueError(f"{what}: no kernel for {w.qtype.name} (have {', '.join(t.name for t in _TYPES)})")
@@ -714,7 +787,7 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
-        return torch.nn.functional.linear(x, w.dequantize(x.dtype))
+        return torch.nn.functional.linear(x, dequantize_gpu(w, x.dtype))
     return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], 1, config, force, int8).reshape(*lead, w.shape[0])
 
 
@@ -731,8 +804,10 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
     # rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
     # step, also for the down projection's [T * k, 1] form
     per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
-    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8,
-                ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS))
+    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS)
+    if force is None and config is None and per_expert > mv_max and _grouped_path(x):
+        return _routed_grouped(x.contiguous(), w, ids, kk).reshape(t, kk, w.shape[1])
+    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8, mv_max)
     return y.reshape(t, kk, w.shape[1])
 
 
@@ -746,6 +821,8 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
                          f"{groups} groups")
     out_g = w.shape[0] // groups
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin))
+    if t > DOT_MAX_ROWS and force is None:
+        return torch.einsum("tgi,goi->tgo", x, dequantize_gpu(wg, x.dtype))
     ids = _group_ids(groups, t, x.device)
     y = _launch(x.reshape(t * g, kin), wg, ids, 1, t * g, t, g, config, force, int8)
     return y.reshape(t, g, out_g)

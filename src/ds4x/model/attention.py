@@ -25,7 +25,7 @@ import torch
 
 from ds4x.config import CSA, HCA, ModelConfig
 from ds4x.kernels import compressor
-from ds4x.kernels.attention import Slots, attention_decode_triton
+from ds4x.kernels.attention import Slots, attention_decode_triton, attention_prefill_triton
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
@@ -133,14 +133,16 @@ class _Step:
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
               segments: list[Segment], rope: tuple[torch.Tensor, float],
-              rope_at_positions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              rope_at_positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+              reference: bool = False) -> torch.Tensor:
     """One attention block for a batch of N tokens x [N, hidden] at ``positions`` [N].
 
     ``segments`` split the batch by cache (each segment's positions are consecutive from its cache.length).
     Token-local work (projections, norms, RoPE, the output projection) runs over all N rows at once; the
     cache writes, compressors, indexer selection and attention over stored rows run per segment.
     ``rope_at_positions`` is ``cos_sin(rope, positions)`` when the caller already has it (it is the same for
-    every layer of a rope kind).
+    every layer of a rope kind). Multi-token segments of a packed cache on CUDA attend with the Triton prefill
+    kernel (TF32 products) unless ``reference`` asks for the torch path.
     """
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
@@ -190,7 +192,12 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         step = _Step(layer, pos, p0, max(0, p0 - cfg.sliding_window + 1), (p0 + seg.length) // ratio if ratio else 0,
                      None if index_q is None else cache.indexer_query(index_q[r]),
                      None if index_w is None else index_w[r], w, cfg, cache)
-        outs.append(_decode_triton(step, q[r][0])[None] if fast else _attend_reference(step, q[r]))
+        if fast:
+            outs.append(_decode_triton(step, q[r][0])[None])
+        elif not reference and cache.mode == "packed" and use_triton(x.device):
+            outs.append(_prefill_triton(step, q[r]))
+        else:
+            outs.append(_attend_reference(step, q[r]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
@@ -220,6 +227,35 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
+def _csa_selection(step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T queries' top-k compressed rows (index [T, k], valid [T, k]) by the torch indexer; recorded when the
+    cache collects selections."""
+    assert step.index_q is not None and step.index_w is not None
+    ratio = step.cfg.compress_ratios[step.layer]
+    row_visible = (torch.arange(step.n_rows, device=step.positions.device)[None, :]
+                   < (step.positions[:, None] + 1) // ratio)
+    scores = indexer_scores(step.index_q, step.index_w, step.st.idx_rows.read, step.n_rows)
+    index, valid = select_topk(scores, row_visible, step.cfg.index_topk)
+    if step.cache.selections is not None:
+        step.cache.selections.append((step.layer, step.positions, index, valid))
+    return index, valid
+
+
+def _prefill_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
+    """T queries [T, H, D] over the packed rows with the Triton prefill kernel: [T, H, D] float32 before the
+    inverse RoPE."""
+    cfg, st = step.cfg, step.st
+    window = (st.raw.data, st.raw.capacity, cfg.sliding_window)
+    args: dict = {}
+    if step.kind == HCA:
+        args = {"ratio": cfg.compress_ratios[step.layer], "n_rows": step.n_rows}
+    elif step.kind == CSA:
+        index, valid = _csa_selection(step)
+        args = {"index": torch.where(valid, index % st.comp_rows.capacity, -1)}
+    return attention_prefill_triton(q, step.positions, window, st.comp_rows.data if args else None, step.sinks,
+                                    cfg.head_dim**-0.5, cfg.nope_head_dim, **args)
+
+
 def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
     """The torch reference for T queries [T, H, D]: [T, H, D] float32 before the inverse RoPE."""
     T, nh, hd = q.shape
@@ -231,18 +267,12 @@ def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
     t = step.positions[:, None]
     visible = [(key_pos[None, :] <= t) & (key_pos[None, :] > t - cfg.sliding_window)]
     picked = picked_ok = None  # CSA: rows gathered per query [T, k, hd] and their validity [T, k]
-    if step.kind in (CSA, HCA):
-        row_visible = torch.arange(n_rows, device=dev)[None, :] < (t + 1) // cfg.compress_ratios[step.layer]
-        if step.kind == HCA:
-            shared.append(st.comp_rows.read(0, n_rows))
-            visible.append(row_visible)
-        else:
-            assert step.index_q is not None and step.index_w is not None
-            scores = indexer_scores(step.index_q, step.index_w, st.idx_rows.read, n_rows)
-            index, picked_ok = select_topk(scores, row_visible, cfg.index_topk)
-            picked = st.comp_rows.gather(index)
-            if step.cache.selections is not None:
-                step.cache.selections.append((step.layer, step.positions, index, picked_ok))
+    if step.kind == HCA:
+        shared.append(st.comp_rows.read(0, n_rows))
+        visible.append(torch.arange(n_rows, device=dev)[None, :] < (t + 1) // cfg.compress_ratios[step.layer])
+    elif step.kind == CSA:
+        index, picked_ok = _csa_selection(step)
+        picked = st.comp_rows.gather(index)
 
     keys = torch.cat(shared, dim=0)  # [K, hd]
     scale = hd**-0.5

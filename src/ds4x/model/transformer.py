@@ -31,17 +31,19 @@ class Transformer:
     def new_cache(self, ctx: int, mode: str = "float", chunk: int = 512) -> ModelCache:
         return ModelCache(self.cfg, ctx, self.device, mode, chunk)
 
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, all_logits: bool = False,
+                reference: bool = False) -> torch.Tensor:
         """Evaluate ``tokens`` [T] at positions cache.length.. and advance the cache.
 
         Returns float32 logits of the last token [V] (or of every token [T, V] with ``all_logits``).
+        ``reference``: multi-token attention takes the torch path, not the Triton prefill kernel.
         """
-        logits = self.forward_batch([tokens], [cache], all_logits)
+        logits = self.forward_batch([tokens], [cache], all_logits, reference=reference)
         return logits if all_logits else logits[0]
 
     @torch.inference_mode()
     def forward_batch(self, tokens: Sequence[torch.Tensor], caches: Sequence[ModelCache], all_logits: bool = False,
-                      rowwise: bool = False) -> torch.Tensor:
+                      rowwise: bool = False, reference: bool = False) -> torch.Tensor:
         """Evaluate ``tokens[i]`` (1-D, at least one token) after ``caches[i]`` for every i in one pass.
 
         The caches may hold different lengths; each advances by its own tokens. Token-local work runs over
@@ -66,7 +68,7 @@ class Transformer:
         positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.length, device=self.device)
                                for s in segments])
         with rowwise_products(rowwise):
-            logits = self._forward(ids, positions, segments, all_logits)
+            logits = self._forward(ids, positions, segments, all_logits, reference)
         for seg in segments:
             seg.cache.length += seg.length
         return logits
@@ -81,7 +83,7 @@ class Transformer:
         return self._forward(tokens, positions, segments, all_logits=False)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                 all_logits: bool) -> torch.Tensor:
+                 all_logits: bool, reference: bool = False) -> torch.Tensor:
         cfg, w = self.cfg, self.w_forward
         N = ids.shape[0]
         x = embedding(w["embed.weight"], ids, self.dtype)
@@ -93,7 +95,7 @@ class Transformer:
                                           w[p + "hc_attn_scale"], cfg)
             h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
             kind = rope_kind(cfg, i)
-            out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind])
+            out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind], reference)
             streams = hc_post(streams, out, post, comb)
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
                                           w[p + "hc_ffn_scale"], cfg)

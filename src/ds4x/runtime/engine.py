@@ -168,8 +168,8 @@ class Session:
         """Evaluate ``ids`` after what the session holds, ``chunk`` tokens at a time; return next logits.
 
         In ``exact`` prefill mode every token goes through the decode step (today the only way to get
-        the decode step's reduction order); ``default`` and ``reference`` both run the torch reference
-        path in chunks until a fast path lands.
+        the decode step's reduction order); ``default`` runs chunks with the Triton prefill attention on a
+        packed CUDA cache (TF32 products) and ``reference`` the torch attention path.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -180,7 +180,8 @@ class Session:
             if step == 1:
                 self._decode(part[0])
             else:
-                self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache)
+                self.logits = self.engine.model.forward(torch.tensor(part, dtype=torch.long), self.cache,
+                                                        reference=self.prefill_mode == "reference")
                 self.tokens.extend(part)
             if progress:
                 progress(start + len(part), len(ids))
