@@ -155,22 +155,18 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.co
 
 
 @triton.jit
-def _attend_rows(q_row, h_ok, base, ok, m, l, acc, scale, NOPE: tl.constexpr, D: tl.constexpr):
-    """One block of rows into the running softmax state (m, l, acc) of the HB heads whose query rows start at
-    ``q_row`` ([HB, 1] pointers). The logits take the rows and the queries 64 values at a time (a whole [HB, D]
-    query as a tensor-core operand is held by every warp: 255 registers and spills at HB = 16); the weighted sum
-    takes the rows whole."""
-    s = tl.zeros([q_row.shape[0], base.shape[0]], tl.float32)
-    c64 = tl.arange(0, 64)[None, :]
-    for c in tl.static_range(D // 64):
-        qc = tl.load(q_row + c * 64 + c64, mask=h_ok[:, None], other=0.0)
-        s = tl.dot(qc, tl.trans(_chunk(base, ok, c, NOPE, D, False)), s, input_precision="tf32")
+def _attend_rows(q, base, ok, m, l, acc, scale, NOPE: tl.constexpr, D: tl.constexpr):
+    """One block of rows into the running softmax state (m, l, acc) of the HB heads in ``q`` [HB, D]. (The whole
+    query is a tensor-core operand held by every warp: 255 registers and some spills at 16 heads x 16 rows x 4
+    warps, yet faster on the H200 than taking it 64 values at a time without spills: 11.1 against 12.5 ms for a
+    2,048-query CSA layer.)"""
+    kv = _rows(base, ok, NOPE, D)
+    s = tl.dot(q, tl.trans(kv), input_precision="tf32")
     s = tl.where(ok[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    kv = _rows(base, ok, NOPE, D)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, kv, input_precision="tf32")
 
 
@@ -189,7 +185,7 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
     h_ok = offs_h < H
     cols = tl.arange(0, D)
     rows_hd = (t * H + offs_h).to(tl.int64)[:, None] * D + cols[None, :]
-    q_row = q_ptr + (t * H + offs_h).to(tl.int64)[:, None] * D
+    q = tl.load(q_ptr + rows_hd, mask=h_ok[:, None], other=0.0)
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)
@@ -198,14 +194,14 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
         p = pos - (W - 1) + j
         ok = (p >= 0) & (j < W)
         base = win_ptr + tl.where(ok, p % ring, 0).to(tl.int64)[:, None] * stride_win
-        m, l, acc = _attend_rows(q_row, h_ok, base, ok, m, l, acc, scale, NOPE, D)
+        m, l, acc = _attend_rows(q, base, ok, m, l, acc, scale, NOPE, D)
     if SRC == 1:
         for j0 in range(0, K, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             idx = tl.load(idx_ptr + t.to(tl.int64) * K + j, mask=j < K, other=-1)
             ok = idx >= 0
             base = src_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_src
-            m, l, acc = _attend_rows(q_row, h_ok, base, ok, m, l, acc, scale, NOPE, D)
+            m, l, acc = _attend_rows(q, base, ok, m, l, acc, scale, NOPE, D)
     elif SRC == 2:
         n_vis = tl.minimum((pos + 1) // ratio, n_src)
         j0 = 0
@@ -213,7 +209,7 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
             j = j0 + tl.arange(0, BLOCK)
             ok = j < n_vis
             base = src_ptr + tl.where(ok, j, 0).to(tl.int64)[:, None] * stride_src
-            m, l, acc = _attend_rows(q_row, h_ok, base, ok, m, l, acc, scale, NOPE, D)
+            m, l, acc = _attend_rows(q, base, ok, m, l, acc, scale, NOPE, D)
             j0 += BLOCK
     sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
     top = tl.maximum(m, sink)
