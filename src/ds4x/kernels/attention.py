@@ -149,9 +149,13 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
     rows, ring, w = window
     src_mode = 0 if compressed is None else 1 if index is not None else 2
     src = compressed if compressed is not None else rows
-    idx = index.to(torch.int32).contiguous() if index is not None else positions
+    idx, k = positions, 1
+    if index is not None:
+        # the width is a compile-time constant: padded to a power of two (-1 = none), so a short context (fewer
+        # rows than the top-k) compiles a few variants, not one per row count
+        k = max(16, 1 << (index.shape[1] - 1).bit_length())
+        idx = torch.nn.functional.pad(index.to(torch.int32), (0, k - index.shape[1]), value=-1).contiguous()
     prefill_kernel[(T, -(-H // hb))](q.contiguous(), positions.contiguous(), rows, ring, rows.stride(0), src, idx,
                                      n_rows, max(1, ratio), src.stride(0), sinks, out, scale, H=H, HB=hb, D=D,
-                                     NOPE=nope, W=w, K=index.shape[1] if index is not None else 1, BLOCK=block,
-                                     SRC=src_mode, num_warps=warps)
+                                     NOPE=nope, W=w, K=k, BLOCK=block, SRC=src_mode, num_warps=warps)
     return out
