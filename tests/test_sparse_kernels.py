@@ -82,6 +82,25 @@ def test_indexer_and_radix_take_the_row_count_from_the_device():
             assert not bool(by_device[1][by_host[1].numel():].any())
 
 
+def test_indexer_scores_for_a_chunk_of_queries_are_the_decode_bits():
+    """T queries in one launch, each with its own row count (the rows closed by its position): the same bits per
+    row as one decode call per query."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    dev = _device()
+    rows, q, w = _indexer_case(300, 8, seed=7, device=dev)
+    qs = torch.stack([q, q.flip(0), q * 0.5])
+    ws = torch.stack([w, w.flip(0), w])
+    counts = torch.tensor([300, 0, 129], device=dev)
+    scores = indexer_scores_triton(qs, ws, rows, counts, packed=True)
+    assert scores.shape == (3, 300)
+    for t, n in enumerate(counts.tolist()):
+        if n:
+            assert torch.equal(scores[t, :n], indexer_scores_triton(qs[t], ws[t], rows, n, packed=True))
+    with pytest.raises(ValueError, match="one per query"):
+        indexer_scores_triton(qs, ws, rows, counts[:2], packed=True)
+
+
 def test_blocked_topk_is_the_simple_topk_with_many_ties():
     g = torch.Generator().manual_seed(3)
     for n, n_vis, k in [(5000, 4800, 512), (3000, 3000, 64), (2500, 90, 512)]:

@@ -1,7 +1,8 @@
 """Lightning indexer scoring: score[t, n] = sum_h w[t, h] * relu(q[t, h] . k[n]) / sqrt(d).
 
 `indexer_scores` is the torch reference (keys decoded a tile at a time, so no full-history float
-copy). `indexer_scores_triton` scores one query (decode) straight from the packed 68-byte MXFP4 rows.
+copy). `indexer_scores_triton` scores one query (decode) or a chunk of queries (prefill) straight from the packed
+68-byte MXFP4 rows.
 
 How the fast kernel stays exact and cheap: a row is read as 17 int32 words (16 words of E2M1 codes,
 one word of four UE8M0 scales). A code nibble becomes an fp16 by moving bits (E2M1 value x 2^-14,
@@ -47,37 +48,45 @@ def num_sms(device: torch.device) -> int:
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int | torch.Tensor,
                           packed: bool, block_n: int = 128, ptx: bool | None = None) -> torch.Tensor:
-    """One query: q [H, 128] float32 (rotated, MXFP4 values), weights [H] -> scores [n_rows].
+    """One query q [H, 128] float32 (rotated, MXFP4 values), weights [H] -> scores [n_rows]; or T queries
+    q [T, H, 128], weights [T, H] -> scores [T, n_rows] (a prefill chunk: the same per-row bits as T decode calls).
 
     ``rows`` is the store's data: uint8 [cap, 68] when ``packed`` else float32 [cap, 128] (packed here
     first); rows 0..n_rows-1 are scored (compressed rows are never wrapped: their store holds the whole
-    context). ``n_rows`` may be a one-element integer tensor on the device (a CUDA graph replays with
-    whatever count it then holds): scores then has ``cap`` entries and those from n_rows on are not written.
+    context). ``n_rows`` may be an integer tensor on the device, one count or one per query (a CUDA graph
+    replays with whatever count it then holds; a prefill query sees only the rows closed by its position):
+    scores then have ``cap`` columns and those from a query's count on are not written.
     ``ptx`` picks the inline-PTX code decode (default: on the GPU).
     """
-    H, D = q.shape
+    single = q.dim() == 2
+    qs, ws = (q[None], weights[None]) if single else (q, weights)
+    T, H, D = qs.shape
     if D != 128:
         raise ValueError(f"indexer rows hold 128 values; got queries of {D}")
     count = n_rows if isinstance(n_rows, torch.Tensor) else None
+    if count is not None and count.numel() not in (1, T):
+        raise ValueError(f"row counts: one or one per query ({T}), got {count.numel()}")
     n_rows = rows.shape[0] if count is not None else n_rows
-    out = torch.empty(n_rows, device=q.device, dtype=torch.float32)
-    if n_rows == 0:
-        return out
-    from ds4x.kernels.triton_indexer import score_kernel
+    out = torch.empty(T, n_rows, device=q.device, dtype=torch.float32)
+    if n_rows and T:
+        from ds4x.kernels.triton_indexer import score_kernel
 
-    if not packed:
-        from ds4x.formats import pack_indexer_rows
+        if not packed:
+            from ds4x.formats import pack_indexer_rows
 
-        rows = pack_indexer_rows(rows[:n_rows], validate=False)
-    if rows.dtype != torch.uint8 or rows.shape[-1] != 68 or not rows.is_contiguous():
-        raise ValueError(f"packed indexer rows must be contiguous uint8 [cap, 68]; got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
-    n_tiles = -(-n_rows // block_n)
-    persistent = q.is_cuda
-    n_prog = min(n_tiles, 2 * num_sms(q.device)) if persistent else n_tiles
-    hp = max(16, 1 << (H - 1).bit_length())
-    score_kernel[(n_prog,)](q.contiguous().float(), weights.contiguous().float(), rows.view(torch.int32), out,
-                            n_rows, out if count is None else count, -(-n_tiles // n_prog), n_prog, D**-0.5, H=H,
-                            HP=hp, BLOCK_N=block_n, PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,
-                            DEVICE_COUNT=count is not None, num_warps=4)
-    return out
+            rows = pack_indexer_rows(rows[:n_rows], validate=False)
+        if rows.dtype != torch.uint8 or rows.shape[-1] != 68 or not rows.is_contiguous():
+            raise ValueError(f"packed indexer rows must be contiguous uint8 [cap, 68]; got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+        n_tiles = -(-n_rows // block_n)
+        persistent = q.is_cuda
+        # persistent programs walk a query's row tiles with its query tiles prepared once: about two programs per
+        # SM in all (decode: all of them on the one query)
+        n_prog = min(n_tiles, max(1, 2 * num_sms(q.device) // T)) if persistent else n_tiles
+        hp = max(16, 1 << (H - 1).bit_length())
+        score_kernel[(n_prog, T)](qs.contiguous().float(), ws.contiguous().float(), rows.view(torch.int32), out,
+                                  n_rows, out if count is None else count,
+                                  0 if count is None or count.numel() == 1 else 1, -(-n_tiles // n_prog), n_prog,
+                                  D**-0.5, H=H, HP=hp, BLOCK_N=block_n, PTX=q.is_cuda if ptx is None else ptx,
+                                  PERSISTENT=persistent, DEVICE_COUNT=count is not None, num_warps=4)
+    return out[0] if single else out

@@ -114,12 +114,16 @@ def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
 
 
 @triton.jit
-def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, count_ptr, n_iter, n_prog, scale, H: tl.constexpr,
-                 HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr, PERSISTENT: tl.constexpr,
-                 DEVICE_COUNT: tl.constexpr):
+def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
+                 H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+                 PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr):
     pid = tl.program_id(0)
-    if DEVICE_COUNT:  # the grid covers the whole store; the rows in use are counted on the device (CUDA graphs)
-        n_rows = tl.minimum(tl.load(count_ptr).to(tl.int32), n_rows)
+    t = tl.program_id(1).to(tl.int64)  # the query (a prefill chunk has many; decode one)
+    q_ptr += t * H * 128
+    w_ptr += t * H
+    out_ptr += t * n_rows
+    if DEVICE_COUNT:  # rows in use counted on the device (CUDA graphs; per query in a prefill chunk)
+        n_rows = tl.minimum(tl.load(count_ptr + t * count_stride).to(tl.int32), n_rows)
     offs_h = tl.arange(0, HP)
     h_ok = offs_h < H
     # Queries once per program: per head a power of two 2^(14 - e_h) brings max|q_h| into [2^14, 2^15).

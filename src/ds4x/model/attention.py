@@ -227,14 +227,19 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
-def _csa_selection(step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
-    """The T queries' top-k compressed rows (index [T, k], valid [T, k]) by the torch indexer; recorded when the
+def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The T queries' top-k compressed rows (index [T, k], valid [T, k]) by the torch indexer, or with
+    ``packed_scores`` by the Triton one on the packed rows (per row the decode step's bits); recorded when the
     cache collects selections."""
     assert step.index_q is not None and step.index_w is not None
     ratio = step.cfg.compress_ratios[step.layer]
-    row_visible = (torch.arange(step.n_rows, device=step.positions.device)[None, :]
-                   < (step.positions[:, None] + 1) // ratio)
-    scores = indexer_scores(step.index_q, step.index_w, step.st.idx_rows.read, step.n_rows)
+    closed = (step.positions + 1) // ratio
+    row_visible = torch.arange(step.n_rows, device=step.positions.device)[None, :] < closed[:, None]
+    if packed_scores:
+        scores = indexer_scores_triton(step.index_q, step.index_w, step.st.idx_rows.data[: step.n_rows], closed,
+                                       True)
+    else:
+        scores = indexer_scores(step.index_q, step.index_w, step.st.idx_rows.read, step.n_rows)
     index, valid = select_topk(scores, row_visible, step.cfg.index_topk)
     if step.cache.selections is not None:
         step.cache.selections.append((step.layer, step.positions, index, valid))
@@ -250,7 +255,7 @@ def _prefill_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
     if step.kind == HCA:
         args = {"ratio": cfg.compress_ratios[step.layer], "n_rows": step.n_rows}
     elif step.kind == CSA:
-        index, valid = _csa_selection(step)
+        index, valid = _csa_selection(step, packed_scores=True)
         args = {"index": torch.where(valid, index % st.comp_rows.capacity, -1)}
     return attention_prefill_triton(q, step.positions, window, st.comp_rows.data if args else None, step.sinks,
                                     cfg.head_dim**-0.5, cfg.nope_head_dim, **args)
