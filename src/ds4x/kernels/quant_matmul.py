@@ -20,8 +20,10 @@ Two kernels:
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
-of one row each). Above 64 rows :mod:`ds4x.kernels.linear` is better served by dequantizing once
-and calling the dense GEMM, which ``quant_linear`` does. Byte layouts are in :mod:`ds4x.formats.ggml`.
+of one row each). Above 64 rows ``quant_linear`` / ``quant_grouped_linear`` decode the weight once with
+``_dequant_kernel`` (``dequantize_gpu``: the skinny kernel's tiles, stored) and call the dense GEMM; routed
+products past the matvec's range with bf16 activations decode the experts a slice at a time and call
+``torch._grouped_mm`` (prefill: see ``GROUPED_SCRATCH_BYTES``). Byte layouts are in :mod:`ds4x.formats.ggml`.
 
 Float path (all types; Q8_0 and Q4_K only have this one): weights are decoded exactly (the
 reference's float operations for scales and codes); sums are ``scale * sum(code * x)`` per scale
