@@ -170,7 +170,7 @@ def _attend_rows(q, base, ok, m, l, acc, scale, NOPE: tl.constexpr, D: tl.conste
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, kv, input_precision="tf32")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_src"])  # the compressed row count grows chunk by chunk: one compiled variant
 def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, n_src, ratio, stride_src, sinks_ptr,
                    out_ptr, scale, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
                    W: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr, SRC: tl.constexpr):

@@ -113,7 +113,9 @@ def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
     return (q * q_scale[None, :]).to(tl.float16)
 
 
-@triton.jit
+# Row and tile counts change from call to call (prefill chunks): not specialized, so a count that happens to be a
+# multiple of 16 does not compile a second variant in the middle of a prefill
+@triton.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
 def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
                  H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
                  PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr):
