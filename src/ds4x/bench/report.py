@@ -70,6 +70,14 @@ def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
                          f"| {100 * r['floor_fraction']:.1f}% | {'-' if peak is None else f'{peak / 1e9:.1f}'} "
                          f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
         lines.append("")
+    kernels = [r for r in rows if r.get("bench") == "kernel"]
+    if kernels:
+        lines += ["## Kernel comparisons (one-off A/B runs, `do_bench` median; the command is in each row's flags)", "",
+                  "| date | commit | GPU | what | shape | variant | ms | note |", "|---|---|---|---|---|---|---|---|"]
+        for r in kernels:
+            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['what']} | {r['shape']} "
+                         f"| {r['variant']} | {r['ms']:.3f} | {r.get('note', '')} |")
+        lines.append("")
     quant = [r for r in rows if r.get("bench") == "quant_matmul"]
     if quant:
         lines += ["## Quantized matmuls straight from GGML blocks (decode shapes)", "",
