@@ -42,7 +42,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "default), native (same values unpacked, float32) or float (matches transformers); "
                         "with --load-session, the file's")
     p.add_argument("--prefill-mode", default="default", choices=["default", "exact", "reference"],
-                   help="exact: bit-identical to token-by-token decode; reference: the plain torch path")
+                   help="default: chunks, Triton attention and indexer on a packed CUDA cache; exact: bit-identical "
+                        "to token-by-token decode; reference: chunks on the torch attention path (quantized products "
+                        "keep their kernels unless DS4X_QUANT_KERNEL=torch)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to a text prompt")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--dump-logits", metavar="FILE.json", default=None,
