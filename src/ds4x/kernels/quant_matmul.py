@@ -100,7 +100,7 @@ INT8_ACTIVATIONS = frozenset({T.Q2_K})
 # Past the routed matvec's range, bf16 activations outside a CUDA-graph capture take the grouped path: decode the
 # experts to bf16 (dequantize_gpu) a slice at a time, then one torch._grouped_mm per slice. H200, Flash shapes, 2,048
 # tokens x 6 of 256 experts, ms grouped / best skinny config / default skinny config: IQ2_XXS gate 3.64 / 4.58 / 6.17,
-# Q2_K down 3.67 / 6.12 / 9.91 (scripts/prefill_moe_sweep.py). The decode writes and the GEMM reads every bf16 weight
+# Q2_K down 3.67 / 6.12 / 9.91 (scripts/prefill_sweep.py). The decode writes and the GEMM reads every bf16 weight
 # once (2 x 4.3 GB per matrix), so the path is bandwidth-bound on its scratch, not on the blocks.
 GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per slice needs one host sync)
 
