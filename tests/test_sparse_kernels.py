@@ -381,9 +381,9 @@ def test_model_prefill_through_the_triton_kernel_in_the_interpreter(monkeypatch)
     for mode in ("reference", "default"):
         s = engine.new_session(ctx=128, cache="packed", prefill_chunk=32, prefill_mode=mode)
         out[mode] = torch.stack([s.prefill(ids), s.step(5), s.step(9)])
-    assert calls  # the default mode took the kernel, the reference mode did not (checked by the difference)
+        assert bool(calls) == (mode == "default")  # reference mode keeps the torch attention
+    assert calls  # the default mode took the kernel
     ref = out["reference"]
-    assert not torch.equal(out["default"], ref)
     assert float((out["default"] - ref).abs().max() / ref.abs().max()) < 1e-3
 
 
