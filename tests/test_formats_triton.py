@@ -67,6 +67,25 @@ def test_pack_indexer_rows_interpreter(interp):
     assert torch.equal(F.pack_indexer_rows_triton(x), F.pack_indexer_rows(x))
 
 
+def test_pack_into_a_ring_interpreter(interp):
+    """With out/at the packed rows land in the ring at at % len(out), the same bytes, other slots untouched."""
+    for x, pack, ref in ((kv_inputs(), F.pack_kv_rows_triton, F.pack_kv_rows),
+                         (indexer_inputs(), F.pack_indexer_rows_triton, F.pack_indexer_rows)):
+        packed = ref(x)
+        ring = torch.full((64, packed.shape[1]), 7, dtype=torch.uint8)
+        at = (torch.arange(x.shape[0]) + 40).flip(0)  # wraps: slots 40..63 then 0..
+        expect = ring.clone()
+        expect[at % 64] = packed
+        assert pack(x, out=ring, at=at) is ring
+        assert torch.equal(ring, expect)
+        with pytest.raises(ValueError, match="go together"):
+            pack(x, out=ring)
+        with pytest.raises(ValueError, match="one integer row index"):
+            pack(x, out=ring, at=at[:3])
+        with pytest.raises(ValueError, match="contiguous uint8"):
+            pack(x, out=ring[:, :5], at=at)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_unpack_indexer_rows_interpreter(interp):
     rows = F.pack_indexer_rows(indexer_inputs())
@@ -154,6 +173,17 @@ def test_triton_indexer_rows_on_gpu(compiled):
     assert_bits_equal(F.unpack_indexer_rows_triton(got).cpu(), F.unpack_indexer_rows(ref))
     junk = torch.randint(0, 256, (4096, 68), dtype=torch.int32).to(torch.uint8)
     assert_bits_equal(F.unpack_indexer_rows_triton(junk.cuda()).cpu(), F.unpack_indexer_rows(junk))
+
+
+@pytest.mark.gpu
+def test_pack_into_a_ring_on_gpu(compiled):
+    x = random_kv_rows(300, seed=35).cuda()
+    ring = torch.zeros(256, 583, dtype=torch.uint8, device="cuda")
+    at = torch.arange(1000, 1300, device="cuda")[torch.randperm(300, device="cuda")][:256]
+    F.pack_kv_rows_triton(x[:256], out=ring, at=at)
+    expect = torch.zeros_like(ring)
+    expect[at % 256] = F.pack_kv_rows_triton(x[:256])
+    assert torch.equal(ring, expect)
 
 
 @pytest.mark.gpu

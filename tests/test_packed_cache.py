@@ -70,3 +70,25 @@ def test_exact_prefill_is_bit_identical_to_token_by_token_decode(engine):
 def test_a_context_the_device_cannot_hold_is_refused_with_the_plan():
     with pytest.raises(CacheMemoryError, match=r"needs .* GiB \(raw_rows .*\) but cpu has .* GiB free"):
         ModelCache(flash_config(), 1 << 38, "cpu", "packed", 32)
+
+
+def test_ring_writes_through_the_triton_pack_match_the_torch_path(monkeypatch):
+    """RowStore.write_at with the packed codecs: the Triton pack writing straight into the ring (the GPU path,
+    here in the interpreter) leaves the same bytes as packing and then index_copy_ (the torch path)."""
+    pytest.importorskip("triton")
+    import ds4x.model.cache as cache_mod
+    from ds4x.formats import rows_triton
+    from ds4x.model.cache import PackedIndexerCodec, PackedKVCodec, RowStore
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPU tests cover the compiled path")
+    for codec, dim in ((PackedKVCodec(512, 64), 512), (PackedIndexerCodec(), 128)):
+        stores = {}
+        for path in ("torch", "triton"):
+            monkeypatch.setattr(cache_mod, "_triton_rows", lambda x, p=path: rows_triton if p == "triton" else None)
+            store = RowStore(48, codec, torch.device("cpu"))
+            for start in (0, 30, 61):  # the last write wraps the ring
+                rows = torch.randn(20, dim, generator=torch.Generator().manual_seed(start)) * 3
+                store.write_at(torch.arange(start, start + 20), rows)
+            stores[path] = store.data
+        assert torch.equal(stores["torch"], stores["triton"])

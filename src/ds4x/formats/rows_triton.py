@@ -149,7 +149,15 @@ if HAVE_TRITON:
         return (bits | (s << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def pack_kv_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr):
+    def _out_rows(rows, rmask, at_ptr, ring, SCATTER: tl.constexpr):
+        # where input row r goes: row r, or with SCATTER row at[r] mod ring (a ring of `ring` rows)
+        if SCATTER:
+            return tl.load(at_ptr + rows, mask=rmask, other=0).to(tl.int64) % ring
+        return rows.to(tl.int64)
+
+    @triton.jit
+    def pack_kv_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
+                       SCATTER: tl.constexpr):
         # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
         BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
@@ -160,7 +168,8 @@ if HAVE_TRITON:
         cols = tl.arange(0, 64)
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + rows64[:, None] * DIM
-        o_row = out_ptr + rows64[:, None] * BYTES
+        dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
+        o_row = out_ptr + dst[:, None] * BYTES
         for b in tl.static_range(NOPE_BLOCKS):
             v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0)
             e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)
@@ -169,7 +178,7 @@ if HAVE_TRITON:
             code = _round_code(a, 3, 7) | (_sign(v) << 7)
             code = tl.where(bad[:, None], 0, code)
             tl.store(o_row + b * 64 + cols[None, :], code.to(tl.uint8), mask=m2)
-            tl.store(out_ptr + rows64 * BYTES + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=rmask)
+            tl.store(out_ptr + dst * BYTES + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=rmask)
         r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0)
         h = r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         tl.store(o_row + NOPE_BLOCKS * 64 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
@@ -218,7 +227,7 @@ if HAVE_TRITON:
         tl.store(o_row + cols[None, :], y * 0.08838834764831845, mask=m2)
 
     @triton.jit
-    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr):
         # Even and odd elements are loaded as separate [R, 16] tiles per 32-value block, so
         # element 2i (low nibble) and 2i+1 (high nibble) meet in one byte without shuffles.
         pid = tl.program_id(0)
@@ -228,7 +237,8 @@ if HAVE_TRITON:
         j = tl.arange(0, 16)
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + rows64[:, None] * 128
-        o_row = out_ptr + rows64[:, None] * 68
+        dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
+        o_row = out_ptr + dst[:, None] * 68
         for b in tl.static_range(4):
             ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0)
             vo = tl.load(x_row + b * 32 + 2 * j[None, :] + 1, mask=m2, other=0.0)
@@ -244,7 +254,7 @@ if HAVE_TRITON:
             co = _round_code(ao, 1, 1) | (_sign(vo) << 3)
             byte = tl.where(bad[:, None], 0, ce | (co << 4))
             tl.store(o_row + b * 16 + j[None, :], byte.to(tl.uint8), mask=m2)
-            tl.store(out_ptr + rows64 * 68 + 64 + b, (e + 127).to(tl.uint8), mask=rmask)
+            tl.store(out_ptr + dst * 68 + 64 + b, (e + 127).to(tl.uint8), mask=rmask)
 
     @triton.jit
     def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
@@ -281,12 +291,12 @@ def _check_device(t: torch.Tensor, fn: str) -> None:
         )
 
 
-def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int, **constexprs: int) -> None:
+def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int, *args: Any, **constexprs: int) -> None:
     mod = _kernels()
     if n_rows == 0:
         return
     grid = ((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)
-    getattr(mod, name)[grid](src, out, n_rows, BLOCK_R=BLOCK_ROWS, **constexprs)
+    getattr(mod, name)[grid](src, out, n_rows, *args, BLOCK_R=BLOCK_ROWS, **constexprs)
 
 
 def kv_rows_supported(dim: int, rope_dim: int) -> bool:
@@ -301,9 +311,28 @@ def _nope_blocks(dim: int, rope_dim: int, fn: str) -> int:
     return (dim - rope_dim) // KV_BLOCK
 
 
-def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
+def _pack_out(src: torch.Tensor, width: int, out: torch.Tensor | None, at: torch.Tensor | None,
+              fn: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(destination, row targets, ring size) of a pack: a new [rows, width] tensor, or ``out`` (a contiguous
+    uint8 [ring, width] buffer) whose row ``at[r] % ring`` receives input row r."""
+    if (out is None) != (at is None):
+        raise ValueError(f"{fn}: out and at go together")
+    if out is None:
+        return torch.empty((src.shape[0], width), dtype=torch.uint8, device=src.device), src, 1
+    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
+        raise ValueError(f"{fn}: out must be a contiguous uint8 [rows, {width}] buffer, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if at.dtype not in (torch.int32, torch.int64) or at.numel() != src.shape[0] or at.device != src.device:
+        raise ValueError(f"{fn}: at must hold one integer row index per input row on {src.device}, got {at.dtype} "
+                         f"[{at.numel()}] on {at.device}")
+    return out, at.reshape(-1).contiguous(), out.shape[0]
+
+
+def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int = KV_ROPE_DIM,
+                        out: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`ds4x.formats.rows.pack_kv_rows`: ``[..., 512]`` float -> ``uint8 [..., 583]`` (other widths
-    of whole 64-value blocks plus 64 RoPE dims too, as ``kv_row_bytes`` lays them out)."""
+    of whole 64-value blocks plus 64 RoPE dims too, as ``kv_row_bytes`` lays them out). With ``out`` and ``at``
+    the rows are written into ``out`` (a ring of rows) at ``at % len(out)`` instead, in the same launch."""
     fn = "pack_kv_rows_triton"
     dim = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else KV_DIM
     nb = _nope_blocks(dim, rope_dim, fn)
@@ -311,9 +340,9 @@ def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int
     _check_device(x32, fn)
     lead = x32.shape[:-1]
     src = x32.reshape(-1, dim).contiguous()
-    out = torch.empty((src.shape[0], kv_row_bytes(dim, rope_dim)), dtype=torch.uint8, device=src.device)
-    _launch("pack_kv_kernel", src, out, src.shape[0], NOPE_BLOCKS=nb)
-    return out.reshape(*lead, out.shape[-1])
+    dst, targets, ring = _pack_out(src, kv_row_bytes(dim, rope_dim), out, at, fn)
+    _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, NOPE_BLOCKS=nb, SCATTER=out is not None)
+    return dst if out is not None else dst.reshape(*lead, dst.shape[-1])
 
 
 def unpack_kv_rows_triton(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
@@ -343,16 +372,18 @@ def hadamard128_triton(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, INDEXER_DIM)
 
 
-def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-    """Triton :func:`ds4x.formats.rows.pack_indexer_rows`: ``[..., 128]`` float -> ``uint8 [..., 68]``."""
+def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True, out: torch.Tensor | None = None,
+                             at: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton :func:`ds4x.formats.rows.pack_indexer_rows`: ``[..., 128]`` float -> ``uint8 [..., 68]``; ``out`` and
+    ``at`` as for :func:`pack_kv_rows_triton`."""
     fn = "pack_indexer_rows_triton"
     x32 = check_indexer_input(x, fn) if validate else _check_float_rows(x, INDEXER_DIM, fn)
     _check_device(x32, fn)
     lead = x32.shape[:-1]
     src = x32.reshape(-1, INDEXER_DIM).contiguous()
-    out = torch.empty((src.shape[0], INDEXER_ROW_BYTES), dtype=torch.uint8, device=src.device)
-    _launch("pack_indexer_kernel", src, out, src.shape[0])
-    return out.reshape(*lead, INDEXER_ROW_BYTES)
+    dst, targets, ring = _pack_out(src, INDEXER_ROW_BYTES, out, at, fn)
+    _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, SCATTER=out is not None)
+    return dst if out is not None else dst.reshape(*lead, INDEXER_ROW_BYTES)
 
 
 def unpack_indexer_rows_triton(rows: torch.Tensor) -> torch.Tensor:

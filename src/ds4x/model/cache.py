@@ -57,12 +57,21 @@ def align_up(n: int, a: int) -> int:
 
 # ---- codecs: how a float row is stored and read back ------------------------------------------
 
+def _copy_into_ring(data: torch.Tensor, index: torch.Tensor, stored: torch.Tensor) -> None:
+    """Rows already in the storage format into the ring ``data`` at ``index % len(data)``."""
+    data.index_copy_(0, index % data.shape[0], stored.to(data.dtype))
+
+
 class FloatCodec:
     def __init__(self, dim: int):
         self.dim, self.width, self.dtype = dim, dim, torch.float32
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         return x.float()
+
+    def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
+        """Encode rows ``x`` into the ring ``data`` at ``index % len(data)``."""
+        _copy_into_ring(data, index, self.encode(x))
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         return stored
@@ -107,6 +116,14 @@ class PackedKVCodec:
             return rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim)
         return pack_kv_rows(x, validate=False, rope_dim=self.rope_dim)
 
+    def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
+        """As FloatCodec.write_at; the Triton pack writes straight into the ring (one launch, no packed copy)."""
+        rt = _triton_rows(x)
+        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+            rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim, out=data, at=index)
+        else:
+            _copy_into_ring(data, index, self.encode(x))
+
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         rt = _triton_rows(stored)
         if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
@@ -139,6 +156,14 @@ class PackedIndexerCodec:
             return rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False)
         return pack_indexer_rows(hadamard128(x.float()), validate=False)
 
+    def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
+        """As FloatCodec.write_at; the Triton pack writes straight into the ring."""
+        rt = _triton_rows(x)
+        if rt is not None:
+            rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False, out=data, at=index)
+        else:
+            _copy_into_ring(data, index, self.encode(x))
+
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         rt = _triton_rows(stored)
         return rt.unpack_indexer_rows_triton(stored) if rt is not None else unpack_indexer_rows(stored)
@@ -168,7 +193,7 @@ class RowStore:
     def write_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Write ``rows`` at absolute indices ``index`` (a device tensor of distinct indices, at most
         ``capacity`` of them): no host sync, so a CUDA graph can replay it at other positions."""
-        self.data.index_copy_(0, index % self.capacity, self.codec.encode(rows).to(self.data.dtype))
+        self.codec.write_at(self.data, index, rows)
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) as float32 [stop - start, dim]."""
