@@ -85,7 +85,8 @@ def test_ring_writes_through_the_triton_pack_match_the_torch_path(monkeypatch):
     for codec, dim in ((PackedKVCodec(512, 64), 512), (PackedIndexerCodec(), 128)):
         stores = {}
         for path in ("torch", "triton"):
-            monkeypatch.setattr(cache_mod, "_triton_rows", lambda x, p=path: rows_triton if p == "triton" else None)
+            monkeypatch.setattr(cache_mod, "_triton_rows",
+                                lambda x, kv_dims=None, p=path: rows_triton if p == "triton" else None)
             store = RowStore(48, codec, torch.device("cpu"))
             for start in (0, 30, 61):  # the last write wraps the ring
                 rows = torch.randn(20, dim, generator=torch.Generator().manual_seed(start)) * 3

@@ -77,14 +77,15 @@ class FloatCodec:
         return stored
 
 
-def _triton_rows(x: torch.Tensor) -> Any:
+def _triton_rows(x: torch.Tensor, kv_dims: tuple[int, int] | None = None) -> Any:
     """The Triton row kernels (one launch each) for a CUDA tensor, else None: the torch versions take 40 to 130
-    small kernels per call, which a decode step would pay for every layer. Both are bit-identical."""
+    small kernels per call, which a decode step would pay for every layer. Both are bit-identical. With
+    ``kv_dims`` (row width, RoPE dims): only if the KV row kernels take that layout."""
     if not use_triton(x.device):
         return None
     from ds4x.formats import rows_triton
 
-    return rows_triton
+    return rows_triton if kv_dims is None or rows_triton.kv_rows_supported(*kv_dims) else None
 
 
 class NativeKVCodec(FloatCodec):
@@ -95,8 +96,8 @@ class NativeKVCodec(FloatCodec):
         self.nope, self.rope_dim = dim - rope_dim, rope_dim
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        rt = _triton_rows(x)
-        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):  # the packed bytes, read back
+        rt = _triton_rows(x, (self.dim, self.rope_dim))
+        if rt is not None:  # the packed bytes, read back
             return rt.unpack_kv_rows_triton(rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim),
                                             rope_dim=self.rope_dim)
         x = x.float()
@@ -111,22 +112,22 @@ class PackedKVCodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         # finiteness is checked on the float rows by the caller's contract; skipping the check here
         # keeps the step free of host syncs
-        rt = _triton_rows(x)
-        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+        rt = _triton_rows(x, (self.dim, self.rope_dim))
+        if rt is not None:
             return rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim)
         return pack_kv_rows(x, validate=False, rope_dim=self.rope_dim)
 
     def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
         """As FloatCodec.write_at; the Triton pack writes straight into the ring (one launch, no packed copy)."""
-        rt = _triton_rows(x)
-        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+        rt = _triton_rows(x, (self.dim, self.rope_dim))
+        if rt is not None:
             rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim, out=data, at=index)
         else:
             _copy_into_ring(data, index, self.encode(x))
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
-        rt = _triton_rows(stored)
-        if rt is not None and rt.kv_rows_supported(self.dim, self.rope_dim):
+        rt = _triton_rows(stored, (self.dim, self.rope_dim))
+        if rt is not None:
             return rt.unpack_kv_rows_triton(stored, rope_dim=self.rope_dim)
         return unpack_kv_rows(stored, rope_dim=self.rope_dim)
 
