@@ -256,7 +256,7 @@ def _prefill_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
         args = {"ratio": cfg.compress_ratios[step.layer], "n_rows": step.n_rows}
     elif step.kind == CSA:
         index, valid = _csa_selection(step, packed_scores=True)
-        args = {"index": torch.where(valid, index % st.comp_rows.capacity, -1)}
+        args = {"index": torch.where(valid, index, -1)}  # compressed rows never wrap (as in _decode_triton)
     return attention_prefill_triton(q, step.positions, window, st.comp_rows.data if args else None, step.sinks,
                                     cfg.head_dim**-0.5, cfg.nope_head_dim, **args)
 
