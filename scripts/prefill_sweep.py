@@ -25,16 +25,6 @@ def _ms(fn) -> float:
     return do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
-def _grouped(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int, scratch: torch.Tensor) -> torch.Tensor:
-    """Every expert decoded into ``scratch``, then one grouped GEMM (the routed path without slicing)."""
-    flat = ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(w.shape[0], dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    wd = qm.dequantize_gpu(w, torch.bfloat16, out=scratch)
-    ys = torch._grouped_mm(x[order // x_div], wd.transpose(1, 2), offs=torch.cumsum(counts, 0).to(torch.int32))
-    return torch.empty_like(ys).index_copy_(0, order, ys)
-
-
 def main(token_counts: list[int]) -> None:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -51,20 +41,18 @@ def main(token_counts: list[int]) -> None:
                       f"{(w.nbytes + scratch.numel() * 2) / t_deq / 1e6:.0f} GB/s; bf16 bit-exact {same}"))
         for tokens in token_counts:
             ids = torch.rand(tokens, n_exp, device=dev, generator=gen).topk(k_sel, dim=1).indices.to(torch.int32)
-            rows, ids, x_div = (tokens * k_sel, ids.view(-1, 1), 1) if down else (tokens, ids, k_sel)
+            rows, ids = (tokens * k_sel, ids.view(-1, 1)) if down else (tokens, ids)
             x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
             y_mm = qm.quant_matmul_routed(x, w, ids, force="mm").view(-1, n).float()
             for cfg in (None, (64, 128, 64, 8), (64, 64, 64, 4), (128, 128, 64, 8)):
                 t = _ms(lambda c=cfg, x=x, w=w, i=ids: qm.quant_matmul_routed(x, w, i, config=c, force="mm"))
                 label = cfg or qm.matmul_config(qt, tokens * k_sel, n, k)
                 table.append((name, tokens, f"skinny tl.dot {label}{' (default)' if cfg is None else ''}", t, ""))
-            y = _grouped(x, w, ids, x_div, scratch)
-            err = float((y.float() - y_mm).norm() / y_mm.norm())
-            table.append((name, tokens, "dequantize + grouped GEMM (all experts at once)",
-                          _ms(lambda x=x, w=w, i=ids, d=x_div, s=scratch: _grouped(x, w, i, d, s)),
+            y = qm.quant_matmul_routed(x, w, ids).view(-1, n).float()
+            err = float((y - y_mm).norm() / y_mm.norm())
+            table.append((name, tokens, "quant_matmul_routed: bf16 decode + grouped GEMM (the model's path)",
+                          _ms(lambda x=x, w=w, i=ids: qm.quant_matmul_routed(x, w, i)),
                           f"rel diff vs skinny {err:.1e}"))
-            table.append((name, tokens, "quant_matmul_routed (the model's path)",
-                          _ms(lambda x=x, w=w, i=ids: qm.quant_matmul_routed(x, w, i)), ""))
         del w, scratch
         torch.cuda.empty_cache()
 
