@@ -179,7 +179,8 @@ def test_triton_indexer_rows_on_gpu(compiled):
 def test_pack_into_a_ring_on_gpu(compiled):
     x = random_kv_rows(300, seed=35).cuda()
     ring = torch.zeros(256, 583, dtype=torch.uint8, device="cuda")
-    at = torch.arange(1000, 1300, device="cuda")[torch.randperm(300, device="cuda")][:256]
+    # 256 distinct slots past the ring's length, in shuffled order (duplicate slots would race)
+    at = 1000 + torch.randperm(256, device="cuda")
     F.pack_kv_rows_triton(x[:256], out=ring, at=at)
     expect = torch.zeros_like(ring)
     expect[at % 256] = F.pack_kv_rows_triton(x[:256])
