@@ -95,6 +95,27 @@ def test_ggml_tensor_basics():
         GGMLTensor(torch.zeros(33, dtype=torch.uint8), T.Q8_0, (1, 32))
 
 
+def test_split_layout_keeps_the_weights():
+    # Q8_0 rows re-laid as codes then scales: same size, same values, the file's bytes back on request
+    g = torch.Generator().manual_seed(2)
+    w = GGMLTensor(random_blocks(T.Q8_0, (3, 5, 256), g), T.Q8_0, (3, 5, 256))
+    s = w.split()
+    assert s.layout == "split" and s.split() is s and w.blocks() is w and s.raw.shape == w.raw.shape
+    blocks = w.raw.view(3, 5, 8, 34)
+    assert torch.equal(s.raw[..., :256], blocks[..., 2:].flatten(-2))  # codes first, in order
+    assert torch.equal(s.raw[..., 256:], blocks[..., :2].flatten(-2))  # then the fp16 scales
+    assert torch.equal(s.blocks().raw, w.raw)
+    assert torch.equal(s.dequantize(), w.dequantize())
+    assert s[1].layout == "split" and torch.equal(s[1:3].dequantize(), w[1:3].dequantize())
+    tokens = torch.tensor([4, 0, 4])
+    assert torch.equal(s[2].dequantize_rows(tokens), w[2].dequantize_rows(tokens))
+    assert "split" in repr(s) and s.to("cpu") is s
+    with pytest.raises(ValueError, match="split layout is for Q8_0"):
+        GGMLTensor(random_blocks(T.Q4_K, (2, 256), g), T.Q4_K, (2, 256)).split()
+    with pytest.raises(ValueError, match="unknown GGMLTensor layout"):
+        GGMLTensor(w.raw, T.Q8_0, (3, 5, 256), "rows")
+
+
 def test_linear_embedding_grouped_accept_ggml():
     g = torch.Generator().manual_seed(1)
     w = GGMLTensor(random_blocks(T.Q8_0, (32, 64), g), T.Q8_0, (32, 64))

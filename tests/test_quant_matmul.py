@@ -129,6 +129,31 @@ def test_dequantize_gpu_interpreter(interp, qt):
     assert torch.equal(qm.dequantize_gpu(w[2], torch.float32), w.dequantize()[2])
 
 
+def test_split_q8_0_interpreter(interp):
+    # Q8_0 rows split into codes and scales (the layout kernel_layout picks): every kernel gives the bits of the
+    # file's block layout, which decodes the same values in the same order
+    w = weight(T.Q8_0, (9, 768), seed=61)
+    s = qm.kernel_layout(w)
+    assert s.layout == "split" and qm.supports(s)
+    assert qm.kernel_layout(weight(T.Q8_0, (4, 320), seed=1)).layout == "blocks"  # codes not 8-byte aligned
+    assert qm.kernel_layout(weight(T.Q4_K, (4, 256), seed=1)).layout == "blocks"
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(62))
+    for m, force, cfg in ((1, "mv", MV), (2, "mv", (4, 32, 1)), (5, "mm", MM)):
+        assert torch.equal(qm.quant_linear(x[:m], s, config=cfg, force=force),
+                           qm.quant_linear(x[:m], w, config=cfg, force=force)), (m, force)
+    assert torch.equal(qm.dequantize_gpu(s, torch.float32), w.dequantize())
+    e = weight(T.Q8_0, (5, 12, 512), seed=63)
+    ids = torch.tensor([[0, 4, 2], [3, 3, 1]])
+    for force, cfg in (("mv", MV), ("mm", MM)):
+        assert torch.equal(qm.quant_matmul_routed(x[:2, :512], e.split(), ids, config=cfg, force=force),
+                           qm.quant_matmul_routed(x[:2, :512], e, ids, config=cfg, force=force))
+    assert torch.equal(qm.dequantize_gpu(e.split(), torch.float32, slice(1, 3)), e.dequantize()[1:3])
+    gw = weight(T.Q8_0, (16, 256), seed=64)
+    xg = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(65))
+    assert torch.equal(qm.quant_grouped_linear(xg, gw.split(), 4, config=MV, force="mv"),
+                       qm.quant_grouped_linear(xg, gw, 4, config=MV, force="mv"))
+
+
 def test_routed_grouped_interpreter(interp, monkeypatch):
     # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
     # (a 2-expert scratch here), with an expert no row picks
@@ -176,6 +201,7 @@ def test_gpu_real_shapes(qt, n, k):
         x = torch.randn(m, k, device="cuda", generator=g)
         y = qm.quant_linear(x, w)
         assert rel(y, x.double() @ wd.T) < bound, (m, qt.name)
+        assert torch.equal(qm.quant_linear(x, qm.kernel_layout(w)), y), m  # split Q8_0 rows: the same bits
         if m == 3:  # the matvec computes each row alone: the same bits as a batch of one
             assert torch.equal(y[1], qm.quant_linear(x[1:2], w)[0])
             assert rel(qm.quant_linear(x, w, int8=False), x.double() @ wd.T) < 1e-5

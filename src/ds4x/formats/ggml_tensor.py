@@ -6,6 +6,12 @@ file is not copied) plus its GGML type and its logical torch shape: ``[out, in]`
 ``[*shape[:-1], row_bytes]``: every row of ``in`` weights is a whole number of blocks, so indexing
 the leading dimensions is a plain view of the bytes and ``w[e]`` (one expert) copies nothing.
 
+Q8_0 rows have a second byte layout, ``"split"``: the same bytes of each row re-laid as its 32 * nb int8
+codes followed by its nb fp16 scales (a row is still ``row_bytes`` long, so views and row strides are
+unchanged). The CUDA matvec reads it with 8-byte loads, where the 34-byte blocks of the file only allow
+2-byte ones; everything that needs the file's bytes (decoding on the CPU, writing a GGUF, fingerprints)
+goes through :meth:`GGMLTensor.blocks`.
+
 The model never reads a GGMLTensor's storage itself: ``ds4x.kernels.linear`` multiplies by it (on
 the CPU by dequantizing with the bit-exact decoders of :mod:`ds4x.formats.ggml`, on CUDA with the
 kernels of :mod:`ds4x.kernels.quant_matmul`).
@@ -19,15 +25,18 @@ import torch
 
 from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize, quantized_nbytes
 
-__all__ = ["GGMLTensor"]
+__all__ = ["LAYOUTS", "GGMLTensor"]
+
+LAYOUTS = ("blocks", "split")
 
 
 class GGMLTensor:
     """Raw GGML blocks + type + logical shape; see the module docstring."""
 
-    __slots__ = ("raw", "qtype", "_shape")
+    __slots__ = ("raw", "qtype", "_shape", "layout")
 
-    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, ...]):
+    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, ...],
+                 layout: str = "blocks"):
         try:
             qt = GGMLQuantizationType(int(qtype))
         except ValueError:
@@ -50,8 +59,13 @@ class GGMLTensor:
         self.raw = raw.reshape(want) if tuple(raw.shape) != want else raw
         if not self.raw.is_contiguous():
             self.raw = self.raw.contiguous()
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown GGMLTensor layout {layout!r} (have {', '.join(LAYOUTS)})")
+        if layout == "split" and qt != GGMLQuantizationType.Q8_0:
+            raise ValueError(f"the split layout is for Q8_0 rows, not {qt.name}")
         self.qtype = qt
         self._shape = torch.Size(shape)
+        self.layout = layout
 
     # ---- tensor-like surface ------------------------------------------------------------------
     @property
@@ -95,7 +109,7 @@ class GGMLTensor:
             raise TypeError(f"a {self.qtype.name} GGMLTensor has no dtype to convert to {device}; use dequantize()")
         if device is None or torch.device(device) == self.raw.device:
             return self
-        return GGMLTensor(self.raw.to(device, non_blocking=non_blocking), self.qtype, tuple(self._shape))
+        return GGMLTensor(self.raw.to(device, non_blocking=non_blocking), self.qtype, tuple(self._shape), self.layout)
 
     def __getitem__(self, index: int | slice) -> GGMLTensor:
         """Index the first dimension (an expert of ``[E, out, in]``, or a row range): a view."""
@@ -107,18 +121,36 @@ class GGMLTensor:
             raise IndexError("GGMLTensor slices must have step 1")
         raw = self.raw[index]
         rest = tuple(self._shape[1:]) if isinstance(index, int) else (raw.shape[0], *self._shape[1:])
-        return GGMLTensor(raw, self.qtype, rest)
+        return GGMLTensor(raw, self.qtype, rest, self.layout)
 
     def __len__(self) -> int:
         return self._shape[0]
 
     def __repr__(self) -> str:
-        return f"GGMLTensor({self.qtype.name}, shape={list(self._shape)}, device={self.device})"
+        split = ", layout=split" if self.layout == "split" else ""
+        return f"GGMLTensor({self.qtype.name}, shape={list(self._shape)}, device={self.device}{split})"
+
+    # ---- layouts ------------------------------------------------------------------------------
+    def split(self) -> GGMLTensor:
+        """The same Q8_0 weights with every row re-laid as its codes, then its scales (self if already so)."""
+        if self.layout == "split":
+            return self
+        if self.qtype != GGMLQuantizationType.Q8_0:
+            raise ValueError(f"the split layout is for Q8_0 rows, not {self.qtype.name}")
+        blocks = self.raw.view(*self.raw.shape[:-1], -1, 34)
+        raw = torch.cat((blocks[..., 2:].flatten(-2), blocks[..., :2].flatten(-2)), dim=-1)
+        return GGMLTensor(raw, self.qtype, tuple(self._shape), "split")
+
+    def blocks(self) -> GGMLTensor:
+        """The same weights with the file's block layout (self if already so)."""
+        if self.layout == "blocks":
+            return self
+        return GGMLTensor(_rows_as_blocks(self.raw), self.qtype, tuple(self._shape))
 
     # ---- decoding -----------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dense tensor of the logical shape (float32 decode, bit-exact to gguf; then cast)."""
-        out = dequantize(self.raw, self.qtype, tuple(self._shape))
+        out = dequantize(self.blocks().raw, self.qtype, tuple(self._shape))
         return out if out.dtype == dtype else out.to(dtype)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -128,6 +160,16 @@ class GGMLTensor:
             raise ValueError(f"dequantize_rows needs a 2-D tensor, this one is {list(self._shape)}")
         idx = rows.reshape(-1).to(device=self.raw.device, dtype=torch.long)
         picked = self.raw.index_select(0, idx)
+        if self.layout == "split":
+            picked = _rows_as_blocks(picked)
         out = dequantize(picked, self.qtype, (idx.numel(), self._shape[1]))
         out = out if out.dtype == dtype else out.to(dtype)
         return out.reshape(*rows.shape, self._shape[1])
+
+
+def _rows_as_blocks(raw: torch.Tensor) -> torch.Tensor:
+    """Split-layout Q8_0 rows ``[..., row_bytes]`` back in the file's 34-byte blocks."""
+    nb = raw.shape[-1] // 34
+    codes = raw[..., : 32 * nb].unflatten(-1, (nb, 32))
+    scales = raw[..., 32 * nb :].unflatten(-1, (nb, 2))
+    return torch.cat((scales, codes), dim=-1).flatten(-2)

@@ -68,8 +68,18 @@ def quant_kernel_name(w: Weight) -> str:
     if not isinstance(w, GGMLTensor):
         return "torch dense"
     if _quant_kernels(w) is not None:
-        return f"triton quant_matmul ({w.qtype.name})"
+        return f"triton quant_matmul ({w.qtype.name}{', split rows' if w.layout == 'split' else ''})"
     return f"torch dequantize+matmul ({w.qtype.name})"
+
+
+def kernel_form(weight: Weight) -> Weight:
+    """``weight`` stored the way its product kernels read it fastest (the same values; the CUDA kernels take
+    Q8_0 rows split into codes and scales), else unchanged."""
+    if isinstance(weight, GGMLTensor):
+        qm = _quant_kernels(weight)
+        if qm is not None:
+            return qm.kernel_layout(weight)
+    return weight
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:

@@ -144,6 +144,19 @@ if HAVE_TRITON:
         return q * d
 
     @triton.jit
+    def _tile_q8_0_split(wp, rowoff, rmask, k0, K, G: tl.constexpr):
+        # [BN, G, 8, 4]: split-layout Q8_0 rows (GGMLTensor.split): block blk's 32 codes are the 8 int32 words
+        # at byte 32 blk of the row, its fp16 scale is at byte K + 2 blk
+        blk = k0 // 32 + tl.arange(0, G)[None, :, None, None]
+        m = rmask & (blk * 32 < K)
+        d = _f16(wp, rowoff + K + 2 * blk, m)
+        wi = tl.arange(0, 8)[None, None, :, None]
+        words = tl.load((wp + rowoff + 32 * blk + 4 * wi).to(tl.pointer_type(tl.int32)), mask=m, other=0)
+        v = tl.arange(0, 4)[None, None, None, :]
+        q = _magic(((words >> (8 * v)) & 255) ^ 128, 128.0)
+        return q * d
+
+    @triton.jit
     def _tile_q2_k(wp, rowoff, rmask, k0, K, G: tl.constexpr):
         # [BN, G, 4, 4]: G sub-blocks of 16; sub-block j16 = 8h + 2k + jh of its block reads bit
         # pair k of bytes 16jh..16jh+15 of half h (4 int32 words)
@@ -220,6 +233,8 @@ if HAVE_TRITON:
     def _tile(QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr):
         if QTYPE == 8:
             out = _tile_q8_0(wp, rowoff, rmask, k0, K, G)
+        elif QTYPE == 9:
+            out = _tile_q8_0_split(wp, rowoff, rmask, k0, K, G)
         elif QTYPE == 10:
             out = _tile_q2_k(wp, rowoff, rmask, k0, K, G)
         elif QTYPE == 12:
@@ -318,19 +333,30 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _mv_q8_0(rowp, c, xp):
-        # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4 (fp16 d, then 32 int8 at byte 2: the
-        # quarter is 4 uint16 words, 2-byte aligned only)
-        bp = rowp + (c // 4) * 34
-        qp = bp + 2 + (c % 4) * 8
+    def _mv_q8_0(rowp, c, xp, kb, SPLIT: tl.constexpr):
+        # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4. File blocks: fp16 d, then 32 int8 at byte 2
+        # (the quarter is 4 uint16 words, 2-byte aligned only). Split rows: the quarter is the 8-byte word at
+        # byte 8c (one load), d is at byte kb + 2 (c // 4). Both give the same bits.
+        if SPLIT:
+            q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
+            d = _h2f(_ld16(rowp + kb + 2 * (c // 4)))
+        else:
+            bp = rowp + (c // 4) * 34
+            qp = bp + 2 + (c % 4) * 8
+            d = _h2f(_ld16(bp))
         s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for half in tl.static_range(2):
             x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
-            a = _ld16(qp + 4 * half) ^ 0x8080  # int8 = (byte ^ 128) - 128
-            b = _ld16(qp + 4 * half + 2) ^ 0x8080
+            if SPLIT:
+                wd = (q >> (32 * half)).to(tl.int32)
+                a = (wd & 0xFFFF) ^ 0x8080  # int8 = (byte ^ 128) - 128
+                b = ((wd >> 16) & 0xFFFF) ^ 0x8080
+            else:
+                a = _ld16(qp + 4 * half) ^ 0x8080
+                b = _ld16(qp + 4 * half + 2) ^ 0x8080
             s += (_magic(a & 255, 128.0) * x0 + _magic(a >> 8, 128.0) * x1
                   + _magic(b & 255, 128.0) * x2 + _magic(b >> 8, 128.0) * x3)
-        return s * _h2f(_ld16(bp))
+        return s * d
 
     @triton.jit
     def _mv_q4_k(rowp, c, xp):
@@ -463,9 +489,11 @@ if HAVE_TRITON:
         return db * out
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, signp, INTERPRET: tl.constexpr):
-        if QTYPE == 8:
-            out = _mv_q8_0(rowp, c, xp)
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, signp, kb,
+                 INTERPRET: tl.constexpr):
+        # kb: bytes of codes per row (the split Q8_0 layout's scale offset)
+        if QTYPE == 8 or QTYPE == 9:
+            out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9)
         elif QTYPE == 10:
             out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
         elif QTYPE == 12:
@@ -489,14 +517,17 @@ if HAVE_TRITON:
         rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
         acc = tl.zeros((U, R), dtype=tl.float32)
+        kb = n_units * 8  # split Q8_0 rows: 8 code bytes per unit
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, kb,
+                                  INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, kb,
+                                  INTERPRET)
         y = tl.sum(acc, axis=0)
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
@@ -582,8 +613,22 @@ def supports(w: GGMLTensor) -> bool:
         return False
     if w.raw.device.type != "cuda" and not interpret_mode():
         return False
-    align = 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2  # widest word a kernel reads
+    align = 8 if w.layout == "split" else 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2  # widest word a kernel reads
     return w.raw.is_contiguous() and w.raw.data_ptr() % align == 0 and w.row_bytes % align == 0
+
+
+def kernel_layout(w: GGMLTensor) -> GGMLTensor:
+    """``w`` in the layout these kernels read fastest: Q8_0 rows split into codes and scales
+    (:meth:`GGMLTensor.split`) when a row's codes are a multiple of 128 bytes, so every row and its scales
+    start 8-byte aligned; anything else as it is."""
+    if w.qtype == T.Q8_0 and w.shape[-1] % 128 == 0 and w.ndim in (2, 3):
+        return w.split()
+    return w
+
+
+def _code(w: GGMLTensor) -> int:
+    """The kernels' QTYPE for ``w`` (9: split-layout Q8_0)."""
+    return 9 if w.layout == "split" else _TYPES[w.qtype][0]
 
 
 @lru_cache(maxsize=8)
@@ -659,7 +704,8 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
     is "mv" or "mm"; ``slots``: products per activation row (see matvec_config)."""
     mod = _kernels()
-    code, s, _block_bytes, _, unit = _TYPES[w.qtype]
+    _, s, _block_bytes, _, unit = _TYPES[w.qtype]
+    code = _code(w)
     wr = w.raw
     n, k = w.shape[-2], w.shape[-1]
     expert_bytes = n * w.row_bytes if w.ndim == 3 else 0
@@ -683,7 +729,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
-    wv = 8 if iq2 else {8: 16, 10: 4, 12: 8}[code]
+    wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
     dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x2.dtype]
     if interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
         dot_dtype = tl.float32
@@ -723,7 +769,8 @@ def dequantize_gpu(w: GGMLTensor, dtype: torch.dtype = torch.bfloat16, experts: 
     of at least that many elements to decode into (a scratch reused across calls)."""
     if w.qtype not in _TYPES:
         raise ValueError(f"dequantize_gpu: no kernel for {w.qtype.name}")
-    code, s, *_ = _TYPES[w.qtype]
+    _, s, *_ = _TYPES[w.qtype]
+    code = _code(w)
     n, k = w.shape[-2], w.shape[-1]
     raw = w.raw if w.ndim == 2 else w.raw.view(w.shape[0], n, w.row_bytes)
     if experts is not None:
@@ -822,7 +869,7 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
-    wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin))
+    wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin), w.layout)
     if t > DOT_MAX_ROWS and force is None:
         return torch.einsum("tgi,goi->tgo", x, dequantize_gpu(wg, x.dtype))
     ids = _group_ids(groups, t, x.device)
@@ -911,12 +958,15 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
         checks.append({"check": name, "ok": bool(ok), "detail": detail})
         log(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
 
-    def variants(qt: GGMLQuantizationType, n: int, k: int, pairs: int, extra: tuple) -> list[tuple[str, tuple, bool]]:
-        # the default config in float (and int8 where the type has it), the extra ones in the default mode
-        out = [("int8" if int8 else "f32", matvec_config(qt, n, k, pairs), int8)
+    def variants(qt: GGMLQuantizationType, n: int, k: int, pairs: int, extra: tuple
+                 ) -> list[tuple[str, tuple, bool, bool]]:
+        # (label, config, int8, split): the default config in float (and int8 where the type has it), the extra
+        # ones in the default mode; Q8_0 in the file's blocks and in split rows (kernel_layout)
+        out = [("int8" if int8 else "f32", matvec_config(qt, n, k, pairs), int8, False)
                for int8 in ((False, True) if qt in (T.Q2_K, T.IQ2_XXS) else (False,))]
         label = "int8" if int8_activations(qt) else "f32"
-        return out + [(label, cfg, int8_activations(qt)) for cfg in extra if cfg != matvec_config(qt, n, k, pairs)]
+        out += [(label, cfg, int8_activations(qt), False) for cfg in extra if cfg != matvec_config(qt, n, k, pairs)]
+        return out + [(f"{lab} split", cfg, i8, True) for lab, cfg, i8, _ in out] if qt == T.Q8_0 else out
 
     for what, qt, n, k, form, extra in _BENCH_CASES:
         if time.perf_counter() - t_start > deadline_s:
@@ -925,26 +975,29 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
         try:
             nbytes_w = quantized_nbytes(qt, (n, k))
             copies = max(2, min(48, (256 << 20) // nbytes_w))
-            ws = [GGMLTensor(random_blocks(qt, (n, k), gen, std=0.02), qt, (n, k)) for _ in range(copies)]
+            blocks = [GGMLTensor(random_blocks(qt, (n, k), gen, std=0.02), qt, (n, k)) for _ in range(copies)]
+            layouts = {False: blocks, True: [kernel_layout(w) for w in blocks] if qt == T.Q8_0 else blocks}
+            ws = layouts[True]  # the layout the model runs
             wd = ws[0].dequantize().double()
             if form == "grouped":  # 8 groups of [n / 8, k], one activation row each
                 g = 8
                 x = torch.randn(1, g, k, device=dev, generator=gen)
                 ref = torch.einsum("tgi,goi->tgo", x.double(), wd.view(g, n // g, k))
-                for label, cfg, int8 in variants(qt, n // g, k, g, extra):
-                    err = rel(quant_grouped_linear(x, ws[0], g, config=cfg, force="mv", int8=int8), ref)
+                for label, cfg, int8, split in variants(qt, n // g, k, g, extra):
+                    err = rel(quant_grouped_linear(x, layouts[split][0], g, config=cfg, force="mv", int8=int8), ref)
                     us, gbs = timed([lambda x=x, w=w, g=g, c=cfg, i8=int8:
-                                     quant_grouped_linear(x, w, g, config=c, force="mv", int8=i8) for w in ws],
+                                     quant_grouped_linear(x, w, g, config=c, force="mv", int8=i8)
+                                     for w in layouts[split]],
                                     nbytes_w + 4 * g * (k + n // g))
                     record(qtype=qt.name, what=what, m=1, kernel=f"grouped-mv {label}", config=cfg, us=us, gbs=gbs,
                            frac=gbs / copy_bw, err=err)
             else:
                 x = torch.randn(1, k, device=dev, generator=gen)
                 ref = x.double() @ wd.T
-                for label, cfg, int8 in variants(qt, n, k, 1, extra):
-                    err = rel(quant_linear(x, ws[0], config=cfg, force="mv", int8=int8), ref)
+                for label, cfg, int8, split in variants(qt, n, k, 1, extra):
+                    err = rel(quant_linear(x, layouts[split][0], config=cfg, force="mv", int8=int8), ref)
                     us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8: quant_linear(x, w, config=c, force="mv", int8=i8)
-                                     for w in ws], nbytes_w + 4 * (k + n))
+                                     for w in layouts[split]], nbytes_w + 4 * (k + n))
                     record(qtype=qt.name, what=what, m=1, kernel=f"matvec {label}", config=cfg, us=us, gbs=gbs,
                            frac=gbs / copy_bw, err=err)
                 # batch invariance: a row's result with 1, 3 and MATVEC_MAX_ROWS rows (matvec), and one more
@@ -974,7 +1027,7 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
                            else torch.randperm(n_exp, device=dev, generator=gen)[:6].view(1, 6) for _ in range(16)]
                 ref = torch.stack([x[j if down else 0].double() @ experts[int(e)].dequantize().double().T
                                    for j, e in enumerate(id_sets[0].view(-1).tolist())])
-                for label, cfg, int8 in variants(qt, n, k, 6, extra):
+                for label, cfg, int8, _split in variants(qt, n, k, 6, extra):
                     err = rel(quant_matmul_routed(x, experts, id_sets[0], config=cfg, int8=int8).view(6, n), ref)
                     us, gbs = timed([lambda x=x, e=experts, i=i, c=cfg, i8=int8:
                                      quant_matmul_routed(x, e, i, config=c, int8=i8) for i in id_sets],
@@ -993,7 +1046,7 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
                         record(qtype=qt.name, what=what + " x6 routed", m=t, kernel=force, config=None, us=us,
                                gbs=gbs, frac=gbs / copy_bw, err=err)
                 del experts
-            del ws
+            del ws, blocks, layouts
             torch.cuda.empty_cache()
         except Exception as exc:  # keep measuring the other cases
             log(f"{qt.name} {what}: ERROR {type(exc).__name__}: {exc}"[:400])

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ds4x.config import ModelConfig
-from ds4x.kernels.linear import embedding, linear, rowwise_products
+from ds4x.kernels.linear import embedding, kernel_form, linear, rowwise_products
 from ds4x.model.attention import Segment, attention
 from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
@@ -22,6 +22,8 @@ class Transformer:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         self.cfg, self.w, self.dtype = cfg, weights, dtype
+        for name, w in weights.items():  # one weight at a time, so a re-laid copy never doubles the model
+            weights[name] = kernel_form(w)
         # one product for projections of the same input (model/projections.py); the forward reads both dicts
         stacked = stack_shared_inputs(weights, cfg)  # replaces the separate entries by views first
         self.w_forward = {**weights, **stacked}

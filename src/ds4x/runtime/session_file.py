@@ -62,12 +62,29 @@ def _weight_type(w: torch.Tensor | GGMLTensor) -> str:
 
 
 def _content_sample(w: torch.Tensor | GGMLTensor) -> bytes:
-    """A few hundred elements from the start, middle and end of a weight's stored data."""
-    t = (w.raw if isinstance(w, GGMLTensor) else w).detach()
-    # a contiguous tensor flattens as a view; otherwise sample its first row (no full copy)
-    flat = t.reshape(-1) if t.is_contiguous() else t[(0,) * (t.dim() - 1)]
-    n, k = flat.numel(), _SAMPLE_ELEMS
-    picked = torch.cat([flat[:k], flat[max(0, n // 2 - k // 2):][:k], flat[max(0, n - k):]])
+    """A few hundred elements from the start, middle and end of a weight's stored data (GGML weights: the
+    file's bytes, whatever layout the kernels hold them in)."""
+    k = _SAMPLE_ELEMS
+    if isinstance(w, GGMLTensor):
+        rows, rb = w.raw.reshape(-1, w.row_bytes), w.row_bytes
+
+        def span(lo: int, hi: int) -> torch.Tensor:  # converts only the rows holding bytes lo..hi
+            r0, r1 = lo // rb, -(-hi // rb)
+            part = GGMLTensor(rows[r0:r1], w.qtype, (r1 - r0, w.shape[-1]), w.layout).blocks().raw.reshape(-1)
+            return part[lo - r0 * rb : hi - r0 * rb]
+
+        n = rows.numel()
+    else:
+        t = w.detach()
+        # a contiguous tensor flattens as a view; otherwise sample its first row (no full copy)
+        flat = t.reshape(-1) if t.is_contiguous() else t[(0,) * (t.dim() - 1)]
+        n = flat.numel()
+
+        def span(lo: int, hi: int) -> torch.Tensor:
+            return flat[lo:hi]
+
+    mid = max(0, n // 2 - k // 2)
+    picked = torch.cat([span(0, min(n, k)), span(mid, min(n, mid + k)), span(max(0, n - k), n)])
     return picked.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 

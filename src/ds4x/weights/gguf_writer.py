@@ -571,7 +571,7 @@ def tensor_plan(
                 raise GGUFError(f"tensor '{c}' has shape {list(t.shape)}, expected {list(shape)}")
             if isinstance(t, GGMLTensor):
                 if t.qtype == qt:
-                    return t.raw.cpu()
+                    return t.blocks().raw.cpu()
                 t = t.dequantize()
             if synthetic and qt in (T.Q2_K, T.Q4_K, T.IQ2_XXS):
                 return random_blocks(qt, shape, g, std=max(float(t.float().std()), 1e-6))
