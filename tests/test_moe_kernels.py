@@ -50,6 +50,8 @@ def test_swiglu_matches_reference(interp, monkeypatch):
     monkeypatch.setattr(moe, "use_triton", lambda device: False)
     want = moe.swiglu(gate, up, 10.0)
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    both = torch.cat((gate, up), dim=-1).view(12, 1400)  # the halves of one stacked product: strided rows
+    assert torch.equal(fused.swiglu_fused(both[:, :700], both[:, 700:], 10.0), got.view(12, 700))
 
 
 def test_combine_matches_reference(interp, monkeypatch):

@@ -63,12 +63,14 @@ if HAVE_TRITON:
         tl.store(weights_out + t * K + k, w.to(weights_out.dtype.element_ty), mask=km)
 
     @triton.jit
-    def _swiglu_kernel(gate, up, out, n, limit, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        g = tl.minimum(tl.load(gate + i, mask=m, other=0.0).to(tl.float32), limit)
-        u = tl.minimum(tl.maximum(tl.load(up + i, mask=m, other=0.0).to(tl.float32), -limit), limit)
-        tl.store(out + i, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=m)
+    def _swiglu_kernel(gate, up, out, width, stride_g, stride_u, limit, BLOCK: tl.constexpr):
+        # program (row, column block); gate and up rows may be strided (the halves of one stacked product)
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = i < width
+        g = tl.minimum(tl.load(gate + r * stride_g + i, mask=m, other=0.0).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(tl.load(up + r * stride_u + i, mask=m, other=0.0).to(tl.float32), -limit), limit)
+        tl.store(out + r * width + i, (g / (1.0 + tl.exp(-g)) * u).to(out.dtype.element_ty), mask=m)
 
 
     @triton.jit
@@ -111,13 +113,16 @@ def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.T
 
 
 def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in one launch (gate's dtype)."""
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        block = 1024
-        _kernels()._swiglu_kernel[(triton.cdiv(n, block),)](g, u, out, n, float(limit), BLOCK=block)
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in one launch (gate's dtype). Rows of gate and up may
+    be strided views (the two halves of one stacked product) without a copy."""
+    width = gate.shape[-1]
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    g, u = g.reshape(-1, width), u.reshape(-1, width)  # views unless the leading dims are not uniform
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        block = min(1024, triton.next_power_of_2(width))
+        _kernels()._swiglu_kernel[(g.shape[0], triton.cdiv(width, block))](
+            g, u, out, width, g.stride(0), u.stride(0), float(limit), BLOCK=block)
     return out
 
 

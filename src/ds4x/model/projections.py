@@ -23,6 +23,7 @@ SHARED_INPUT_GROUPS = (
     ("attn.wq_a.weight", "attn.wkv.weight"),
     ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
     ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight"),
+    ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
 )
 
 
@@ -35,9 +36,9 @@ def _stack_rows(weights: Sequence[Weight]) -> Weight | None:
     first = weights[0]
     if any(w.ndim != 2 or w.shape[1] != first.shape[1] or w.device != first.device for w in weights):
         return None
-    if all(isinstance(w, GGMLTensor) and w.qtype == first.qtype for w in weights):
+    if all(isinstance(w, GGMLTensor) and (w.qtype, w.layout) == (first.qtype, first.layout) for w in weights):
         raw = torch.cat([w.raw for w in weights])  # type: ignore[union-attr]
-        return GGMLTensor(raw, first.qtype, (raw.shape[0], first.shape[1]))
+        return GGMLTensor(raw, first.qtype, (raw.shape[0], first.shape[1]), first.layout)
     if all(isinstance(w, torch.Tensor) and w.dtype == first.dtype for w in weights):
         return torch.cat(list(weights))  # type: ignore[arg-type]
     return None
