@@ -3,6 +3,7 @@
 import torch
 
 from ds4x.config import tiny_config
+from ds4x.model.moe import experts_by_slot
 from ds4x.model.projections import SHARED_INPUT_GROUPS, project, stack_shared_inputs, stacked_name
 from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
@@ -20,8 +21,15 @@ def test_stacked_projections_match_separate_products_and_share_memory():
             key = stacked_name(names)
             if key not in stacked:
                 continue
-            parts = project(x, {**w, **stacked}, names)
-            want = project(x, separate, names)  # no stacked entry: one product per weight
+            if stacked[key].ndim == 3:  # routed experts stacked by expert: gate and up in one routed product
+                ids = torch.tensor([[0, 3], [2, 1], [3, 3]])
+                e1, e3 = (separate[n] for n in names)
+                e2 = separate[f"layers.{i}.ffn.experts.w2"]
+                parts = experts_by_slot(x, e1, e3, e2, ids, 10.0, stacked[key])
+                want = experts_by_slot(x, e1, e3, e2, ids, 10.0)
+            else:
+                parts = project(x, {**w, **stacked}, names)
+                want = project(x, separate, names)  # no stacked entry: one product per weight
             for got, ref in zip(parts, want, strict=True):
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
             raw = stacked[key].raw if hasattr(stacked[key], "raw") else stacked[key]

@@ -677,15 +677,17 @@ def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None)
 def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
     """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
     row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
-    on how many rows share the call. At least ~512 programs when the shape allows, each thread holding about
-    8 (unit, row) pairs per step so that many loads are in flight."""
+    on how many rows share the call. 2-bit types: 8 rows per thread. Others: at least ~1,024 programs when the
+    shape allows (H200, Q8_0 split rows, 1 row: wo_b 8192->4096 57.7% of copy bandwidth at R = 4 against 49.1% at
+    8; wq_a 4096->1024 23.1% at R = 2 against 14.8% at 8), each thread holding about 8 (unit, row) pairs per
+    step so that many loads are in flight."""
     unit = _TYPES[qtype][4]
     units = k // unit
     if unit >= 32:  # 2-bit types: many rows per thread amortize the activation decode (or quantization)
         r = 8
         u = _fit_units(units, 128)
     else:
-        r = next((r for r in (8, 4) if -(-n // r) * slots >= 512), 2)
+        r = next((r for r in (8, 4) if -(-n // r) * slots >= 1024), 2)
         u = _fit_units(units, 1024 // r)
     return r, u, max(1, min(4, u // 32))
 

@@ -16,7 +16,7 @@ from ds4x.kernels.linear import (
     rowwise_enabled,
 )
 from ds4x.model.activations import sigmoid, silu, softplus
-from ds4x.model.projections import project
+from ds4x.model.projections import project, stacked_name
 
 
 def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -67,12 +67,18 @@ def experts_by_expert(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: 
 
 
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
-                    limit: float) -> torch.Tensor:
+                    limit: float, w13: Weight | None = None) -> torch.Tensor:
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
     projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
-    dense weights (the quantized kernel groups the pairs by expert)."""
+    dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
+    ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots."""
     t, k = ids.shape
-    h = swiglu(routed_linear(x, w1, ids), routed_linear(x, w3, ids), limit)  # [T, k, I]
+    if w13 is not None:
+        gu = routed_linear(x, w13, torch.cat((ids, ids + w1.shape[0]), dim=1))  # [T, 2k, I]
+        gate, up = gu[:, :k], gu[:, k:]
+    else:
+        gate, up = routed_linear(x, w1, ids), routed_linear(x, w3, ids)
+    h = swiglu(gate, up, limit)  # [T, k, I]
     return routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
 
 
@@ -98,5 +104,7 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     s = prefix + "shared_experts."
     shared = linear(swiglu(*project(x, w, (s + "w1.weight", s + "w3.weight")), cfg.swiglu_limit), w[s + "w2.weight"])
     if has_routed_kernel(w1) or (routes_without_sync(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS):
-        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit), weights, shared)
+        w13 = w.get(stacked_name((prefix + "experts.w1", prefix + "experts.w3")))
+        w13 = w13 if w13 is not None and has_routed_kernel(w13) else None
+        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13), weights, shared)
     return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared

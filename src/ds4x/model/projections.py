@@ -1,8 +1,9 @@
 """Projections that read the same input, stored as one weight: one product (one launch) instead of several.
 
-At load the weights of each group in ``SHARED_INPUT_GROUPS`` are stacked by output row into one tensor (dense
-weights of one dtype, or GGML blocks of one type: rows are independent, so stacking is a concatenation of
-their rows) and the separate entries become views of it, so memory does not grow. The stacked weights live
+At load the weights of each group in ``SHARED_INPUT_GROUPS`` are stacked along their first dimension into one
+tensor (dense weights of one dtype, or GGML blocks of one type and layout: output rows, or the routed experts of
+a ``[E, out, in]`` weight, are independent, so stacking is a concatenation) and the separate entries become
+views of it, so memory does not grow. The stacked weights live
 beside the canonical dict (under ``stacked_name``), so accounting over the canonical names counts each byte
 once. `project` multiplies once and splits the outputs; a group whose weights differ in storage stays
 separate products.
@@ -24,6 +25,7 @@ SHARED_INPUT_GROUPS = (
     ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight"),
     ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight"),
     ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
+    ("ffn.experts.w1", "ffn.experts.w3"),  # [2E, I, H]: gate and up of the chosen experts in one routed product
 )
 
 
@@ -32,13 +34,14 @@ def stacked_name(names: Sequence[str]) -> str:
 
 
 def _stack_rows(weights: Sequence[Weight]) -> Weight | None:
-    """The weights one after another by output row in one weight, or None when they cannot share storage."""
+    """The weights one after another along their first dimension (output rows, or experts) in one weight, or
+    None when they cannot share storage."""
     first = weights[0]
-    if any(w.ndim != 2 or w.shape[1] != first.shape[1] or w.device != first.device for w in weights):
+    if any(w.ndim not in (2, 3) or w.shape[1:] != first.shape[1:] or w.device != first.device for w in weights):
         return None
     if all(isinstance(w, GGMLTensor) and (w.qtype, w.layout) == (first.qtype, first.layout) for w in weights):
         raw = torch.cat([w.raw for w in weights])  # type: ignore[union-attr]
-        return GGMLTensor(raw, first.qtype, (raw.shape[0], first.shape[1]), first.layout)
+        return GGMLTensor(raw, first.qtype, (raw.shape[0], *first.shape[1:]), first.layout)
     if all(isinstance(w, torch.Tensor) and w.dtype == first.dtype for w in weights):
         return torch.cat(list(weights))  # type: ignore[arg-type]
     return None

@@ -103,12 +103,13 @@ class Engine:
                 cfg, weights = load_checkpoint(path, dtype=dt, device=dev)
                 if (path / "tokenizer.json").is_file():
                     tokenizer = HFTokenizer(path / "tokenizer.json", cfg.bos_token_id, cfg.eos_token_ids)
+        transformer = Transformer(cfg, weights, dt)  # the weights in the layouts their kernels read
         attn_kernel = quant_kernel_name(weights["layers.0.attn.wq_a.weight"])
         expert_kernel = quant_kernel_name(weights[f"layers.{cfg.num_layers - 1}.ffn.experts.w1"])
         log.info("model %s: %s layers (%s), device %s, dtype %s, resident weights %.2f GiB; matmuls: attention %s, "
                  "experts %s", model, cfg.num_layers, cfg.layer_summary(), dev, dtype,
                  weight_bytes(weights) / 2**30, attn_kernel, expert_kernel)
-        return cls(cfg=cfg, model=Transformer(cfg, weights, dt), tokenizer=tokenizer, name=model)
+        return cls(cfg=cfg, model=transformer, tokenizer=tokenizer, name=model)
 
     def new_session(self, ctx: int | None = None, cache: str = "native", prefill_chunk: int = 512,
                     prefill_mode: str = "default", announce: bool = True) -> Session:
