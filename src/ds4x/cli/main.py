@@ -36,7 +36,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per forward pass (default 512; with --load-session, the file's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--cache", default=None, choices=["packed", "native", "float"],
                    help="attention history: packed (official FP8/MXFP4 semantics stored in the DS4X rows, "
                         "default), native (same values unpacked, float32) or float (matches transformers); "
@@ -314,7 +315,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dec = (stats.generated - 1) / stats.decode_s if stats.decode_s and stats.generated > 1 else 0.0
         print(f"[ds4x] prompt {stats.prompt_tokens} tok in {stats.prefill_s:.2f}s ({pf:.1f} tok/s); "
               f"generated {stats.generated} tok ({dec:.1f} tok/s decode); stop: {stats.stop_reason}; "
-              f"cache {session.cache.mode}, device {engine.model.device}, dtype {args.dtype}", file=sys.stderr)
+              f"cache {session.cache.mode}, device {engine.model.device}, "
+              f"dtype {str(engine.model.dtype).removeprefix('torch.')}", file=sys.stderr)
     return 0
 
 

@@ -60,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cache", default="packed", choices=["packed", "native", "float"],
                    help="attention history of the sessions (default packed)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the -m argument)")
     p.add_argument("--max-batch", type=_positive, default=32, help="most requests decoding together (default 32)")

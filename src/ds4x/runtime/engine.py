@@ -57,10 +57,13 @@ class Engine:
              seed: int = 0) -> Engine:
         """``default`` (the embedded trained model), a preset name (synthetic weights from ``seed``),
         ``PRESET:POLICY`` (a synthetic model in a GGUF type mix, e.g. ``flash:q2``, generated on the device),
-        a checkpoint directory or a .gguf file."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dev, dt = resolve_device(device), DTYPES[dtype]
+        a checkpoint directory or a .gguf file. ``dtype`` "auto": bfloat16 on CUDA, float32 elsewhere."""
+        if dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        dev = resolve_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        dt = DTYPES[dtype]
         tokenizer: Tokenizer | None
         if model == DEFAULT_MODEL:
             from ds4x.assets import default_model_path
