@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, _iq2xxs_sign_masks, quantized_nbytes
+from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
@@ -425,11 +425,24 @@ if HAVE_TRITON:
         return _h2f(dd) * a - _h2f(dd >> 16) * b
 
     @triton.jit
-    def _mv_iq2_xxs(rowp, c, xp, gridp, signp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+    def _levels(sel, INTERPRET: tl.constexpr):
+        # the magnitudes (8, 25, 43)[l] of the 4 level indices l in sel's low nibbles, as the 4 bytes of a word:
+        # one byte permute on the GPU (prmt picks byte l of 0x002B1908 for each selector nibble)
+        if INTERPRET:
+            out = tl.zeros_like(sel)
+            for i in tl.static_range(4):
+                out |= ((2824456 >> (8 * ((sel >> (4 * i)) & 3))) & 255) << (8 * i)
+        else:
+            out = tl.inline_asm_elementwise("{ .reg .b32 t; mov.b32 t, 2824456; prmt.b32 $0, t, t, $1; }", "=r,r",
+                                            [sel], dtype=tl.int32, is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _mv_iq2_xxs(rowp, c, xp, gridp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
         # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads).
-        # gridp: int64 [256], grid entry g's 8 magnitudes as bytes; signp: int64 [128], sign index s's mask
-        # (byte j = 0xFF where weight j is negative, the 8th sign being the parity of the 7 stored ones)
+        # gridp: int32 [256], grid entry g's 8 level indices as nibbles (a 1 KB table: the one gather per 8
+        # weights touches few L1 lines); the 8th sign is the parity of the 7 stored ones
         bp = rowp + (c // 8) * 66
         gp = bp + 2 + 8 * (c % 8)
         g01 = _ld16(gp)
@@ -450,14 +463,18 @@ if HAVE_TRITON:
                     gi = (g01 >> (8 * e)) & 255
                 else:
                     gi = (g23 >> (8 * e)) & 255
-                mag = tl.load(gridp + gi)
-                m_lo = mag.to(tl.int32)
-                m_hi = (mag >> 32).to(tl.int32)
-                msk = tl.load(signp + ((aux >> (7 * j)) & 127))
-                s_lo = msk.to(tl.int32)
-                s_hi = (msk >> 32).to(tl.int32)
+                sel = tl.load(gridp + gi)
+                m_lo = _levels(sel, INTERPRET)
+                m_hi = _levels(sel >> 16, INTERPRET)
+                s7 = (aux >> (7 * j)) & 127
+                p = s7 ^ (s7 >> 4)
+                p = p ^ (p >> 2)
+                s8 = s7 | (((p ^ (p >> 1)) & 1) << 7)  # bit v: weight 8 j + v is negative
                 if ACT8:
-                    # sum(sign * mag * x) = sum(mag * x) - 2 sum over the negative weights of mag * x
+                    # sum(sign * mag * x) = sum(mag * x) - 2 sum over the negative weights of mag * x; the byte
+                    # masks spread 4 sign bits to bytes (bit i -> bit 8 i) and widen them to 0xFF
+                    s_lo = (((s8 & 15) * 0x00204081) & 0x01010101) * 255
+                    s_hi = (((s8 >> 4) * 0x00204081) & 0x01010101) * 255
                     if e == 0:
                         xa, xb = x0, x1
                     else:
@@ -467,13 +484,13 @@ if HAVE_TRITON:
                 else:
                     for w in tl.static_range(2):
                         if w == 0:
-                            mw, sw = m_lo, s_lo
+                            mw = m_lo
                         else:
-                            mw, sw = m_hi, s_hi
+                            mw = m_hi
                         x0, x1, x2, x3 = _x4(xp, c * 32 + 8 * j + 4 * w)
                         for v in tl.static_range(4):
                             mag_v = _magic((mw >> (8 * v)) & 255, 0.0)
-                            signed = tl.where(((sw >> (8 * v)) & 1) != 0, -mag_v, mag_v)
+                            signed = tl.where(((s8 >> (4 * w + v)) & 1) != 0, -mag_v, mag_v)
                             if v == 0:
                                 s += signed * x0
                             elif v == 1:
@@ -489,7 +506,7 @@ if HAVE_TRITON:
         return db * out
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, signp, kb,
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, kb,
                  INTERPRET: tl.constexpr):
         # kb: bytes of codes per row (the split Q8_0 layout's scale offset)
         if QTYPE == 8 or QTYPE == 9:
@@ -499,11 +516,11 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
-            out = _mv_iq2_xxs(rowp, c, xp, gridp, signp, ACT8, INTERPRET)
+            out = _mv_iq2_xxs(rowp, c, xp, gridp, ACT8, INTERPRET)
         return out
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, sign_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
                     stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
                     ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -521,12 +538,12 @@ if HAVE_TRITON:
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, kb,
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
                                   INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, sign_ptr, kb,
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
                                   INTERPRET)
         y = tl.sum(acc, axis=0)
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -640,10 +657,12 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def _sign_bytes(device: torch.device) -> torch.Tensor:
-    """IQ2_XXS sign masks as int64 [128]: for 7-bit sign index s, byte j = 0xFF where weight j is negative."""
-    bits = (_iq2xxs_sign_masks().view(128, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    return (bits * 255).to(torch.uint8).contiguous().view(torch.int64).reshape(-1).to(device)
+def _grid_levels(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS grid for the matvec as int32 [256]: entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2),
+    weight j in nibble j."""
+    mags = _iq2xxs_grid_cpu()  # (256, 8)
+    levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
+    return (levels << (4 * torch.arange(8))).sum(dim=1).to(torch.int32).to(device)
 
 
 @lru_cache(maxsize=64)
@@ -725,7 +744,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         n_units = k // unit
         mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
-            x2, wr, grid_t, _sign_bytes(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
+            x2, wr, _grid_levels(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
             expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
             num_warps=nw)
