@@ -1039,22 +1039,24 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
                         err = rel(quant_linear(xm, ws[0], force=force), xm.double() @ wd.T)
                         record(qtype=qt.name, what=what, m=m, kernel=force, config=cfg, us=us, gbs=gbs,
                                frac=gbs / copy_bw, err=err)
-            if form == "expert":  # 6 routed experts in one launch
-                n_exp = 256
-                experts = GGMLTensor(random_blocks(qt, (n_exp, n, k), gen, std=0.02), qt, (n_exp, n, k))
+            if form == "expert":  # 6 routed experts in one launch (gate: also 12 = gate and up stacked by expert)
                 down = what.startswith("expert down")
-                x = torch.randn(6 if down else 1, k, device=dev, generator=gen)
-                id_sets = [torch.randperm(n_exp, device=dev, generator=gen)[:6].view(6, 1) if down
-                           else torch.randperm(n_exp, device=dev, generator=gen)[:6].view(1, 6) for _ in range(16)]
-                ref = torch.stack([x[j if down else 0].double() @ experts[int(e)].dequantize().double().T
-                                   for j, e in enumerate(id_sets[0].view(-1).tolist())])
-                for label, cfg, int8, _split in variants(qt, n, k, 6, extra):
-                    err = rel(quant_matmul_routed(x, experts, id_sets[0], config=cfg, int8=int8).view(6, n), ref)
-                    us, gbs = timed([lambda x=x, e=experts, i=i, c=cfg, i8=int8:
-                                     quant_matmul_routed(x, e, i, config=c, int8=i8) for i in id_sets],
-                                    6 * nbytes_w + 4 * (x.numel() + 6 * n))
-                    record(qtype=qt.name, what=what + " x6 routed", m=1, kernel=f"routed-mv {label}", config=cfg,
-                           us=us, gbs=gbs, frac=gbs / copy_bw, err=err)
+                for slots in (6,) if down else (6, 12):
+                    n_exp = 256 * slots // 6
+                    experts = GGMLTensor(random_blocks(qt, (n_exp, n, k), gen, std=0.02), qt, (n_exp, n, k))
+                    x = torch.randn(slots if down else 1, k, device=dev, generator=gen)
+                    id_sets = [torch.randperm(n_exp, device=dev, generator=gen)[:slots].view(-1, 1) if down
+                               else torch.randperm(n_exp, device=dev, generator=gen)[:slots].view(1, -1)
+                               for _ in range(16)]
+                    ref = torch.stack([x[j if down else 0].double() @ experts[int(e)].dequantize().double().T
+                                       for j, e in enumerate(id_sets[0].view(-1).tolist())])
+                    for label, cfg, int8, _split in variants(qt, n, k, slots, extra):
+                        y = quant_matmul_routed(x, experts, id_sets[0], config=cfg, int8=int8).view(slots, n)
+                        us, gbs = timed([lambda x=x, e=experts, i=i, c=cfg, i8=int8:
+                                         quant_matmul_routed(x, e, i, config=c, int8=i8) for i in id_sets],
+                                        slots * nbytes_w + 4 * (x.numel() + slots * n))
+                        record(qtype=qt.name, what=f"{what} x{slots} routed", m=1, kernel=f"routed-mv {label}",
+                               config=cfg, us=us, gbs=gbs, frac=gbs / copy_bw, err=rel(y, ref))
                 for t in _BENCH_ROWS.get((qt, what), ()):  # t tokens, 6 experts each
                     xt = torch.randn(t, k, device=dev, generator=gen)
                     ids_t = [torch.randint(0, n_exp, (t, 6), device=dev, generator=gen) for _ in range(8)]
