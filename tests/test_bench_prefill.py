@@ -36,7 +36,7 @@ def test_kernel_groups():
     assert kernel_group("_qmv_kernel") == "quantized matmul (GGML blocks)"
     assert kernel_group("partial_kernel") == kernel_group("prefill_kernel") == "attention"
     assert kernel_group("_hc_pre_kernel") == "mHC pre / post" and kernel_group("_emit_kernel") == "compressor emit"
-    assert kernel_group("_indexer_scores_kernel") == "indexer scoring"
+    assert kernel_group("_indexer_scores_kernel") == kernel_group("score_kernel") == "indexer scoring"
     assert kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == OTHER
     assert kernel_group("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense matmul (torch)"
     text = format_profile([{"group": "attention", "us": 30.0, "kernels": 2, "bytes": 3e6,

@@ -14,7 +14,7 @@ import torch
 # (group, substrings of kernel names) in match order; the first match wins
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quantized matmul (GGML blocks)", ("_qmv_kernel", "_qmm_kernel", "qmv", "qmm")),
-    ("indexer scoring", ("indexer",)),
+    ("indexer scoring", ("indexer", "score_kernel")),
     ("top-k selection", ("topk", "select", "sort", "radix")),
     ("attention", ("attention", "attn", "combine", "flash", "partial_kernel", "prefill_kernel")),
     ("mHC pre / post", ("_hc_",)),
