@@ -34,7 +34,9 @@ def test_rows_carry_the_floor_and_flags():
 
 def test_kernel_groups():
     assert kernel_group("_qmv_kernel") == "quantized matmul (GGML blocks)"
-    assert kernel_group("partial_kernel") == kernel_group("prefill_kernel") == "attention"
+    for name in ("partial_kernel", "prefill_kernel", "combine_kernel"):
+        assert kernel_group(name) == "attention"
+    assert kernel_group("_moe_combine_kernel") == "MoE routing / SwiGLU / combine"
     assert kernel_group("_hc_pre_kernel") == "mHC pre / post" and kernel_group("_emit_kernel") == "compressor emit"
     assert kernel_group("_indexer_scores_kernel") == kernel_group("score_kernel") == "indexer scoring"
     assert kernel_group("void at::native::vectorized_elementwise_kernel<4, ...>") == OTHER

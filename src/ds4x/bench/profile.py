@@ -16,6 +16,7 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("quantized matmul (GGML blocks)", ("_qmv_kernel", "_qmm_kernel", "qmv", "qmm")),
     ("indexer scoring", ("indexer", "score_kernel")),
     ("top-k selection", ("topk", "select", "sort", "radix")),
+    ("MoE routing / SwiGLU / combine", ("_route_kernel", "_swiglu", "_moe_")),
     ("attention", ("attention", "attn", "combine", "flash", "partial_kernel", "prefill_kernel")),
     ("mHC pre / post", ("_hc_",)),
     ("compressor emit", ("_emit_kernel",)),

@@ -74,7 +74,7 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _moe_combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = n < N
@@ -133,6 +133,6 @@ def combine_fused(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) 
     out = torch.empty_like(shared, memory_format=torch.contiguous_format)
     if t:
         block = 1024
-        _kernels()._combine_kernel[(t, triton.cdiv(n, block))](y.contiguous(), weights.contiguous(),
+        _kernels()._moe_combine_kernel[(t, triton.cdiv(n, block))](y.contiguous(), weights.contiguous(),
                                                                shared.contiguous(), out, N=n, K=k, BLOCK=block)
     return out
