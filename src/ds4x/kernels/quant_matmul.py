@@ -45,23 +45,20 @@ The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors fo
 private copy of itself for the mode it was not imported under.
 
 Speed (``python -m ds4x.kernels.quant_matmul [out.json [deadline_s]]``: parity and timing of every
-case; H200, 2026-12-01, copy bandwidth 4222 GB/s, random valid blocks, CUDA-graph replay over weight
-copies; benchmarks/quant_matmul_h200.json). 1 activation row, share of copy bandwidth:
-Q8_0 wq_b 1024->32768 41.6%, wo_a grouped 40.0%, wo_b 8192->4096 39.1%, wq_a 4096->1024 13.5%
-(4.5 MB: 7.8 us, launch and ramp dominate); IQ2_XXS expert gate 4096->2048: 6 routed experts in one
-launch 12.3% int8 / 11.4% float (25.1 / 27.2 us), one expert 5.6% / 6.7%; Q2_K expert down
-2048->4096: 6 experts 25.4% int8 / 17.6% float, one expert 8.6% / 6.2%; Q4_K 9.7%. The targets
-(60% Q8_0, 50% for the 2-bit types) are not reached. One expert is 2.2-2.8 MB, about 0.6 us of
-reading: its 7.7-10.6 us are launch, DRAM latency and the final reduction. IQ2_XXS is bound by its
-table gathers through L1 (one 8-byte grid gather and one sign-mask gather per 8 weights and row):
-the float and int8 paths, ~8 and ~3 instructions per weight in the sm_90 SASS, take about the same
-time; sign masks computed from the bits instead were 7% faster for 6 experts, 5% slower for one.
-Q8_0 runs ~6.5 instructions per weight, far under the issue limit, with no layout conversion in its
-loop; what holds it at ~40% is not established (no profiler run; an aligned 4-byte word stream
-instead of the 2-byte quarter-block loads was slower). With more rows the matvec re-reads W per row
-but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 28.7 / 48.4 / 85.2 / 158 us against
-230 / 236 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts for 8 tokens
-(int8): 156 us (the skinny kernel took 4.3 ms in an earlier run that day).
+case; H200, 2026-12-02, copy bandwidth ~4,220 GB/s, random valid blocks, CUDA-graph replay over weight
+copies; benchmarks/quant_matmul_h200.json and the ledger). 1 activation row, share of copy bandwidth:
+Q8_0 in split rows (what the model runs on CUDA; file blocks in brackets) wo_b 8192->4096 57.9% (49.5%), wo_a
+grouped 55.3% (48.7%), wq_b 1024->32768 48.6% (46.8%), wq_a 4096->1024 ~23% (4.5 MB: 4.4 us, launch and ramp
+dominate); IQ2_XXS expert gate 4096->2048: 6 routed experts 12.7% float / 13.9% int8 (24.4 / 22.2 us), 12 (gate
+and up stacked) 14.0% / 15.7%, one expert 8.1% / 8.8%; Q2_K expert down 2048->4096: 6 experts 29.6% int8 /
+19.6% float, one expert 15.2% / 9.2%; Q4_K 13.1%. The targets (60% Q8_0, 50% for the 2-bit types) are not
+reached. One expert is 2.2-2.8 MB, about 0.6 us of reading: its 4-7 us are launch, DRAM latency and the final
+reduction. IQ2_XXS reads its grid as 4-bit level indices from a 1 KB table (one byte permute per 4 weights)
+and derives the signs from the stored bits; the old 8-byte magnitude and sign-mask gathers from 3 KB of tables
+took 11% longer. Q8_0 runs ~6.5 instructions per weight with no layout conversion in its loop. With more rows
+the matvec re-reads W per row but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 23.4 / 39.1 /
+72.5 / 139 us against 234 / 233 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts
+for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
 """
 
 from __future__ import annotations
