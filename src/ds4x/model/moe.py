@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ds4x.config import ModelConfig
@@ -66,6 +68,12 @@ def experts_by_expert(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: 
     return out
 
 
+@lru_cache(maxsize=8)
+def _gate_up_offsets(n_experts: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 2, 1]: the expert offsets of the gate and up halves of w13 (cached: never rebuilt inside a CUDA graph)."""
+    return torch.tensor([0, n_experts], device=device, dtype=dtype).view(1, 2, 1)
+
+
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
                     limit: float, w13: Weight | None = None) -> torch.Tensor:
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
@@ -73,8 +81,9 @@ def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: to
     dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
     ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots."""
     t, k = ids.shape
-    if w13 is not None:
-        gu = routed_linear(x, w13, torch.cat((ids, ids + w1.shape[0]), dim=1))  # [T, 2k, I]
+    if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]: one broadcast add
+        both = (ids.unsqueeze(1) + _gate_up_offsets(w1.shape[0], ids.device, ids.dtype)).view(t, 2 * k)
+        gu = routed_linear(x, w13, both)  # [T, 2k, I]
         gate, up = gu[:, :k], gu[:, k:]
     else:
         gate, up = routed_linear(x, w1, ids), routed_linear(x, w3, ids)
