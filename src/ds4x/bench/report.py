@@ -70,20 +70,6 @@ def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
                          f"| {100 * r['floor_fraction']:.1f}% | {'-' if peak is None else f'{peak / 1e9:.1f}'} "
                          f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
         lines.append("")
-    soak = [r for r in rows if r.get("bench") == "soak"]
-    if soak:
-        lines += ["## Long decode: memory over one session (`ds4x bench soak`)", "",
-                  "Growth from the end of the first (warm-up) sampling interval to the end of the run.", "",
-                  "| date | commit | GPU | model | steps | context | ms/step first / last interval "
-                  "| device allocated growth MiB | reserved growth MiB | host RSS growth MiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in soak:
-            dev = [r.get(k) for k in ("device_allocated_growth_bytes", "device_reserved_growth_bytes")]
-            dev_cols = " | ".join("-" if v is None else f"{v / 2**20:+.1f}" for v in dev)
-            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['flags']['steps']:,} "
-                         f"| {r['context']:,} | {r['first_interval_decode_ms']:.2f} / {r['decode_ms']:.2f} "
-                         f"| {dev_cols} | {r['host_rss_growth_bytes'] / 2**20:+.1f} |")
-        lines.append("")
     kernels = [r for r in rows if r.get("bench") == "kernel"]
     if kernels:
         lines += ["## Kernel comparisons (one-off A/B runs, `do_bench` median; the command is in each row's flags)", "",

@@ -11,7 +11,7 @@ from pathlib import Path
 from ds4x import __version__
 from ds4x.bench import plot as bench_plot
 from ds4x.bench import serve_load as bench_serve
-from ds4x.cli import bench_prefill, bench_soak
+from ds4x.cli import bench_prefill
 from ds4x.cli import convert as convert_cmd
 from ds4x.cli import serve as serve_cmd
 from ds4x.config import ConfigError
@@ -90,7 +90,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--device", default="auto")
     bench_prefill.add_parser(kinds)
-    bench_soak.add_parser(kinds)
     bench_serve.add_parser(kinds)
     bench_plot.add_parser(kinds)
     r = kinds.add_parser("report", help="render docs/BENCHMARKS.md from the ledger")
@@ -115,8 +114,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "prefill":
         return bench_prefill.run(args)
-    if args.bench == "soak":
-        return bench_soak.run(args)
     if args.bench == "serve":
         return bench_serve.run(args)
     if args.bench == "plot":
