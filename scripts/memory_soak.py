@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=None, help="session context (default: prompt + steps + 8)")
     p.add_argument("--cache-mode", default="packed", choices=["packed", "native", "float"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--every", type=int, default=500, help="sample every N steps (default 500)")
     p.add_argument("--warmup", type=int, default=1000, help="steps before the growth is measured (default 1000)")
     p.add_argument("--prompt", default="def main():\n", help="prompt text (needs a tokenizer; else BOS/0)")
