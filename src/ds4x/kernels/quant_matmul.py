@@ -12,7 +12,7 @@ Two kernels:
   A unit is the run of weights one thread decodes at once, sized so that scales apply to in-thread
   sums (Q8_0: a quarter block, 8 weights; Q4_K: one code word, 8; Q2_K: 16 code bytes, 64;
   IQ2_XXS: one 32-weight group). Every tile keeps that one layout, so nothing goes through shared
-  memory until the final sum; weight loads are unmasked 2/4-byte loads (rows past N read row N - 1).
+  memory until the final sum; weight loads are unmasked 2/4/8-byte loads (rows past N read row N - 1).
 * ``_qmm_kernel`` (skinny matrix, up to ``DOT_MAX_ROWS`` rows): the decoded ``[BN, BK]`` tile goes
   through ``tl.dot`` against ``BM`` activation rows (in x's dtype; float32 activations use TF32 on
   GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
