@@ -19,7 +19,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                    help="prefill chunk (tokens per forward; default 4096, measured fastest on the H200)")
     p.add_argument("--prefill-mode", default="default", choices=["default", "exact", "reference"])
     p.add_argument("--cache", default="packed", choices=["float", "native", "packed"])
-    p.add_argument("--dtype", default=None, help="working dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="working dtype (default auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="synthetic weights seed")
     p.add_argument("--profile", action="store_true",
@@ -38,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if not contexts or any(c <= 0 for c in contexts):
         raise ValueError("--contexts must be positive integers")
     dev = resolve_device(args.device)
-    dtype = args.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    engine = Engine.load(args.model, device=str(dev), dtype=dtype, seed=args.seed)
+    engine = Engine.load(args.model, device=str(dev), dtype=args.dtype, seed=args.seed)
     synthetic = ":" in args.model
     label = f"synthetic {args.model}, seed {args.seed}" if synthetic else args.model
     bc = PrefillBenchConfig(contexts=contexts, decode=args.decode, chunk=args.chunk or PrefillBenchConfig.chunk,
