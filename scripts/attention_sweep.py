@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Decode attention blocking sweep at Flash shapes (CUDA): microseconds per call for each row source and
-(rows per program, heads per program, warps), one source plus the merge, replayed from a CUDA graph so that
-Python launch time is not measured. The figures behind ``ds4x.kernels.attention.ROWS_PER_PROGRAM``.
+"""Decode attention blocking sweep at Flash shapes (CUDA): microseconds per call for each layer type's row sources
+(the 128-row window, plus CSA's top-512 or HCA's closed rows) and (rows per block, heads per program, warps, most
+splits per source), the partial pass plus the merge replayed from a CUDA graph so that Python launch time is not
+measured. The figures behind ``ds4x.kernels.attention.DECODE_CONFIG``.
 
     PYTHONPATH=src python scripts/attention_sweep.py
-    PYTHONPATH=src python scripts/attention_sweep.py --configs 16,16,4 32,32,4
+    PYTHONPATH=src python scripts/attention_sweep.py --configs 16,16,4,64 16,32,8,32
 
-Configs with 64 heads per program are clamped to ``MAX_HEADS_PER_PROGRAM`` by the wrapper (they gave NaN or an
-illegal memory access with Triton 3.6).
+Heads per program are clamped to ``MAX_HEADS_PER_PROGRAM`` by the wrapper.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ def graph_us(fn, reps: int = 20) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="*", default=["16,16,4", "16,16,8", "32,16,4", "32,32,4", "64,16,4"],
-                   help="rows,heads,warps per program")
+    p.add_argument("--configs", nargs="*", default=["16,16,4,64", "16,16,8,64", "16,32,8,64", "32,16,8,64",
+                                                   "16,16,4,32", "16,16,4,128"],
+                   help="rows per block,heads per program,warps,most splits per source")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -61,22 +62,24 @@ def main() -> int:
 
     ring, rows = store(768), store(262_146)
     at_4k, at_1m = torch.tensor([4095], device=dev), torch.tensor([1_048_575], device=dev)
+    window = (ring, Slots(128, position=at_4k, ring=768))
+    window_1m = (ring, Slots(128, position=at_1m, ring=768))
     cases = {
-        "window 128": (ring, Slots(128, position=at_4k, ring=768)),
-        "CSA top-512 @4K": (rows, top512(1024)),
-        "CSA top-512 @1M": (rows, top512(262_144)),
-        "HCA 34 rows @4K": (rows, Slots(34, position=at_4k, ratio=128)),
-        "HCA 8194 rows @1M": (rows, Slots(8194, position=at_1m, ratio=128)),
+        "window 128": [window],
+        "CSA top-512 @4K": [window, (rows, top512(1024))],
+        "CSA top-512 @1M": [window_1m, (rows, top512(262_144))],
+        "HCA 34 rows @4K": [window, (rows, Slots(34, position=at_4k, ratio=128))],
+        "HCA 8194 rows @1M": [window_1m, (rows, Slots(8194, position=at_1m, ratio=128))],
     }
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
-    print(f"{'source':<18} {'rows,heads,warps':<17} {'us':>8} {'max rel diff':>13}")
-    for name, (data, slots) in cases.items():
-        ref = attention_decode_triton(q, [(data, slots)], sinks, dim**-0.5, nope, True, configs[0])
+    print(f"{'sources':<18} {'rows,heads,warps,splits':<24} {'us':>8} {'max rel diff':>13}")
+    for name, sources in cases.items():
+        ref = attention_decode_triton(q, sources, sinks, dim**-0.5, nope, True, configs[0])
         for cfg in configs:
-            def call(cfg=cfg, data=data, slots=slots):
-                return attention_decode_triton(q, [(data, slots)], sinks, dim**-0.5, nope, True, cfg)
+            def call(cfg=cfg, sources=sources):
+                return attention_decode_triton(q, sources, sinks, dim**-0.5, nope, True, cfg)
             diff = float((call() - ref).abs().max() / ref.abs().max())
-            print(f"{name:<18} {','.join(map(str, cfg)):<17} {graph_us(call):8.1f} {diff:13.1e}", flush=True)
+            print(f"{name:<18} {','.join(map(str, cfg)):<24} {graph_us(call):8.1f} {diff:13.1e}", flush=True)
     return 0
 
 

@@ -141,15 +141,16 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
     sinks = torch.randn(heads, generator=g).to(dev)
     window = torch.arange(250, 300, device=dev)
     picked = torch.tensor([5, 17, -1, 80, 3, -1, 199], device=dev)
-    out = attention_decode_triton(q, [(rows, window), (rows, picked)], sinks, dim**-0.5, dim - rope, True)
     plain = unpack_kv_rows(rows, rope_dim=rope)
-    out_f = attention_decode_triton(q, [(plain.contiguous(), window), (plain.contiguous(), picked)], sinks,
-                                    dim**-0.5, dim - rope, False)
     keys = plain[torch.cat([window, picked[picked >= 0]])]
     probs = torch.cat([q @ keys.T * dim**-0.5, sinks[:, None]], dim=1).softmax(-1)
     ref = probs[:, :-1] @ keys
-    assert torch.equal(out, out_f)
-    assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    for config in (None, (16, 16, 4, 1)):  # a split per block; one split per source (an online softmax over blocks)
+        out = attention_decode_triton(q, [(rows, window), (rows, picked)], sinks, dim**-0.5, dim - rope, True, config)
+        out_f = attention_decode_triton(q, [(plain.contiguous(), window), (plain.contiguous(), picked)], sinks,
+                                        dim**-0.5, dim - rope, False, config)
+        assert torch.equal(out, out_f)
+        assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("position", [3, 40, 299])
@@ -167,7 +168,7 @@ def test_attention_slots_from_the_position_match_explicit_indices(position):
     window, comp = Slots(24, position=pos, ring=48), Slots(40, position=pos, ratio=8)
     assert window.explicit().tolist() == [p % 48 if p >= 0 else -1 for p in range(position - 23, position + 1)]
     assert comp.explicit().tolist() == [j if j < (position + 1) // 8 else -1 for j in range(40)]
-    for config in (None, (16, 16, 4)):
+    for config in (None, (16, 16, 4, 1)):  # one split per source: the blocks run in one program
         out = attention_decode_triton(q, [(rows, window), (rows, comp)], sinks, 128**-0.5, 64, True, config)
         ref = attention_decode_triton(q, [(rows, window.explicit()), (rows, comp.explicit())], sinks, 128**-0.5, 64,
                                       True, config)

@@ -2,11 +2,11 @@
 
 The rows come from the cache's stores: packed KV rows (E4M3 non-RoPE values with a UE8M0 scale per 64,
 FP16 RoPE values) are decoded tile by tile in registers, unpacked native rows are read as float32; no
-float copy of the history is made. Flash-decoding: one program per block of rows (and group of heads), one
-launch per row source (`ds4x.kernels.triton_attention`), then one merge of the blocks' softmax states with
-the per-head sink. A source names its rows by `Slots`: an explicit index tensor, or (so that a decode step
-needs no index arithmetic of its own) the sliding window of a ring or the closed compressed rows, both
-derived inside the kernel from the query's position on the device.
+float copy of the history is made. Flash-decoding: one launch over the (one or two) row sources, a program per
+split of consecutive row blocks and group of heads (`ds4x.kernels.triton_attention`), then one merge of the
+splits' softmax states with the per-head sink. A source names its rows by `Slots`: an explicit index tensor,
+or (so that a decode step needs no index arithmetic of its own) the sliding window of a ring or the closed
+compressed rows, both derived inside the kernel from the query's position on the device.
 The torch reference is the model's attention path (`ds4x.model.attention`).
 """
 
@@ -51,30 +51,26 @@ class Slots:
         return torch.where(j < (self.position + 1) // self.ratio, j, -1)
 
 
-# Measured (H200, Flash shapes, 2026-12-01, scripts/attention_sweep.py): a program's time grows with its rows
-# (128-row window, one source + combine replayed from a CUDA graph: 16 rows x 16 heads per program 16.6 us,
-# 32 x 16 30.1 us, 32 x 32 30.3 us), and 16-row blocks also won for HCA at long context over 64-row ones (full
-# q2 model, graph-replayed step: 128K 15.32 against 16.74 ms, 1M 19.02 against 22.58 ms), the extra partial
-# states to merge notwithstanding. 64 heads per program gave NaN (16 rows) and an illegal memory access (32 rows)
-# with Triton 3.6, so a program takes at most 32 heads.
-ROWS_PER_PROGRAM = 16
-HEADS_PER_PROGRAM = 16
+# Decode blocking: (rows per block, heads per program, warps, most splits per source). A program runs its split's
+# blocks one after another with the next block's loads in flight; long sources (HCA at 1M: 8,194 rows) are cut
+# into at most that many splits, so the merge reads few partial states. 64 heads per program gave NaN or an
+# illegal memory access with Triton 3.6 (the earlier kernel, 2026-12-01), so a program takes at most 32 heads.
+DECODE_CONFIG = (16, 16, 8, 64)
 MAX_HEADS_PER_PROGRAM = 32
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
-                            config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """q [H, D] float32; sources: (store data, its `Slots` or an explicit index tensor [n] with -1 = skip) ->
-    out [H, D] float32.
+                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q [H, D] float32; sources (one or two): (store data, its `Slots` or an explicit index tensor [n] with
+    -1 = skip) -> out [H, D] float32.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
     give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
-    ``config``: (rows per program, heads per program, warps) instead of ``ROWS_PER_PROGRAM``,
-    ``HEADS_PER_PROGRAM`` and 4 warps (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest
-    tensor-core tile). Packed and native rows run the same kernel with the same blocks, so they agree bit for bit
-    at any setting.
+    ``config``: (rows per block, heads per program, warps, most splits per source) instead of ``DECODE_CONFIG``
+    (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile). Packed and native
+    rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 
@@ -82,6 +78,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if D % 64 or D > 512 or D - nope != 64:
         raise ValueError(f"the decode kernel handles rows of <= 512 values in 64-value chunks with 64 RoPE dims; "
                          f"got {D} values, {nope} non-RoPE")
+    if len(sources) not in (1, 2):
+        raise ValueError(f"the decode kernel takes one or two row sources per call, got {len(sources)}")
     rows_of = [rows for rows, _ in sources]
     slots = [s if isinstance(s, Slots) else Slots(int(s.numel()), index=s) for _, s in sources]
     if not packed:
@@ -96,22 +94,30 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             rows_of[i] = pack(rows_of[i][idx.clamp(min=0)], validate=False, rope_dim=D - nope)
             slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
     hp = max(16, 1 << (H - 1).bit_length())
-    block, hb, warps = config if config is not None else (ROWS_PER_PROGRAM, HEADS_PER_PROGRAM, 4)
+    block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
     hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
-    row_blocks = [max(1, -(-s.n // block)) for s in slots]
-    n_split = sum(row_blocks)
+    per_split, splits = [], []
+    for s in slots:
+        n_blocks = max(1, -(-s.n // block))
+        per_split.append(-(-n_blocks // max_splits))
+        splits.append(-(-n_blocks // per_split[-1]))
+    if len(slots) == 1:  # source B repeats A and is never reached
+        rows_of, slots, per_split, splits = rows_of * 2, slots * 2, per_split * 2, [splits[0], 0]
+    n_split = sum(splits)
     m = torch.empty(n_split, hp, device=q.device)
     l = torch.empty(n_split, hp, device=q.device)
     acc = torch.empty(n_split, hp, D, device=q.device)
-    offset = 0
     qc = q.contiguous()
-    for rows, s, n_blocks in zip(rows_of, slots, row_blocks, strict=True):
+    args = []
+    for rows, s in zip(rows_of, slots, strict=True):
         pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
-        partial_kernel[(n_blocks, hp // hb)](qc, rows, s.index if s.index is not None else pos, pos, s.n,
-                                             s.ring or s.ratio or 1, rows.stride(0), m, l, acc, scale, offset,
-                                             H=H, HP=hp, HB=hb, D=D, NOPE=nope, BLOCK=block, SPLIT=q.is_cuda,
-                                             MODE=s.mode, num_warps=warps)
-        offset += n_blocks
+        args.append((rows, s.index if s.index is not None else pos, pos, s.n, s.ring or s.ratio or 1,
+                     rows.stride(0)))
+    (ra, ia, pa, na, ga, sa), (rb, ib, pb, nb, gb, sb) = args
+    partial_kernel[(n_split, hp // hb)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb,
+                                        per_split[1], m, l, acc, scale, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
+                                        NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
+                                        MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
     out = torch.empty(H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
     combine_kernel[(H, D // 64)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4)

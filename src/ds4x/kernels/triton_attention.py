@@ -1,8 +1,9 @@
 """Triton kernels of the decode attention over stored rows (imported only when a Triton path runs).
 
-`partial_kernel`: one program per block of rows of one source (flash-decoding), all heads at once so each row
-is decoded once per pass. Rows are handled in 64-value chunks (one E4M3 scale block each, then the RoPE chunk); pass 1
-forms the logits, pass 2 decodes the chunks again for the weighted sum, so no tile outlives its chunk.
+`partial_kernel`: one launch per layer over its row sources (the sliding window, then the picked or closed
+compressed rows; flash-decoding): a program runs an online softmax for a group of heads over one split of
+consecutive blocks of rows, each row loaded and decoded once per program for both products, the next block's
+bytes in flight while the current one is multiplied.
 `combine_kernel` merges the blocks' softmax states with the per-head sink logit. `prefill_kernel`: many queries
 (a prefill chunk), one program per (query, group of heads) looping over that query's rows with an online softmax,
 each block of rows decoded whole to float32 once and used for both products.
@@ -19,14 +20,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _e4m3_scaled(b, sb):
-    """E4M3 codes ``b`` times UE8M0 scales ``sb`` (both int32 bytes) as float32, exactly: never through a float32
-    subnormal (compiled float multiplies may flush those to zero): normal codes by moving the exponent field
-    (+120), subnormal codes as mantissa x 2^-9; then an exact power-of-two product."""
-    e = (b >> 3) & 15
-    mag = tl.where(e == 0, ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True),
-                   ((b & 0x7F) << 20) + (120 << 23))
-    v = (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+def _e4m3_scaled(b, sb, HW: tl.constexpr = False):
+    """E4M3 codes ``b`` (bytes) times UE8M0 scales ``sb`` (int32) as float32, exactly: with HW by the GPU's E4M3 ->
+    FP16 conversion (sm_89+; exact), else never through a float32 subnormal (compiled float multiplies may flush
+    those to zero): normal codes by moving the exponent field (+120), subnormal codes as mantissa x 2^-9; then an
+    exact power-of-two product."""
+    if HW:
+        v = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = b.to(tl.int32)
+        e = (b >> 3) & 15
+        mag = tl.where(e == 0, ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True),
+                       ((b & 0x7F) << 20) + (120 << 23))
+        v = (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
     sc = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
     return v * tl.where(sb == 255, float("nan"), sc)
 
@@ -38,47 +44,49 @@ def _fp16_bytes(lo, hi):
 
 
 @triton.jit
-def _chunk(base, ok, c: tl.constexpr, NOPE: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
-    """Chunk ``c`` [BLOCK, 64] of the packed rows at ``base`` ([BLOCK, 1] pointers), 0 where not ``ok``: bf16
-    (non-RoPE) or fp16 (RoPE) with SPLIT, else float32."""
-    c64 = tl.arange(0, 64)
-    if c < NOPE // 64:
-        b = tl.load(base + c * 64 + c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        sb = tl.load(base + NOPE + 2 * (D - NOPE) + c, mask=ok[:, None], other=127).to(tl.int32)
-        out = _e4m3_scaled(b, sb)
-        if SPLIT:
-            out = out.to(tl.bfloat16)
-    else:  # the RoPE values
-        lo = tl.load(base + NOPE + 2 * c64[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        hi = tl.load(base + NOPE + 2 * c64[None, :] + 1, mask=ok[:, None], other=0).to(tl.int32)
-        out = _fp16_bytes(lo, hi)
-        if not SPLIT:
-            out = out.to(tl.float32)
-    return out
+def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: tl.constexpr):
+    """The stored row of each slot ``offs`` of a source (-1: none, or not ``live``), see kernels/attention.Slots:
+    modes 1 and 2 derive it from the query's position on the device, so the step needs no index tensors."""
+    if MODE == 0:  # explicit
+        idx = tl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1)
+    elif MODE == 1:  # sliding window over a ring of `ring` slots: slot j holds position pos - n + 1 + j
+        p = tl.load(pos_ptr) - (n - 1) + offs
+        idx = tl.where((p >= 0) & (offs < n) & live, p % ring, -1)
+    else:  # compressed rows whose window has closed: (pos + 1) // ring of them (ring = the compression ratio)
+        idx = tl.where((offs < tl.minimum((tl.load(pos_ptr) + 1) // ring, n)) & live, offs, -1)
+    return idx
 
 
 @triton.jit
-def _rows(base, ok, NOPE: tl.constexpr, D: tl.constexpr):
-    """Whole packed rows at ``base`` ([BLOCK, 1] pointers) as float32 [BLOCK, D], 0 where not ``ok``. (Building it
-    as [BLOCK, D / 64, 64] so that each byte is loaded once was slower on the H200: 18.6 against 11.1 ms for a
-    2,048-query CSA layer.)"""
-    col = tl.arange(0, D)[None, :]
-    nope = col < NOPE
-    rope = NOPE + 2 * (col - NOPE)  # byte offset of a RoPE value (masked off for the others)
-    b = tl.load(base + tl.where(nope, col, rope), mask=ok[:, None], other=0).to(tl.int32)
-    hi = tl.load(base + rope + 1, mask=ok[:, None] & ~nope, other=0).to(tl.int32)
-    sb = tl.load(base + NOPE + 2 * (D - NOPE) + col // 64, mask=ok[:, None] & nope, other=127).to(tl.int32)
-    return tl.where(nope, _e4m3_scaled(b, sb), _fp16_bytes(b, hi).to(tl.float32))
+def _packed_bytes(rows_ptr, idx, stride, NOPE: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
+    """The raw bytes of the rows ``idx`` [BLOCK] (-1: none, read as zeros), by 64-value chunk: E4M3 codes
+    [NC, BLOCK, 64] (NC: the NOPE / 64 chunks rounded up to a power of two, the extra ones 0) with their UE8M0
+    scales [NC, BLOCK, 1], and the RoPE FP16 bytes [BLOCK, 64], low and high."""
+    ok = idx >= 0
+    row = rows_ptr + tl.where(ok, idx, 0).to(tl.int64) * stride
+    chunk = tl.arange(0, NC)[:, None, None]
+    live = ok[None, :, None] & (chunk < NOPE // 64)
+    base = row[None, :, None] + chunk * 64
+    codes = tl.load(base + tl.arange(0, 64)[None, None, :], mask=live, other=0)
+    scales = tl.load(row[None, :, None] + NOPE + 2 * (D - NOPE) + chunk, mask=live, other=127)
+    r = row[:, None] + NOPE + 2 * tl.arange(0, 64)[None, :]
+    lo = tl.load(r, mask=ok[:, None], other=0)
+    hi = tl.load(r + 1, mask=ok[:, None], other=0)
+    return codes, scales, lo, hi
 
 
 @triton.jit
-def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
-    """acc + a @ k (or a @ k^T): with SPLIT, ``a`` (float32) as high + low parts of ``k``'s type."""
-    if TRANS:
-        k = tl.trans(k)
+def _split(a, dtype: tl.constexpr):
+    """float32 ``a`` as a high and a low part of ``dtype`` (about 16 significant bits together)."""
+    hi = a.to(dtype)
+    return hi, (a - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _dot_parts(a, k, acc, SPLIT: tl.constexpr):
+    """acc + a @ k (batched when 3-D): with SPLIT, ``a`` (float32) as high + low parts of ``k``'s type."""
     if SPLIT:
-        hi = a.to(k.dtype)
-        lo = (a - hi.to(tl.float32)).to(k.dtype)
+        hi, lo = _split(a, k.dtype)
         acc = tl.dot(hi, k, acc)
         acc = tl.dot(lo, k, acc)
     else:
@@ -87,44 +95,81 @@ def _dot_split(a, k, acc, SPLIT: tl.constexpr, TRANS: tl.constexpr):
 
 
 @triton.jit
-def partial_kernel(q_ptr, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, m_ptr, l_ptr, acc_ptr, scale, split_offset,
+def _attend_split(q_nope, q_rope, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, block0, n_blocks, scale,
+                  HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
+                  SPLIT: tl.constexpr, MODE: tl.constexpr):
+    """Online softmax of the HB heads over ``n_blocks`` blocks of BLOCK slots from ``block0`` of one source ->
+    (m, l, acc_nope [NC, HB, 64], acc_rope [HB, 64]). Each row is loaded once and decoded once for both products,
+    and the next block's bytes are loaded before this block is multiplied, so the DRAM round trip overlaps the
+    math. The non-RoPE products are batched by 64-value chunk (the warps split the chunks), so no warp holds a
+    whole 512-value operand."""
+    m = tl.full([HB], float("-inf"), tl.float32)
+    l = tl.zeros([HB], tl.float32)
+    acc_n = tl.zeros([NC, HB, 64], tl.float32)
+    acc_r = tl.zeros([HB, 64], tl.float32)
+    slots = tl.arange(0, BLOCK)
+    idx = _slot_rows(idx_ptr, pos_ptr, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE)
+    codes, scales, lo, hi = _packed_bytes(rows_ptr, idx, stride, NOPE, NC, D)
+    i = 0
+    while i < n_blocks:  # a while loop: the interpreter takes no tensor trip count in range()
+        ok = idx >= 0
+        k_nope = _e4m3_scaled(codes, scales.to(tl.int32), SPLIT)  # [NC, BLOCK, 64]
+        k_rope = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))  # [BLOCK, 64]
+        idx = _slot_rows(idx_ptr, pos_ptr, n, ring, (block0 + i + 1) * BLOCK + slots, i + 1 < n_blocks, MODE)
+        codes, scales, lo, hi = _packed_bytes(rows_ptr, idx, stride, NOPE, NC, D)
+        if SPLIT:  # E4M3 x 2^k is exact in bf16, FP16 RoPE values are exact in fp16
+            k_nope = k_nope.to(tl.bfloat16)
+        else:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.sum(_dot_parts(q_nope, tl.trans(k_nope, 0, 2, 1), tl.zeros([NC, HB, BLOCK], tl.float32), SPLIT), 0)
+        s = _dot_parts(q_rope, tl.trans(k_rope), s, SPLIT)
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc_n = _dot_parts(tl.broadcast_to(p[None, :, :], (NC, HB, BLOCK)), k_nope, acc_n * alpha[None, :, None],
+                           SPLIT)
+        acc_r = _dot_parts(p, k_rope, acc_r * alpha[:, None], SPLIT)
+        m = m_new
+        i += 1
+    return m, l, acc_n, acc_r
+
+
+@triton.jit
+def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
+                   rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
                    H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
-                   BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr):
-    # program (row block, group of HB heads): a decode step has few rows per source, so the heads may be split
-    # over programs to keep more of the GPU busy (each group decodes the block's rows again)
-    blk = tl.program_id(0)
-    pid = blk + split_offset  # this block's slot in the partial states (one launch per row source)
-    offs_r = blk * BLOCK + tl.arange(0, BLOCK)
-    # the stored row of each of the n slots (-1: none), see kernels/attention.Slots; modes 1 and 2 derive it from
-    # the query's position on the device, so the step needs no index tensors
-    if MODE == 0:  # explicit
-        idx = tl.load(idx_ptr + offs_r, mask=offs_r < n, other=-1)
-    elif MODE == 1:  # sliding window over a ring of `ring` slots: slot j holds position pos - n + 1 + j
-        p = tl.load(pos_ptr) - (n - 1) + offs_r
-        idx = tl.where((p >= 0) & (offs_r < n), p % ring, -1)
-    else:  # compressed rows whose window has closed: (pos + 1) // ring of them (ring = the compression ratio)
-        idx = tl.where(offs_r < tl.minimum((tl.load(pos_ptr) + 1) // ring, n), offs_r, -1)
-    ok = idx >= 0
-    base = rows_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride
+                   NC: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE_A: tl.constexpr,
+                   MODE_B: tl.constexpr):
+    """Program (split, group of HB heads): the softmax state of the heads over one split of two row sources:
+    ``blocks_a`` blocks of BLOCK slots of source A per split for the first ``splits_a`` splits, then ``blocks_b``
+    of source B per split. A decode step has few rows per source, so the heads may be split over
+    programs to keep more of the GPU busy (each group decodes the split's rows again)."""
+    split = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     h_ok = offs_h < H
+    chunk = tl.arange(0, NC)[:, None, None]
     c64 = tl.arange(0, 64)
-    q_row = q_ptr + offs_h[:, None] * D + c64[None, :]
-    s = tl.zeros([HB, BLOCK], tl.float32)
-    for c in tl.static_range(D // 64):
-        q = tl.load(q_row + c * 64, mask=h_ok[:, None], other=0.0)
-        s = _dot_split(q, _chunk(base, ok, c, NOPE, D, SPLIT), s, SPLIT, True)
-    s = tl.where(ok[None, :], s * scale, float("-inf"))
-    m = tl.max(s, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp(s - m_safe[:, None])
-    tl.store(m_ptr + pid * HP + offs_h, m)
-    tl.store(l_ptr + pid * HP + offs_h, tl.sum(p, axis=1))
-    out = acc_ptr + (pid * HP + offs_h)[:, None] * D + c64[None, :]
-    for c in tl.static_range(D // 64):
-        acc = _dot_split(p, _chunk(base, ok, c, NOPE, D, SPLIT), tl.zeros([HB, 64], tl.float32), SPLIT,
-                         False)
-        tl.store(out + c * 64, acc)
+    nope_at = offs_h[None, :, None] * D + chunk * 64 + c64[None, None, :]  # [NC, HB, 64]
+    nope_ok = h_ok[None, :, None] & (chunk < NOPE // 64)
+    q_nope = tl.load(q_ptr + nope_at, mask=nope_ok, other=0.0)
+    rope_at = offs_h[:, None] * D + NOPE + c64[None, :]
+    q_rope = tl.load(q_ptr + rope_at, mask=h_ok[:, None], other=0.0)
+    if split < splits_a:
+        m, l, acc_n, acc_r = _attend_split(q_nope, q_rope, rows_a, idx_a, pos_a, n_a, ring_a, stride_a,
+                                           split * blocks_a, blocks_a, scale, HB, D, NOPE, NC, BLOCK, SPLIT,
+                                           MODE_A)
+    else:
+        m, l, acc_n, acc_r = _attend_split(q_nope, q_rope, rows_b, idx_b, pos_b, n_b, ring_b, stride_b,
+                                           (split - splits_a) * blocks_b, blocks_b, scale, HB, D, NOPE, NC,
+                                           BLOCK, SPLIT, MODE_B)
+    tl.store(m_ptr + split * HP + offs_h, m)
+    tl.store(l_ptr + split * HP + offs_h, l)
+    out = acc_ptr + split * HP * D
+    tl.store(out + nope_at, acc_n, mask=nope_ok)
+    tl.store(out + rope_at, acc_r, mask=h_ok[:, None])
 
 
 @triton.jit
@@ -152,6 +197,20 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.co
                        other=0.0)
         acc += tl.sum(part * w[:, None], 0)
     tl.store(out_ptr + h * D + c * 64 + c64, acc / denom)
+
+
+@triton.jit
+def _rows(base, ok, NOPE: tl.constexpr, D: tl.constexpr):
+    """Whole packed rows at ``base`` ([BLOCK, 1] pointers) as float32 [BLOCK, D], 0 where not ``ok``. (Building it
+    as [BLOCK, D / 64, 64] so that each byte is loaded once was slower on the H200: 18.6 against 11.1 ms for a
+    2,048-query CSA layer.)"""
+    col = tl.arange(0, D)[None, :]
+    nope = col < NOPE
+    rope = NOPE + 2 * (col - NOPE)  # byte offset of a RoPE value (masked off for the others)
+    b = tl.load(base + tl.where(nope, col, rope), mask=ok[:, None], other=0).to(tl.int32)
+    hi = tl.load(base + rope + 1, mask=ok[:, None] & ~nope, other=0).to(tl.int32)
+    sb = tl.load(base + NOPE + 2 * (D - NOPE) + col // 64, mask=ok[:, None] & nope, other=127).to(tl.int32)
+    return tl.where(nope, _e4m3_scaled(b, sb), _fp16_bytes(b, hi).to(tl.float32))
 
 
 @triton.jit
