@@ -46,19 +46,25 @@ def _quantized_engine(device: str):
 
 
 @pytest.mark.gpu
-def test_quantized_model_on_cuda_follows_the_cpu_reference():
+@pytest.mark.parametrize("cache, tol", [("float", 1e-5), ("packed", 1e-2)])
+def test_quantized_model_on_cuda_follows_the_cpu_reference(cache, tol, monkeypatch):
     # the whole model with GGML weights: on CUDA the kernels' forms (split Q8_0 rows, gate and up stacked by expert,
-    # the matvec, the skinny kernel, the graph-captured step) against dequantize-then-matmul on the CPU, teacher-forced
+    # the matvec, the skinny kernel, the graph-captured step) against dequantize-then-matmul on the CPU, teacher-forced.
+    # Float activations in the matvec: with the default int8 activations of Q2_K this random model drifted 1-3%
+    # (max logit difference over max logit) and up to 25% on single steps (H200, 2026-12-02). Measured with float
+    # activations: ~7e-7 with the float cache, 2-4e-3 packed (rows re-quantized to E4M3 from slightly different
+    # values).
     from ds4x.formats.ggml_tensor import GGMLTensor
 
+    monkeypatch.setenv("DS4X_QUANT_ACT", "float")
     cpu, gpu = _quantized_engine("cpu"), _quantized_engine("cuda")
     assert gpu.model.w["layers.0.attn.wq_a.weight"].layout == "split"
     assert isinstance(gpu.model.w_forward["layers.0.ffn.experts.w1+layers.0.ffn.experts.w3"], GGMLTensor)
     ids = torch.randint(3, 259, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    sessions = [e.new_session(ctx=128, cache="packed", prefill_chunk=16) for e in (cpu, gpu)]
+    sessions = [e.new_session(ctx=128, cache=cache, prefill_chunk=16) for e in (cpu, gpu)]
     ref, got = (s.prefill(ids).float().cpu() for s in sessions)
-    for step in range(6):
+    for step in range(8):
         rel = float((got - ref).abs().max() / ref.abs().max())
-        assert torch.isfinite(got).all() and rel < 3e-2, (step, rel)  # int8 activations of Q2_K: ~5e-3 per product
+        assert torch.isfinite(got).all() and rel < tol, (step, rel)
         token = int(ref.argmax())
         ref, got = (s.step(token).float().cpu() for s in sessions)
