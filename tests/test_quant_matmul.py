@@ -70,6 +70,9 @@ def test_int8_activation_default(monkeypatch):
     assert not qm.int8_activations(T.Q8_0, True)  # Q8_0 / Q4_K have the float matvec only
     monkeypatch.setenv("DS4X_QUANT_ACT", "float")
     assert not qm.int8_activations(T.Q2_K) and qm.int8_activations(T.Q2_K, True)
+    monkeypatch.setenv("DS4X_QUANT_ACT", "int8")
+    assert qm.int8_activations(T.Q2_K) and qm.int8_activations(T.IQ2_XXS) and not qm.int8_activations(T.Q8_0)
+    assert not qm.int8_activations(T.IQ2_XXS, False)
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.IQ2_XXS], ids=lambda t: t.name)

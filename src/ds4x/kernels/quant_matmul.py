@@ -30,7 +30,7 @@ reference's float operations for scales and codes); sums are ``scale * sum(code 
 group, so only rounding order differs from dequantize-then-matmul (relative error ~1e-7).
 
 Int8-activation path (Q2_K and IQ2_XXS; the default for Q2_K only, see ``INT8_ACTIVATIONS``;
-``int8=`` or DS4X_QUANT_ACT=float chooses): each program quantizes its x slice to int8, one scale per
+``int8=`` or DS4X_QUANT_ACT=float / int8 chooses): each program quantizes its x slice to int8, one scale per
 16 values (round to nearest), and multiplies codes with integer dot products (``dp4a``); the Q2_K min
 term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data (tests allow 2e-2).
 The weights are still exact; the CPU reference never quantizes activations.
@@ -422,24 +422,50 @@ if HAVE_TRITON:
         return _h2f(dd) * a - _h2f(dd >> 16) * b
 
     @triton.jit
-    def _levels(sel, INTERPRET: tl.constexpr):
-        # the magnitudes (8, 25, 43)[l] of the 4 level indices l in sel's low nibbles, as the 4 bytes of a word:
-        # one byte permute on the GPU (prmt picks byte l of 0x002B1908 for each selector nibble)
+    def _permute(a, sel, b, INTERPRET: tl.constexpr):
+        # byte i of the result: byte (sel >> 4 i) & 7 of the 8 bytes b:a (one prmt on the GPU)
         if INTERPRET:
             out = tl.zeros_like(sel)
             for i in tl.static_range(4):
-                out |= ((2824456 >> (8 * ((sel >> (4 * i)) & 3))) & 255) << (8 * i)
+                k = (sel >> (4 * i)) & 7
+                byte = tl.where(k < 4, a >> (8 * (k & 3)), b >> (8 * (k & 3))) & 255
+                out |= byte << (8 * i)
         else:
-            out = tl.inline_asm_elementwise("{ .reg .b32 t; mov.b32 t, 2824456; prmt.b32 $0, t, t, $1; }", "=r,r",
-                                            [sel], dtype=tl.int32, is_pure=True, pack=1)
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $3, $2;", "=r,r,r,r", [a, sel, b], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _byte_magic(word, magic, V: tl.constexpr, INTERPRET: tl.constexpr):
+        # byte V of the int32 ``word`` as the float 2^23 + byte: one byte permute on the GPU, of ``word`` and
+        # ``magic`` (0x4B000000, a value read from memory, so that the permute keeps its selector immediate)
+        if INTERPRET:
+            out = (((word >> (8 * V)) & 255) | magic).to(tl.float32, bitcast=True)
+        else:
+            m = tl.broadcast_to(magic, word.shape)
+            if V == 0:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7440;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            elif V == 1:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7441;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            elif V == 2:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7442;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7443;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
         return out
 
     @triton.jit
     def _mv_iq2_xxs(rowp, c, xp, gridp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
         # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads).
-        # gridp: int32 [256], grid entry g's 8 level indices as nibbles (a 1 KB table: the one gather per 8
-        # weights touches few L1 lines); the 8th sign is the parity of the 7 stored ones
+        # gridp (see _iq2_xxs_tables): grid entry g's 8 level indices as nibbles, and for each 7-bit sign index
+        # the sign of each of the 8 weights (the 8th: the parity of the 7) as bit 2 of that weight's nibble, so
+        # that one byte permute per 4 weights picks signed magnitudes from two words of levels: signed int8 for
+        # the integer dot products, else 64 + the signed magnitude, which one more permute per weight turns into
+        # the float 2^23 + 64 + signed magnitude
         bp = rowp + (c // 8) * 66
         gp = bp + 2 + 8 * (c % 8)
         g01 = _ld16(gp)
@@ -447,11 +473,17 @@ if HAVE_TRITON:
         aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
         db = _h2f(_ld16(bp)) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
         out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        if ACT8:
+            pos_levels = tl.load(gridp + 386)
+            neg_levels = tl.load(gridp + 387)
+        else:
+            pos_levels = tl.load(gridp + 388)
+            neg_levels = tl.load(gridp + 389)
+            magic = tl.load(gridp + 384)
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
             if ACT8:
                 x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
-                pos = tl.zeros_like(aux)
-                neg = tl.zeros_like(aux)
+                dots = tl.zeros_like(aux)
             else:
                 s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
             for e in tl.static_range(2):
@@ -460,44 +492,28 @@ if HAVE_TRITON:
                     gi = (g01 >> (8 * e)) & 255
                 else:
                     gi = (g23 >> (8 * e)) & 255
-                sel = tl.load(gridp + gi)
-                m_lo = _levels(sel, INTERPRET)
-                m_hi = _levels(sel >> 16, INTERPRET)
-                s7 = (aux >> (7 * j)) & 127
-                p = s7 ^ (s7 >> 4)
-                p = p ^ (p >> 2)
-                s8 = s7 | (((p ^ (p >> 1)) & 1) << 7)  # bit v: weight 8 j + v is negative
+                sel = tl.load(gridp + gi) | tl.load(gridp + 256 + ((aux >> (7 * j)) & 127))
+                w_lo = _permute(pos_levels, sel, neg_levels, INTERPRET)
+                w_hi = _permute(pos_levels, sel >> 16, neg_levels, INTERPRET)
                 if ACT8:
-                    # sum(sign * mag * x) = sum(mag * x) - 2 sum over the negative weights of mag * x; the byte
-                    # masks spread 4 sign bits to bytes (bit i -> bit 8 i) and widen them to 0xFF
-                    s_lo = (((s8 & 15) * 0x00204081) & 0x01010101) * 255
-                    s_hi = (((s8 >> 4) * 0x00204081) & 0x01010101) * 255
                     if e == 0:
                         xa, xb = x0, x1
                     else:
                         xa, xb = x2, x3
-                    pos = _dp4a(m_hi, xb, _dp4a(m_lo, xa, pos, INTERPRET), INTERPRET)
-                    neg = _dp4a(m_hi & s_hi, xb, _dp4a(m_lo & s_lo, xa, neg, INTERPRET), INTERPRET)
+                    dots = _dp4a(w_hi, xb, _dp4a(w_lo, xa, dots, INTERPRET), INTERPRET)
                 else:
                     for w in tl.static_range(2):
                         if w == 0:
-                            mw = m_lo
+                            biased = w_lo
                         else:
-                            mw = m_hi
+                            biased = w_hi
                         x0, x1, x2, x3 = _x4(xp, c * 32 + 8 * j + 4 * w)
-                        for v in tl.static_range(4):
-                            mag_v = _magic((mw >> (8 * v)) & 255, 0.0)
-                            signed = tl.where(((s8 >> (4 * w + v)) & 1) != 0, -mag_v, mag_v)
-                            if v == 0:
-                                s += signed * x0
-                            elif v == 1:
-                                s += signed * x1
-                            elif v == 2:
-                                s += signed * x2
-                            else:
-                                s += signed * x3
+                        s += (_byte_magic(biased, magic, 0, INTERPRET) - 8388672.0) * x0
+                        s += (_byte_magic(biased, magic, 1, INTERPRET) - 8388672.0) * x1
+                        s += (_byte_magic(biased, magic, 2, INTERPRET) - 8388672.0) * x2
+                        s += (_byte_magic(biased, magic, 3, INTERPRET) - 8388672.0) * x3
             if ACT8:
-                out += dx * (pos - 2 * neg).to(tl.float32)
+                out += dx * dots.to(tl.float32)
             else:
                 out += s
         return db * out
@@ -654,12 +670,29 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def _grid_levels(device: torch.device) -> torch.Tensor:
-    """IQ2_XXS grid for the matvec as int32 [256]: entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2),
-    weight j in nibble j."""
+def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
+    """The IQ2_XXS matvec's tables as int32 [390]:
+
+    - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
+    - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
+      sign is the parity of the 7 bits), so that OR-ing it into a grid entry selects the negated levels;
+    - 384: the float magic 0x4B000000; 385: unused;
+    - 386, 387: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
+    - 388, 389: the same as 64 + level: (72, 89, 107) and (56, 39, 21)."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
-    return (levels << (4 * torch.arange(8))).sum(dim=1).to(torch.int32).to(device)
+    grid = (levels << (4 * torch.arange(8))).sum(dim=1)
+    s7 = torch.arange(128)
+    bits = (s7[:, None] >> torch.arange(7)) & 1
+    negative = torch.cat([bits, bits.sum(dim=1, keepdim=True) & 1], dim=1)  # (128, 8)
+    signs = (negative << (4 * torch.arange(8) + 2)).sum(dim=1)
+
+    def word(b: list[int]) -> int:
+        return int.from_bytes(bytes(v & 255 for v in b), "little", signed=True)
+
+    consts = [0x4B000000, 0, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
+              word([56, 39, 21, 0])]
+    return torch.cat([grid, signs, torch.tensor(consts)]).to(torch.int32).to(device)
 
 
 @lru_cache(maxsize=64)
@@ -684,10 +717,13 @@ def _fit_units(units: int, u: int) -> int:
 
 def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None) -> bool:
     """Whether the matvec for ``qtype`` quantizes activations to int8: ``requested`` if given, else the
-    type's default (``INT8_ACTIVATIONS``) unless DS4X_QUANT_ACT=float."""
+    type's default (``INT8_ACTIVATIONS``), unless DS4X_QUANT_ACT is ``float`` (never) or ``int8`` (wherever the
+    type has the path)."""
+    has_path = qtype in (T.Q2_K, T.IQ2_XXS)
     if requested is not None:
-        return requested and qtype in (T.Q2_K, T.IQ2_XXS)
-    return qtype in INT8_ACTIVATIONS and os.environ.get("DS4X_QUANT_ACT", "").lower() != "float"
+        return requested and has_path
+    choice = os.environ.get("DS4X_QUANT_ACT", "").lower()
+    return has_path and (choice == "int8" or (choice != "float" and qtype in INT8_ACTIVATIONS))
 
 
 def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
@@ -741,7 +777,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         n_units = k // unit
         mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
-            x2, wr, _grid_levels(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
+            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
             expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
             num_warps=nw)
