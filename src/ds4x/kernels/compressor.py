@@ -2,11 +2,11 @@
 
 The torch reference (:func:`ds4x.model.attention._emit_windows`, then RMSNorm, the RoPE tables and RoPE) takes
 about forty small kernels per call, and a decode step re-emits the open window of every CSA/HCA compressor
-(62 calls for Flash), so on the GPU it is launch count. Here one program per window walks the window's slots in
-tiles with an online softmax per channel, normalises the pooled row and rotates its RoPE dims at the window's
-first position. Values agree with the reference to float32 rounding (the softmax is accumulated online and
-``cos``/``sin`` come from Triton's math library), not bit for bit; the interpreter (``TRITON_INTERPRET=1``) runs
-it on CPU tensors for the parity test.
+(62 calls for Flash), so on the GPU it is launch count. Here a program per window and block of channels walks
+the window's slots in tiles with an online softmax per channel; the window's last program to finish normalises
+the pooled row and rotates its RoPE dims at the window's first position. Values agree with the reference to
+float32 rounding (the softmax is accumulated online and ``cos``/``sin`` come from Triton's math library), not bit
+for bit; the interpreter (``TRITON_INTERPRET=1``) runs it on CPU tensors for the parity test.
 """
 
 from __future__ import annotations
@@ -22,22 +22,27 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _emit_kernel(proj, cap, windows, last, ape, norm, inv_freq, out, magnitude, eps,
+    def _emit_kernel(proj, cap, windows, last, ape, norm, inv_freq, out, parts, arrived, magnitude, eps,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, WIDTH: tl.constexpr, ROPE_HALF: tl.constexpr,
-                     BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr):
+                     BLOCK_C: tl.constexpr, NCB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+        # program (window i, channel block cb): pools BLOCK_C channels over the window's slots and stores them with
+        # their sum of squares; the window's last program to arrive (a counter in ``arrived``, zero on entry)
+        # normalises the whole row and rotates its RoPE dims. Splitting the channels spreads one window's reads
+        # over NCB SMs (a decode step emits one window per compressor).
         # proj: the ring [cap, 2 * KV] of [kv | gate] projections by position, KV = WIDTH * (2 if OVERLAP else 1).
         # With OVERLAP a window pools 2 * RATIO slots: the previous window's positions through channels
         # [0, WIDTH) of kv and gate ("a" lane), then its own through [WIDTH, 2 * WIDTH) ("b" lane).
         KV: tl.constexpr = WIDTH * (2 if OVERLAP else 1)
         NSLOT: tl.constexpr = RATIO * (2 if OVERLAP else 1)
         i = tl.program_id(0)
+        cb = tl.program_id(1)
         w = tl.load(windows + i)
         last_pos = tl.load(last)
-        c = tl.arange(0, BLOCK_W)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < WIDTH
-        m = tl.full([BLOCK_W], float("-inf"), tl.float32)
-        den = tl.zeros([BLOCK_W], tl.float32)
-        acc = tl.zeros([BLOCK_W], tl.float32)
+        m = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_C], tl.float32)
+        acc = tl.zeros([BLOCK_C], tl.float32)
         for s0 in range(0, NSLOT, BLOCK_S):
             j = s0 + tl.arange(0, BLOCK_S)
             if OVERLAP:
@@ -62,22 +67,34 @@ if HAVE_TRITON:
             den = den * alpha + tl.sum(p, axis=0)
             m = m_new
         pooled = tl.where(cm, acc / tl.where(den > 0, den, 1.0), 0.0)
-        y = pooled * (1.0 / tl.sqrt(tl.sum(pooled * pooled, axis=0) / WIDTH + eps))
-        y = tl.load(norm + c, mask=cm, other=0.0).to(tl.float32) * y
         row = out + i.to(tl.int64) * WIDTH
-        tl.store(row + c, y, mask=cm)
-        # RoPE on the trailing 2 * ROPE_HALF dims in interleaved pairs, at the window's first position
-        tl.debug_barrier()
-        h = tl.arange(0, ROPE_HALF)
-        freq = (w * RATIO).to(tl.float32) * tl.load(inv_freq + h)
-        cos = tl.cos(freq) * magnitude
-        sin = tl.sin(freq) * magnitude
-        base = row + WIDTH - 2 * ROPE_HALF
-        even = tl.load(base + 2 * h)
-        odd = tl.load(base + 2 * h + 1)
-        tl.debug_barrier()
-        tl.store(base + 2 * h, even * cos - odd * sin)
-        tl.store(base + 2 * h + 1, odd * cos + even * sin)
+        tl.store(row + c, pooled, mask=cm)
+        tl.store(parts + i * NCB + cb, tl.sum(pooled * pooled, axis=0))
+        # acq_rel: this program's stores are visible to the one that sees the count complete, and that one sees
+        # all of theirs
+        if tl.atomic_add(arrived + i, 1, sem="acq_rel") == NCB - 1:
+            total = tl.sum(tl.load(parts + i * NCB + tl.arange(0, NCB), cache_modifier=".cg"), axis=0)
+            cw = tl.arange(0, BLOCK_W)
+            wm = cw < WIDTH
+            y = tl.load(row + cw, mask=wm, other=0.0, cache_modifier=".cg") * (1.0 / tl.sqrt(total / WIDTH + eps))
+            tl.store(row + cw, tl.load(norm + cw, mask=wm, other=0.0).to(tl.float32) * y, mask=wm)
+            # RoPE on the trailing 2 * ROPE_HALF dims in interleaved pairs, at the window's first position
+            tl.debug_barrier()
+            h = tl.arange(0, ROPE_HALF)
+            freq = (w * RATIO).to(tl.float32) * tl.load(inv_freq + h)
+            cos = tl.cos(freq) * magnitude
+            sin = tl.sin(freq) * magnitude
+            base = row + WIDTH - 2 * ROPE_HALF
+            even = tl.load(base + 2 * h)
+            odd = tl.load(base + 2 * h + 1)
+            tl.debug_barrier()
+            tl.store(base + 2 * h, even * cos - odd * sin)
+            tl.store(base + 2 * h + 1, odd * cos + even * sin)
+
+
+# channels per program: a decode step emits one window per compressor, and one program per window read its
+# whole [slots, 2 x width] tile through a single SM
+EMIT_CHANNELS = 64
 
 
 def _kernels() -> Any:
@@ -101,10 +118,14 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
     if n:
         nslot = ratio * (2 if overlap else 1)
         block_w = triton.next_power_of_2(width)
-        block_s = max(1, min(triton.next_power_of_2(nslot), 8192 // block_w))
-        _kernels()._emit_kernel[(n,)](
+        block_c = min(block_w, EMIT_CHANNELS)
+        ncb = block_w // block_c
+        block_s = max(1, min(triton.next_power_of_2(nslot), 4096 // block_c))
+        parts = torch.empty(n, ncb, dtype=torch.float32, device=proj.device)
+        arrived = torch.zeros(n, dtype=torch.int32, device=proj.device)
+        _kernels()._emit_kernel[(n, ncb)](
             proj, proj.shape[0], windows.contiguous(), last.reshape(1), ape.contiguous(), norm.contiguous(),
-            inv_freq.float().contiguous(), out, float(magnitude), float(eps), RATIO=ratio, OVERLAP=overlap,
-            WIDTH=width, ROPE_HALF=inv_freq.shape[0], BLOCK_W=block_w, BLOCK_S=block_s,
-            num_warps=8 if block_w * block_s >= 4096 else 4)
+            inv_freq.float().contiguous(), out, parts, arrived, float(magnitude), float(eps), RATIO=ratio,
+            OVERLAP=overlap, WIDTH=width, ROPE_HALF=inv_freq.shape[0], BLOCK_C=block_c, NCB=ncb, BLOCK_S=block_s,
+            BLOCK_W=block_w, num_warps=4)
     return out
