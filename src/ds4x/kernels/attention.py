@@ -53,8 +53,12 @@ class Slots:
 
 # Decode blocking: (rows per block, heads per program, warps, most splits per source). A program runs its split's
 # blocks one after another with the next block's loads in flight; long sources (HCA at 1M: 8,194 rows) are cut
-# into at most that many splits, so the merge reads few partial states. 64 heads per program gave NaN or an
-# illegal memory access with Triton 3.6 (the earlier kernel, 2026-12-01), so a program takes at most 32 heads.
+# into at most that many splits, so the merge reads few partial states. Measured (H200, 2026-12-02,
+# scripts/attention_sweep.py, us for window 128 / CSA top-512 / HCA 8,194 rows at 1M, each with its window):
+# (16, 16, 8, 64) 11.6 / 16.0 / 85.7, (16, 16, 8, 32) 12.3 / 16.0 / 84.6, (16, 32, 8, 64) 18.7 / 19.9 / 98.8; before
+# the hardware E4M3 conversion, 4 warps (which spill) 16.1 / 18.9 / 113.2, 16 warps 13.9 / 20.8 / 137.7, 32 rows
+# per block 25.3 / 27.0 / 166.3. 64 heads per program gave NaN or an illegal memory access with Triton 3.6 (the
+# earlier kernel, 2026-12-01), so a program takes at most 32 heads.
 DECODE_CONFIG = (16, 16, 8, 64)
 MAX_HEADS_PER_PROGRAM = 32
 
