@@ -44,18 +44,20 @@ The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors fo
 (``dp4a`` and byte permutes are emulated there); like ``formats/rows_triton.py`` this module keeps a
 private copy of itself for the mode it was not imported under.
 
-Speed (``python -m ds4x.kernels.quant_matmul [out.json [deadline_s]]``: parity and timing of every
+Speed (``python -m ds4x.kernels.quant_matmul [out.json | out_dir [deadline_s]]``: parity and timing of every
 case; H200, 2026-12-02, copy bandwidth ~4,220 GB/s, random valid blocks, CUDA-graph replay over weight
 copies; benchmarks/quant_matmul_h200.json and the ledger). 1 activation row, share of copy bandwidth:
 Q8_0 in split rows (what the model runs on CUDA; file blocks in brackets) wo_b 8192->4096 57.9% (49.5%), wo_a
 grouped 55.3% (48.7%), wq_b 1024->32768 48.6% (46.8%), wq_a 4096->1024 ~23% (4.5 MB: 4.4 us, launch and ramp
-dominate); IQ2_XXS expert gate 4096->2048: 6 routed experts 12.7% float / 13.9% int8 (24.4 / 22.2 us), 12 (gate
-and up stacked) 14.0% / 15.7%, one expert 8.1% / 8.8%; Q2_K expert down 2048->4096: 6 experts 29.6% int8 /
-19.6% float, one expert 15.2% / 9.2%; Q4_K 13.1%. The targets (60% Q8_0, 50% for the 2-bit types) are not
-reached. One expert is 2.2-2.8 MB, about 0.6 us of reading: its 4-7 us are launch, DRAM latency and the final
-reduction. IQ2_XXS reads its grid as 4-bit level indices from a 1 KB table (one byte permute per 4 weights)
-and derives the signs from the stored bits; the old 8-byte magnitude and sign-mask gathers from 3 KB of tables
-took 11% longer. Q8_0 runs ~6.5 instructions per weight with no layout conversion in its loop. With more rows
+dominate); IQ2_XXS expert gate 4096->2048 (cd8ee19): 6 routed experts 15.2% float / 15.1% int8 (20.2 / 20.3 us),
+12 (gate and up stacked) 17.5% / 17.3% (35.2 / 35.5 us), one expert 8.8% / 7.9%; Q2_K expert down 2048->4096: 6
+experts 29.7% int8 / 19.7% float, one expert 15.4% / 9.1%; Q4_K 13.1% (c24abde). The targets (60% Q8_0, 50% for
+the 2-bit types) are not reached. One expert is 2.2-2.8 MB, about 0.6 us of reading: its 4-7 us are launch, DRAM
+latency and the final reduction. IQ2_XXS reads its grid as 4-bit level indices from a 1 KB table and ORs in
+the signs from a 512-byte table indexed by the 7 stored sign bits (the parity sign included), so one byte
+permute per 4 weights gives signed levels; the earlier form that derived the signs with bit arithmetic ran
+43% (float) / 48% (int8) more sm_90 instructions and took 44.1 us for 12 slots. Q8_0 runs ~6.5 instructions per
+weight with no layout conversion in its loop. With more rows
 the matvec re-reads W per row but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 23.4 / 39.1 /
 72.5 / 139 us against 234 / 233 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts
 for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
@@ -91,8 +93,9 @@ DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense
 # 2048->4096 at 512 / 2048 tokens 3.21 / 6.95, 13.28 / 9.92
 ROUTED_MATVEC_MAX_ROWS = {T.IQ2_XXS: 4, T.Q2_K: 32}
 # Types whose matvec quantizes the activations to int8 (per 16 values) for integer dot products unless told
-# otherwise (DS4X_QUANT_ACT=float turns it off everywhere). IQ2_XXS has the path too but stays exact by default:
-# its speed is set by table gathers, and int8 gained 8% for 6 experts and lost 16% for one (measured).
+# otherwise (DS4X_QUANT_ACT=float turns it off everywhere, =int8 on wherever a type has it). IQ2_XXS has the path
+# too but stays exact by default: since its signs come from a table, int8 is no faster (H200, cd8ee19: 12 routed
+# slots 35.5 us int8 against 35.2 float, one expert 6.5 against 5.8).
 INT8_ACTIVATIONS = frozenset({T.Q2_K})
 # Past the routed matvec's range, bf16 activations outside a CUDA-graph capture take the grouped path: decode the
 # experts to bf16 (dequantize_gpu) a slice at a time, then one torch._grouped_mm per slice. H200, Flash shapes, 2,048
@@ -950,9 +953,14 @@ _BENCH_ROWS = {(T.Q8_0, "attn wo_b 8192->4096"): (2, 4, 8, 16), (T.IQ2_XXS, "exp
 
 
 def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # pragma: no cover - needs a GPU
-    """Parity and timing of every case; no new case starts after ``deadline_s`` seconds."""
+    """Parity and timing of every case; no new case starts after ``deadline_s`` seconds. ``out_json``: the
+    results file, or a directory to write ``quant_matmul.json`` into."""
     import json
     import time
+    from pathlib import Path
+
+    if out_json and Path(out_json).is_dir():
+        out_json = str(Path(out_json) / "quant_matmul.json")
 
     from triton.testing import do_bench
 
