@@ -86,6 +86,31 @@ def test_pack_into_a_ring_interpreter(interp):
             pack(x, out=ring[:, :5], at=at)
 
 
+def test_half_precision_rows_read_as_float32_interpreter(interp):
+    """Unvalidated half-precision rows go into the kernels as they are and pack like their float32 values."""
+    g = torch.Generator().manual_seed(24)
+    for dtype in (torch.bfloat16, torch.float16):
+        kv, idx = (torch.randn(37, 512, generator=g) * 4).to(dtype), (torch.randn(37, 128, generator=g) * 4).to(dtype)
+        assert torch.equal(F.pack_kv_rows_triton(kv, validate=False), F.pack_kv_rows(kv.float()))
+        assert torch.equal(F.pack_indexer_rows_triton(idx, validate=False), F.pack_indexer_rows(idx.float()))
+        assert_bits_equal(F.hadamard128_triton(idx), F.hadamard128(idx.float()))
+
+
+def test_write_float_rows_into_a_ring_interpreter(interp):
+    """Float rows (any float type) land in a float32 ring at at % len(out) as float32, other slots untouched."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = random_rows(21, 40, seed=26).to(dtype)
+        ring = torch.full((16, 40), 7.0)
+        at = torch.arange(21) + 11  # wraps past the 16 slots: the last 16 rows win their slots
+        expect = ring.clone().index_copy_(0, at[5:] % 16, x[5:].float())
+        RT.write_float_rows_triton(x[5:], ring, at[5:])
+        assert_bits_equal(ring, expect)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        RT.write_float_rows_triton(x, ring.double(), at)
+    with pytest.raises(ValueError, match="one integer row index"):
+        RT.write_float_rows_triton(x, ring, at[:3])
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_unpack_indexer_rows_interpreter(interp):
     rows = F.pack_indexer_rows(indexer_inputs())
@@ -184,6 +209,18 @@ def test_pack_into_a_ring_on_gpu(compiled):
     F.pack_kv_rows_triton(x[:256], out=ring, at=at)
     expect = torch.zeros_like(ring)
     expect[at % 256] = F.pack_kv_rows_triton(x[:256])
+    assert torch.equal(ring, expect)
+
+
+@pytest.mark.gpu
+def test_half_precision_rows_and_float_ring_writes_on_gpu(compiled):
+    x = random_kv_rows(1000, seed=36)
+    assert torch.equal(F.pack_kv_rows_triton(x.bfloat16().cuda(), validate=False).cpu(),
+                       F.pack_kv_rows(x.bfloat16().float()))
+    ring = torch.zeros(256, 512, device="cuda")
+    at = 1000 + torch.randperm(256, device="cuda")
+    RT.write_float_rows_triton(x[:256].bfloat16().cuda(), ring, at)
+    expect = torch.zeros_like(ring).index_copy_(0, at % 256, x[:256].bfloat16().float().cuda())
     assert torch.equal(ring, expect)
 
 

@@ -151,6 +151,9 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
                                         dim**-0.5, dim - rope, False, config)
         assert torch.equal(out, out_f)
         assert float((out - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    half, sources = q.bfloat16(), [(rows, window), (rows, picked)]  # a bf16 query is read as its float32 values
+    assert torch.equal(attention_decode_triton(half, sources, sinks, dim**-0.5, dim - rope, True),
+                       attention_decode_triton(half.float(), sources, sinks, dim**-0.5, dim - rope, True))
 
 
 @pytest.mark.parametrize("position", [3, 40, 299])
@@ -222,6 +225,9 @@ def test_prefill_attention_kernel_matches_reference(dim, heads):
                                        dim - 64, **kw, config=(16, 16, 4))
         ref = _prefill_reference(q.cpu(), positions.cpu(), plain, ring, w, sinks.cpu(), dim**-0.5, extra)
         assert float((out.cpu().double() - ref).norm() / ref.norm()) < 2e-3, name
+        half = attention_prefill_triton(q.bfloat16(), positions, (ring_rows, ring, w), comp if kw else None, sinks,
+                                        dim**-0.5, dim - 64, **kw, config=(16, 16, 4))
+        assert half.dtype == torch.float32 and torch.equal(half, out), name  # q holds bf16 values
 
 
 @pytest.mark.gpu

@@ -107,13 +107,13 @@ def _kv_dims(row_bytes: int, rope_dim: int) -> tuple[int, int]:
     return nope + rope_dim, nope
 
 
-def _check_float_rows(x: torch.Tensor, width: int, fn: str) -> torch.Tensor:
+def _check_float_rows(x: torch.Tensor, width: int, fn: str, to_float32: bool = True) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{fn}: expected a floating-point tensor [..., {width}], got {got}")
     if x.dim() == 0 or x.shape[-1] != width:
         raise ValueError(f"{fn}: expected last dim {width}, got shape {tuple(x.shape)}")
-    return x.to(torch.float32)
+    return x.to(torch.float32) if to_float32 else x
 
 
 def _check_finite(x32: torch.Tensor, fn: str) -> None:

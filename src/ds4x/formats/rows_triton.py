@@ -18,8 +18,10 @@ How they stay bit-exact on any backend (GPU or ``TRITON_INTERPRET=1``):
   power-of-two multiply, exact (subnormal results included; Triton does not flush
   denormals for a plain fp32 multiply).
 
-Each program handles ``BLOCK_ROWS`` rows. Inputs are made contiguous float32
-``[N, width]`` / uint8 ``[N, bytes]``; any leading shape is accepted and restored.
+Each program handles ``BLOCK_ROWS`` rows. Inputs are made contiguous ``[N, width]`` (float32, or a half type
+that the kernel reads as float32) / uint8 ``[N, bytes]``; any leading shape is accepted and restored.
+``write_float_rows_triton`` stores unpacked rows into a float32 ring (the cast, the ring index and the copy
+in one launch).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ if HAVE_TRITON:
         dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
         o_row = out_ptr + dst[:, None] * BYTES
         for b in tl.static_range(NOPE_BLOCKS):
-            v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0)
+            v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
             e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)
             inv = _pow2(tl.where(bad, 0, -e))
             a = tl.minimum(tl.abs(v) * inv[:, None], 448.0)
@@ -179,10 +181,19 @@ if HAVE_TRITON:
             code = tl.where(bad[:, None], 0, code)
             tl.store(o_row + b * 64 + cols[None, :], code.to(tl.uint8), mask=m2)
             tl.store(out_ptr + dst * BYTES + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=rmask)
-        r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0)
+        r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         h = r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         tl.store(o_row + NOPE_BLOCKS * 64 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
         tl.store(o_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
+
+    @triton.jit
+    def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, W: tl.constexpr, BLOCK_W: tl.constexpr):
+        # row r of x (any float type) -> float32 row at[r] mod ring of out
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_W)
+        v = tl.load(x_ptr + r * W + cols, mask=cols < W).to(tl.float32)
+        dst = tl.load(at_ptr + r).to(tl.int64) % ring
+        tl.store(out_ptr + dst * W + cols, v, mask=cols < W)
 
     @triton.jit
     def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr):
@@ -216,7 +227,7 @@ if HAVE_TRITON:
         cols = tl.arange(0, 128)
         rows64 = rows.to(tl.int64)
         o_row = out_ptr + rows64[:, None] * 128
-        y = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=m2, other=0.0)
+        y = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         for stage in tl.static_range(7):
             stride = 1 << stage
             tl.store(o_row + cols[None, :], y, mask=m2)
@@ -240,8 +251,8 @@ if HAVE_TRITON:
         dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
         o_row = out_ptr + dst[:, None] * 68
         for b in tl.static_range(4):
-            ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0)
-            vo = tl.load(x_row + b * 32 + 2 * j[None, :] + 1, mask=m2, other=0.0)
+            ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0).to(tl.float32)
+            vo = tl.load(x_row + b * 32 + 2 * j[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
             e0, bad0 = _block_exponent(ve, 6.0 * 2.0**-126, 1.0 / 6.0)
             e1, bad1 = _block_exponent(vo, 6.0 * 2.0**-126, 1.0 / 6.0)
             # block exponent = exponent of the larger half (ceil-log2 is monotone in amax)
@@ -336,13 +347,32 @@ def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int
     fn = "pack_kv_rows_triton"
     dim = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else KV_DIM
     nb = _nope_blocks(dim, rope_dim, fn)
-    x32 = check_kv_input(x, fn, dim, rope_dim) if validate else _check_float_rows(x, dim, fn)
-    _check_device(x32, fn)
-    lead = x32.shape[:-1]
-    src = x32.reshape(-1, dim).contiguous()
+    # unvalidated rows go in as they are (float32 or a half type: the kernel reads them as float32)
+    xs = check_kv_input(x, fn, dim, rope_dim) if validate else _check_float_rows(x, dim, fn, to_float32=False)
+    _check_device(xs, fn)
+    lead = xs.shape[:-1]
+    src = xs.reshape(-1, dim).contiguous()
     dst, targets, ring = _pack_out(src, kv_row_bytes(dim, rope_dim), out, at, fn)
     _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, NOPE_BLOCKS=nb, SCATTER=out is not None)
     return dst if out is not None else dst.reshape(*lead, dst.shape[-1])
+
+
+def write_float_rows_triton(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor) -> None:
+    """Rows ``x`` [N, width] (float32 or a half type) into ``out`` (a contiguous float32 [ring, width] buffer) at rows
+    ``at % ring``, as float32: what ``out.index_copy_(0, at % ring, x.float())`` does, in one launch."""
+    fn = "write_float_rows_triton"
+    if out.dtype != torch.float32 or out.dim() != 2 or not out.is_contiguous():
+        raise ValueError(f"{fn}: out must be a contiguous float32 [rows, width] buffer, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    width = out.shape[1]
+    src = _check_float_rows(x, width, fn, to_float32=False).reshape(-1, width).contiguous()
+    _check_device(src, fn)
+    if at.dtype not in (torch.int32, torch.int64) or at.numel() != src.shape[0] or at.device != src.device:
+        raise ValueError(f"{fn}: at must hold one integer row index per input row on {src.device}, got {at.dtype} "
+                         f"[{at.numel()}] on {at.device}")
+    if src.shape[0]:
+        _kernels().write_rows_kernel[(src.shape[0],)](src, out, at.reshape(-1).contiguous(), out.shape[0], W=width,
+                                                      BLOCK_W=triton.next_power_of_2(width))
 
 
 def unpack_kv_rows_triton(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:
@@ -363,11 +393,11 @@ def unpack_kv_rows_triton(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) ->
 def hadamard128_triton(x: torch.Tensor) -> torch.Tensor:
     """Triton :func:`ds4x.formats.hadamard.hadamard128` (bit-identical): ``[..., 128]`` -> float32."""
     fn = "hadamard128_triton"
-    x32 = _check_float_rows(x, INDEXER_DIM, fn)
-    _check_device(x32, fn)
-    lead = x32.shape[:-1]
-    src = x32.reshape(-1, INDEXER_DIM).contiguous()
-    out = torch.empty_like(src)
+    xs = _check_float_rows(x, INDEXER_DIM, fn, to_float32=False)  # read as float32 by the kernel
+    _check_device(xs, fn)
+    lead = xs.shape[:-1]
+    src = xs.reshape(-1, INDEXER_DIM).contiguous()
+    out = torch.empty(src.shape, dtype=torch.float32, device=src.device)
     _launch("hadamard128_kernel", src, out, src.shape[0])
     return out.reshape(*lead, INDEXER_DIM)
 
@@ -377,10 +407,10 @@ def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True, out: tor
     """Triton :func:`ds4x.formats.rows.pack_indexer_rows`: ``[..., 128]`` float -> ``uint8 [..., 68]``; ``out`` and
     ``at`` as for :func:`pack_kv_rows_triton`."""
     fn = "pack_indexer_rows_triton"
-    x32 = check_indexer_input(x, fn) if validate else _check_float_rows(x, INDEXER_DIM, fn)
-    _check_device(x32, fn)
-    lead = x32.shape[:-1]
-    src = x32.reshape(-1, INDEXER_DIM).contiguous()
+    xs = check_indexer_input(x, fn) if validate else _check_float_rows(x, INDEXER_DIM, fn, to_float32=False)
+    _check_device(xs, fn)
+    lead = xs.shape[:-1]
+    src = xs.reshape(-1, INDEXER_DIM).contiguous()
     dst, targets, ring = _pack_out(src, INDEXER_ROW_BYTES, out, at, fn)
     _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, SCATTER=out is not None)
     return dst if out is not None else dst.reshape(*lead, INDEXER_ROW_BYTES)

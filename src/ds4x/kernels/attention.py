@@ -66,8 +66,8 @@ MAX_HEADS_PER_PROGRAM = 32
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
                             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """q [H, D] float32; sources (one or two): (store data, its `Slots` or an explicit index tensor [n] with
-    -1 = skip) -> out [H, D] float32.
+    """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
+    explicit index tensor [n] with -1 = skip) -> out [H, D] float32.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
@@ -138,7 +138,8 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
                              compressed: torch.Tensor | None, sinks: torch.Tensor, scale: float, nope: int, *,
                              index: torch.Tensor | None = None, ratio: int = 0, n_rows: int = 0,
                              config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """T queries q [T, H, D] float32 at ``positions`` [T] over packed rows -> [T, H, D] float32.
+    """T queries q [T, H, D] (float32, or a half type read as float32) at ``positions`` [T] over packed rows ->
+    [T, H, D] float32.
 
     ``window``: (ring rows, ring size, W): each query sees the W ring slots ending at its position (none before
     0). ``compressed``: packed compressed rows, offered per query either by ``index`` [T, k] (-1 = none) or as
@@ -153,7 +154,7 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
                          f"values, {nope} non-RoPE")
     block, hb, warps = config if config is not None else PREFILL_CONFIG
     hb = min(max(16, 1 << (H - 1).bit_length()), max(16, hb))
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if T == 0:
         return out
     rows, ring, w = window

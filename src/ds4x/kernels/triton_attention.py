@@ -154,9 +154,9 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
     c64 = tl.arange(0, 64)
     nope_at = offs_h[None, :, None] * D + chunk * 64 + c64[None, None, :]  # [NC, HB, 64]
     nope_ok = h_ok[None, :, None] & (chunk < NOPE // 64)
-    q_nope = tl.load(q_ptr + nope_at, mask=nope_ok, other=0.0)
+    q_nope = tl.load(q_ptr + nope_at, mask=nope_ok, other=0.0).to(tl.float32)
     rope_at = offs_h[:, None] * D + NOPE + c64[None, :]
-    q_rope = tl.load(q_ptr + rope_at, mask=h_ok[:, None], other=0.0)
+    q_rope = tl.load(q_ptr + rope_at, mask=h_ok[:, None], other=0.0).to(tl.float32)
     if split < splits_a:
         m, l, acc_n, acc_r = _attend_split(q_nope, q_rope, rows_a, idx_a, pos_a, n_a, ring_a, stride_a,
                                            split * blocks_a, blocks_a, scale, HB, D, NOPE, NC, BLOCK, SPLIT,
@@ -244,7 +244,7 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
     h_ok = offs_h < H
     cols = tl.arange(0, D)
     rows_hd = (t * H + offs_h).to(tl.int64)[:, None] * D + cols[None, :]
-    q = tl.load(q_ptr + rows_hd, mask=h_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + rows_hd, mask=h_ok[:, None], other=0.0).to(tl.float32)
     m = tl.full([HB], float("-inf"), tl.float32)
     l = tl.zeros([HB], tl.float32)
     acc = tl.zeros([HB, D], tl.float32)

@@ -81,10 +81,11 @@ def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torc
 
 
 def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The compressor's per-token [kv | gate] projections, float32 (token-local: runs over the whole batch)."""
+    """The compressor's per-token [kv | gate] projections (token-local: runs over the whole batch), in the working
+    dtype when the weights are stacked (the float32 ring write converts them), else float32."""
     names = (prefix + "wkv.weight", prefix + "wgate.weight")
     if stacked_name(names) in w:  # already [kv | gate] side by side
-        return linear(x, w[stacked_name(names)]).float()
+        return linear(x, w[stacked_name(names)])
     return torch.cat([part.float() for part in project(x, w, names)], dim=-1)
 
 
@@ -152,7 +153,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
     q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
     q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)
-    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), cos, sin).float()
+    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), cos, sin)  # working dtype: the kernels read it as is
     kv = apply_rope(rms_norm(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps), cos, sin)
     comp = idx = index_q = index_w = None
     if kind in (CSA, HCA):
@@ -224,7 +225,7 @@ def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
         scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
         index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
         sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
-    return attention_decode_triton(q.float(), sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
+    return attention_decode_triton(q, sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,6 +264,7 @@ def _prefill_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
 
 def _attend_reference(step: _Step, q: torch.Tensor) -> torch.Tensor:
     """The torch reference for T queries [T, H, D]: [T, H, D] float32 before the inverse RoPE."""
+    q = q.float()
     T, nh, hd = q.shape
     cfg, st, n_rows, dev = step.cfg, step.st, step.n_rows, q.device
     p0 = step.p0

@@ -66,12 +66,21 @@ class FloatCodec:
     def __init__(self, dim: int):
         self.dim, self.width, self.dtype = dim, dim, torch.float32
 
+    def stored_values(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows whose values (as float32) the ring stores for ``x``, in any float dtype."""
+        return x
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float()
+        return self.stored_values(x).float()
 
     def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
-        """Encode rows ``x`` into the ring ``data`` at ``index % len(data)``."""
-        _copy_into_ring(data, index, self.encode(x))
+        """Encode rows ``x`` into the ring ``data`` at ``index % len(data)``: on the GPU in one launch (the cast,
+        the ring index and the copy; a decode step writes two compressor rings per layer)."""
+        rt = _triton_rows(x)
+        if rt is not None:
+            rt.write_float_rows_triton(self.stored_values(x), data, index)
+        else:
+            _copy_into_ring(data, index, self.encode(x))
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         return stored
@@ -95,7 +104,7 @@ class NativeKVCodec(FloatCodec):
         super().__init__(dim)
         self.nope, self.rope_dim = dim - rope_dim, rope_dim
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def stored_values(self, x: torch.Tensor) -> torch.Tensor:
         rt = _triton_rows(x, (self.dim, self.rope_dim))
         if rt is not None:  # the packed bytes, read back
             return rt.unpack_kv_rows_triton(rt.pack_kv_rows_triton(x, validate=False, rope_dim=self.rope_dim),
@@ -143,7 +152,7 @@ def rotate_mxfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
 class NativeIndexerCodec(FloatCodec):
     """Indexer keys: Hadamard-128 rotation, then MXFP4; stored unpacked (rotated)."""
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def stored_values(self, x: torch.Tensor) -> torch.Tensor:
         return rotate_mxfp4_roundtrip(x)
 
 
