@@ -333,10 +333,15 @@ def _pack_out(src: torch.Tensor, width: int, out: torch.Tensor | None, at: torch
     if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
         raise ValueError(f"{fn}: out must be a contiguous uint8 [rows, {width}] buffer, got {out.dtype} "
                          f"{tuple(out.shape)}")
+    return out, _ring_index(at, src, fn), out.shape[0]
+
+
+def _ring_index(at: torch.Tensor, src: torch.Tensor, fn: str) -> torch.Tensor:
+    """``at`` checked as one integer ring row per row of ``src``, flat and contiguous."""
     if at.dtype not in (torch.int32, torch.int64) or at.numel() != src.shape[0] or at.device != src.device:
         raise ValueError(f"{fn}: at must hold one integer row index per input row on {src.device}, got {at.dtype} "
                          f"[{at.numel()}] on {at.device}")
-    return out, at.reshape(-1).contiguous(), out.shape[0]
+    return at.reshape(-1).contiguous()
 
 
 def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int = KV_ROPE_DIM,
@@ -367,11 +372,9 @@ def write_float_rows_triton(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor
     width = out.shape[1]
     src = _check_float_rows(x, width, fn, to_float32=False).reshape(-1, width).contiguous()
     _check_device(src, fn)
-    if at.dtype not in (torch.int32, torch.int64) or at.numel() != src.shape[0] or at.device != src.device:
-        raise ValueError(f"{fn}: at must hold one integer row index per input row on {src.device}, got {at.dtype} "
-                         f"[{at.numel()}] on {at.device}")
+    targets = _ring_index(at, src, fn)
     if src.shape[0]:
-        _kernels().write_rows_kernel[(src.shape[0],)](src, out, at.reshape(-1).contiguous(), out.shape[0], W=width,
+        _kernels().write_rows_kernel[(src.shape[0],)](src, out, targets, out.shape[0], W=width,
                                                       BLOCK_W=triton.next_power_of_2(width))
 
 

@@ -4,7 +4,7 @@
 compressed rows; flash-decoding): a program runs an online softmax for a group of heads over one split of
 consecutive blocks of rows, each row loaded and decoded once per program for both products, the next block's
 bytes in flight while the current one is multiplied.
-`combine_kernel` merges the blocks' softmax states with the per-head sink logit. `prefill_kernel`: many queries
+`combine_kernel` merges the splits' softmax states with the per-head sink logit. `prefill_kernel`: many queries
 (a prefill chunk), one program per (query, group of heads) looping over that query's rows with an online softmax,
 each block of rows decoded whole to float32 once and used for both products.
 
@@ -76,17 +76,11 @@ def _packed_bytes(rows_ptr, idx, stride, NOPE: tl.constexpr, NC: tl.constexpr, D
 
 
 @triton.jit
-def _split(a, dtype: tl.constexpr):
-    """float32 ``a`` as a high and a low part of ``dtype`` (about 16 significant bits together)."""
-    hi = a.to(dtype)
-    return hi, (a - hi.to(tl.float32)).to(dtype)
-
-
-@triton.jit
 def _dot_parts(a, k, acc, SPLIT: tl.constexpr):
     """acc + a @ k (batched when 3-D): with SPLIT, ``a`` (float32) as high + low parts of ``k``'s type."""
     if SPLIT:
-        hi, lo = _split(a, k.dtype)
+        hi = a.to(k.dtype)
+        lo = (a - hi.to(tl.float32)).to(k.dtype)
         acc = tl.dot(hi, k, acc)
         acc = tl.dot(lo, k, acc)
     else:
