@@ -477,11 +477,11 @@ if HAVE_TRITON:
         db = _h2f(_ld16(bp)) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
         out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         if ACT8:
-            pos_levels = tl.load(gridp + 386)
-            neg_levels = tl.load(gridp + 387)
+            pos_levels = tl.load(gridp + 385)
+            neg_levels = tl.load(gridp + 386)
         else:
-            pos_levels = tl.load(gridp + 388)
-            neg_levels = tl.load(gridp + 389)
+            pos_levels = tl.load(gridp + 387)
+            neg_levels = tl.load(gridp + 388)
             magic = tl.load(gridp + 384)
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
             if ACT8:
@@ -674,14 +674,14 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
-    """The IQ2_XXS matvec's tables as int32 [390]:
+    """The IQ2_XXS matvec's tables as int32 [389]:
 
     - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
     - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
       sign is the parity of the 7 bits), so that OR-ing it into a grid entry selects the negated levels;
-    - 384: the float magic 0x4B000000; 385: unused;
-    - 386, 387: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
-    - 388, 389: the same as 64 + level: (72, 89, 107) and (56, 39, 21)."""
+    - 384: the float magic 0x4B000000;
+    - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
+    - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21)."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
     grid = (levels << (4 * torch.arange(8))).sum(dim=1)
@@ -693,7 +693,7 @@ def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
     def word(b: list[int]) -> int:
         return int.from_bytes(bytes(v & 255 for v in b), "little", signed=True)
 
-    consts = [0x4B000000, 0, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
+    consts = [0x4B000000, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
               word([56, 39, 21, 0])]
     return torch.cat([grid, signs, torch.tensor(consts)]).to(torch.int32).to(device)
 

@@ -81,12 +81,12 @@ def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torc
 
 
 def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The compressor's per-token [kv | gate] projections (token-local: runs over the whole batch), in the working
-    dtype when the weights are stacked (the float32 ring write converts them), else float32."""
+    """The compressor's per-token [kv | gate] projections in the working dtype (token-local: runs over the whole
+    batch; the float32 ring write converts them)."""
     names = (prefix + "wkv.weight", prefix + "wgate.weight")
     if stacked_name(names) in w:  # already [kv | gate] side by side
         return linear(x, w[stacked_name(names)])
-    return torch.cat([part.float() for part in project(x, w, names)], dim=-1)
+    return torch.cat(project(x, w, names), dim=-1)
 
 
 @dataclass
