@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds4x.model.activations import sigmoid, silu, softplus
-from ds4x.runtime.batch import step_sessions
-from ds4x.runtime.engine import Engine
+from ds4x.runtime.batch import DecodeSlots, step_sessions
+from ds4x.runtime.engine import Engine, Session
 
 TEXTS = ["def fib(n):", "import numpy as np\n", "The quick brown fox", "class Stack:\n    def push(self, x):",
          "Hello"]
@@ -90,6 +90,47 @@ def test_batch_errors(engine: Engine) -> None:
         step_sessions([(other, [5]), (s, list(range(5, 13)))])
     # nothing was evaluated by the refused calls
     assert other.cache.length == 0 and len(s.tokens) == s.cache.length == 12
+
+
+def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: Engine) -> None:
+    """Sessions in a pool of decode slots (the server's CUDA path, stepped eagerly here) decode exactly as alone,
+    while free and prompt-reading slots inside the stepped range are stepped with throwaway rows."""
+    pool = DecodeSlots(engine, 512, "packed", 64, capacity=6, rowwise=True)
+    assert pool.sizes == [1, 2, 4, 6]
+    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
+    slotted = [Session(engine, pool.acquire(), 64) for _ in range(4)]
+    assert [pool.slot_of[id(s.cache)] for s in slotted] == [0, 1, 2, 3]
+    pool.release(slotted[1].cache)  # a free slot inside the stepped range
+    reading = slotted[3]  # a slot whose session is still reading its prompt (one chunk so far)
+    prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 6)
+    reading.prefill(prompt[:40])
+    held, n_read = {k: v.clone() for k, v in reading.cache.state().items()}, reading.cache.length
+    assert n_read > 16
+    stepping = [slotted[0], slotted[2]]
+    for text, a, b in zip(TEXTS, alone, stepping, strict=False):
+        ids = engine.tokenizer.encode(text)
+        a.prefill(ids)
+        b.prefill(ids)
+    ta = tb = [int(a.logits.argmax()) for a in alone[:2]]
+    for _ in range(24):
+        ta = [int(a.step(t).argmax()) for a, t in zip(alone, ta, strict=False)]
+        tb = [int(x.argmax()) for x in pool.decode(list(zip(stepping, tb, strict=True)))]
+        assert ta == tb
+    assert set(pool.steps) == {4}  # the highest stepping slot is 2: a step over the first four
+    assert reading.cache.length == n_read and all(torch.equal(held[k], v) for k, v in reading.cache.state().items())
+    # and what was written past its length does not change the rest of its prompt
+    whole = engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False)
+    whole.prefill(prompt[:40])
+    assert torch.equal(whole.prefill(prompt[40:]), reading.prefill(prompt[40:]))
+    assert pool.acquire() is slotted[1].cache and slotted[1].cache.length == 0  # lowest free first, reset
+    pool.acquire()
+    pool.acquire()
+    with pytest.raises(ValueError, match="all 6 decode slots"):
+        pool.acquire()
+    with pytest.raises(ValueError, match="twice"):
+        pool.decode([(stepping[0], 1), (stepping[0], 2)])
+    with pytest.raises(ValueError, match="vocabulary"):
+        pool.decode([(stepping[0], 10**6)])
 
 
 def test_activations_do_not_depend_on_the_tensor_size() -> None:

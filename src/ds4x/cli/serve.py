@@ -72,6 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "on the CPU a quarter of the available memory, at most 8 GiB)")
     p.add_argument("--prefill-chunk", type=_positive, default=256,
                    help="prompt tokens evaluated per scheduler step, between decode steps (default 256)")
+    p.add_argument("--prefill-budget", type=_positive, default=None,
+                   help="prompt tokens of several requests evaluated in one model call, a chunk each (default 4 "
+                        "chunks; with batch invariance one request per call)")
     p.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
                    help="row-by-row products in batched decode, so a request's output does not depend on the rest "
                         "of the batch (auto: on for the CPU, off for CUDA, where it would give up the batching)")
@@ -114,14 +117,16 @@ def run(args: argparse.Namespace) -> int:
     invariant = {"auto": None, "on": True, "off": False}[args.batch_invariant]
     app = create_app(engine, name, ctx, args.cache, prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
                      max_queue=args.max_queue, kv_budget=args.kv_budget, batch_invariant=invariant,
-                     prefix_cache=prefix_cache)
+                     prefix_cache=prefix_cache, prefill_budget=args.prefill_budget)
     sched = app.state.server.scheduler
     logging.getLogger(__name__).info(
         "serving %s as %r on http://%s:%d (ctx %d, %s cache; batches of up to %d, KV budget %.2f GiB = %d sessions "
-        "of %.1f MiB, queue %d, prefill chunk %d, batch-invariant decode %s, prefix cache %s)", args.model, name,
+        "of %.1f MiB, queue %d, prefill chunk %d (up to %d tokens a call), batch-invariant decode %s, decode %s, "
+        "prefix cache %s)", args.model, name,
         args.host, args.port, ctx, args.cache, sched.max_batch, sched.kv_budget / 2**30,
         sched.kv_budget // sched.session_bytes, sched.session_bytes / 2**20, sched.max_queue, sched.chunk,
-        "on" if sched.rowwise else "off",
+        sched.chunk if sched.rowwise else sched.prefill_budget, "on" if sched.rowwise else "off",
+        "CUDA graphs over a pool of cache slots" if sched.slots is not None else "eager",
         "off" if prefix_cache is None else f"{args.prefix_cache_bytes / 2**30:.2f} GiB in memory"
         + (f", {args.prefix_cache_dir} (cap {args.prefix_cache_disk_bytes / 2**30:.2f} GiB)"
            if args.prefix_cache_dir else ""))

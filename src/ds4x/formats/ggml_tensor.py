@@ -33,7 +33,7 @@ LAYOUTS = ("blocks", "split")
 class GGMLTensor:
     """Raw GGML blocks + type + logical shape; see the module docstring."""
 
-    __slots__ = ("raw", "qtype", "_shape", "layout")
+    __slots__ = ("raw", "qtype", "_shape", "layout", "dense_mirror")
 
     def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, ...],
                  layout: str = "blocks"):
@@ -66,6 +66,8 @@ class GGMLTensor:
         self.qtype = qt
         self._shape = torch.Size(shape)
         self.layout = layout
+        # the same values decoded to a dense tensor, kept by kernels that chose to (batched products on CUDA)
+        self.dense_mirror: torch.Tensor | None = None
 
     # ---- tensor-like surface ------------------------------------------------------------------
     @property

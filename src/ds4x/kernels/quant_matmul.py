@@ -65,6 +65,7 @@ for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from functools import lru_cache
@@ -77,6 +78,7 @@ from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 
 T = GGMLQuantizationType
+log = logging.getLogger(__name__)
 # type -> (code for the kernels, weights per scale group S, block bytes, block weights, matvec unit weights)
 _TYPES = {
     T.Q8_0: (8, 32, 34, 32, 8),
@@ -103,6 +105,18 @@ INT8_ACTIVATIONS = frozenset({T.Q2_K})
 # Q2_K down 3.67 / 6.12 / 9.91 (scripts/prefill_sweep.py). The decode writes and the GEMM reads every bf16 weight
 # once (2 x 4.3 GB per matrix), so the path is bandwidth-bound on its scratch, not on the blocks.
 GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per slice needs one host sync)
+# Dense mirrors (off unless ``use_dense_mirrors(True)``: the server's batched decode turns them on). From
+# MIRROR_MIN_ROWS rows a Q8_0 matrix multiplies through a copy of itself decoded once to the activations' dtype
+# (kept on the weight) and the dense GEMM, which reads 2 bytes per weight once, where the matvec reads ~1.06
+# bytes per weight per row and the skinny kernel, with one program per 64 output rows, is latency-bound. H200,
+# bf16, us blocks / mirror at 1, 2, 3 rows (32 rows): wq_b 1024->32768 14.1 / 18.1, 26.0 / 18.3, 37.9 / 18.4
+# (81.9 / 19.3); wo_b 8192->4096 11.7 / 21.7, 22.2 / 21.7, 31.4 / 21.9 (160.5 / 23.1); wo_a grouped 11.9 / 18.4,
+# 22.5 / 18.2; head 129280 x 4096 158.8 / 237.9, 315.4 / 237.6; wq_a 4096->1024 3.2 / 6.5, 4.7 / 6.6, 6.1 / 6.6,
+# 7.4 / 6.5 at 4 rows. The 259 mirrors of Flash q2 take ~9.6 GB; 32 sessions' step 175 -> 149 ms.
+MIRROR_TYPES = frozenset({T.Q8_0})
+MIRROR_MIN_ROWS = 2
+MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
+_mirrors = {"on": False, "refused": False}
 
 
 _DEFINED_INTERPRETED = interpret_mode()
@@ -872,6 +886,33 @@ def _grouped_path(x: torch.Tensor) -> bool:
             and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
+def use_dense_mirrors(on: bool = True) -> None:
+    """Turn dense mirrors of Q8_0 matrices on or off for batched products (see MIRROR_MIN_ROWS). Mirrors
+    already built stay with their weights."""
+    _mirrors["on"], _mirrors["refused"] = on, False
+
+
+def _dense_mirror(w: GGMLTensor, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``w`` decoded to ``dtype`` and kept, when mirrors are on and ``rows`` rows make it pay; else None.
+    Built outside a CUDA-graph capture only (a captured step uses what its eager first run built)."""
+    if not (_mirrors["on"] and rows >= MIRROR_MIN_ROWS and w.qtype in MIRROR_TYPES and w.is_cuda):
+        return None
+    m = w.dense_mirror
+    if m is not None and m.dtype == dtype:
+        return m
+    if torch.cuda.is_current_stream_capturing() or _mirrors["refused"]:
+        return None
+    need = w.numel() * torch.finfo(dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(w.device)
+    if free < need + MIRROR_RESERVE_BYTES:
+        _mirrors["refused"] = True
+        log.warning("dense mirrors of Q8_0 matrices stop here: %.1f GiB free on %s; batched products read the "
+                    "blocks instead", free / 2**30, w.device)
+        return None
+    w.dense_mirror = dequantize_gpu(w, dtype)
+    return w.dense_mirror
+
+
 def _check(x: torch.Tensor, w: GGMLTensor, what: str) -> None:
     if w.qtype not in _TYPES:
         raise ValueError(f"{what}: no kernel for {w.qtype.name} (have {', '.join(t.name for t in _TYPES)})")
@@ -892,6 +933,8 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
+        return torch.nn.functional.linear(x, dense)
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
         return torch.nn.functional.linear(x, dequantize_gpu(w, x.dtype))
     return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], 1, config, force, int8).reshape(*lead, w.shape[0])
@@ -926,6 +969,8 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
+    if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
+        return torch.einsum("tgi,goi->tgo", x, dense.view(groups, out_g, kin))
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin), w.layout)
     if t > DOT_MAX_ROWS and force is None:
         return torch.einsum("tgi,goi->tgo", x, dequantize_gpu(wg, x.dtype))

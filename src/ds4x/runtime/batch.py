@@ -5,6 +5,11 @@ may hold different lengths; token-local work runs over all rows together, attent
 (:meth:`ds4x.model.transformer.Transformer.forward_batch`). The server (:mod:`ds4x.serve.scheduler`) runs
 each prompt chunk alone and the decode rows of all generating sessions together.
 
+On CUDA the server decodes through :class:`DecodeSlots` instead: its sessions live in a fixed pool of caches,
+so a decode step over the first b caches of the pool is captured once as a CUDA graph and replayed whatever
+sessions come and go (an eager batched step launches every kernel of every layer, per session for the
+attention: about 130 ms for one session of the full-size model on an H200, 11 ms replayed).
+
 Batching changes the shapes of the token-local matmuls, and a matmul library picks its kernel (its reduction
 order) by shape, so a session's logits can differ from stepping it alone in the last float bits; through the
 native/packed cache's E4M3 and MXFP4 roundings such a difference can grow (tests/test_batch.py measures it).
@@ -14,11 +19,15 @@ very logits a step of that session alone gives (on the CPU: bit-identical; the t
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import torch
 
-from ds4x.runtime.engine import Session
+from ds4x.kernels.linear import rowwise_products
+from ds4x.model.cache import ModelCache
+from ds4x.runtime.decode_graph import CapturedStep
+from ds4x.runtime.engine import Engine, Session
 
 
 def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool = False) -> list[torch.Tensor]:
@@ -45,3 +54,92 @@ def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool 
         session.logits = row.clone()  # its own storage: a session outlives the batch (saved, cloned)
         out.append(session.logits)
     return out
+
+
+class DecodeSlots:
+    """A pool of at most ``capacity`` caches of one layout whose sessions decode together from CUDA graphs.
+
+    A decode step covers the first b caches of the pool, b the smallest batch size (powers of two, and
+    ``capacity``) that holds every stepping session; one graph is captured per b on first use. Caches in that
+    range whose session is not stepping are stepped too, with token 0 and their logits dropped: a free cache at
+    position 0, a session reading its prompt at its own length, so the rows written lie at or past it and the
+    next pass overwrites them before anything reads them (as a captured step rewrites its open compressor
+    window every step). Free caches are handed out lowest first, so the sessions stay packed at the front.
+    Caches are allocated when first needed and kept. On CUDA, Q8_0 matrices multiply batches through dense
+    mirrors (:func:`ds4x.kernels.quant_matmul.use_dense_mirrors`). ``rowwise``: batch-invariant products (see
+    :func:`step_sessions`; for the eager step, e.g. on the CPU).
+    """
+
+    def __init__(self, engine: Engine, ctx: int, mode: str, chunk: int, capacity: int, rowwise: bool = False):
+        if capacity <= 0:
+            raise ValueError(f"a decode slot pool needs a positive capacity, got {capacity}")
+        self.engine, self.ctx, self.mode, self.chunk, self.capacity = engine, ctx, mode, chunk, capacity
+        self.rowwise = rowwise
+        if engine.model.device.type == "cuda":
+            from ds4x.kernels.quant_matmul import use_dense_mirrors
+
+            use_dense_mirrors(True)
+        self.sizes = sorted({*(1 << i for i in range(capacity.bit_length()) if 1 << i < capacity), capacity})
+        self.caches: list[ModelCache] = []
+        self.slot_of: dict[int, int] = {}  # id(cache) -> its index
+        self.free: list[int] = []  # sorted
+        self.steps: dict[int, CapturedStep] = {}
+
+    def _grow(self, n: int) -> None:
+        while len(self.caches) < n:
+            cache = self.engine.model.new_cache(self.ctx, self.mode, self.chunk)
+            self.slot_of[id(cache)] = len(self.caches)
+            bisect.insort(self.free, len(self.caches))
+            self.caches.append(cache)
+
+    def acquire(self) -> ModelCache:
+        """An empty cache of the pool (the lowest free one), or ValueError when all are in use."""
+        if not self.free:
+            if len(self.caches) == self.capacity:
+                raise ValueError(f"all {self.capacity} decode slots are in use")
+            self._grow(len(self.caches) + 1)
+        cache = self.caches[self.free.pop(0)]
+        cache.reset()
+        return cache
+
+    def release(self, cache: ModelCache) -> None:
+        """Give a cache of the pool back. Its rows stay readable until the next decode step or ``acquire``
+        (a finished session can still be stored)."""
+        slot = self.slot_of[id(cache)]
+        if slot not in self.free:
+            bisect.insort(self.free, slot)
+
+    def owns(self, cache: ModelCache) -> bool:
+        return id(cache) in self.slot_of
+
+    def decode(self, items: Sequence[tuple[Session, int]]) -> list[torch.Tensor]:
+        """Advance each session (its cache from this pool) by one token; return each one's logits [V]."""
+        if not items:
+            raise ValueError("decode needs at least one session")
+        slots = [self.slot_of[id(session.cache)] for session, _ in items]
+        if len(set(slots)) != len(slots):
+            raise ValueError("a session appears twice in one decode step")
+        for session, token in items:
+            session._check_ids([token])
+        b = next(n for n in self.sizes if n > max(slots))
+        self._grow(b)
+        caches = self.caches[:b]
+        tokens = [0] * b
+        positions = [0 if slot in self.free else c.length for slot, c in enumerate(caches)]
+        for slot, (_, token) in zip(slots, items, strict=True):
+            tokens[slot] = token
+        for slot, cache in enumerate(caches):
+            if positions[slot] >= cache.ctx:  # no row to write past a full context
+                raise ValueError(f"decode slot {slot} holds a full context but is not stepping")
+        step = self.steps.get(b)
+        if step is None:
+            step = self.steps[b] = CapturedStep(self.engine.model, caches)
+        with rowwise_products(self.rowwise):
+            logits = step(tokens, positions)
+        out = []
+        for slot, (session, token) in zip(slots, items, strict=True):
+            session.cache.length += 1
+            session.tokens.append(token)
+            session.logits = logits[slot]
+            out.append(session.logits)
+        return out

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds4x.model.cache import ModelCache
 from ds4x.runtime.engine import Engine, Session
 from ds4x.runtime.session_file import (
     SUFFIX,
@@ -98,13 +99,16 @@ class PrefixCache:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int]) -> tuple[Session | None, int]:
+    def lookup(self, tokens: list[int], into: ModelCache | None = None) -> tuple[Session | None, int]:
         """(a private session holding the longest reusable prefix of ``tokens``, its length n), or
-        (None, 0). n <= len(tokens) - 1: the caller evaluates ``tokens[n:]``, never empty."""
+        (None, 0). n <= len(tokens) - 1: the caller evaluates ``tokens[n:]``, never empty. ``into``: the cache
+        the session gets (see :func:`ds4x.runtime.session_file.restore`)."""
         query = np.asarray(tokens, dtype=np.int64)
         with self._lock:
             best, best_n = None, 0
             for key, e in self._entries.items():
+                if into is not None and e.layout != (into.ctx, into.mode, into.chunk):
+                    continue
                 n = min(_shared_prefix(e.tokens, query), len(query) - 1)
                 usable = n == len(e.tokens) or n >= e.rewind_floor
                 in_memory = e.snap is not None or e.writing is not None
@@ -121,7 +125,7 @@ class PrefixCache:
             snap = self._load(key, header)
             if snap is None:
                 return None, 0
-        session = restore(self.engine, snap, length=best_n)
+        session = restore(self.engine, snap, length=best_n, into=into)
         with self._lock:
             self.hits += 1
             self.reused_tokens += best_n

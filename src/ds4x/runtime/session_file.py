@@ -39,6 +39,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.model.cache import ModelCache
 from ds4x.runtime.engine import Engine, Session
 
 SESSION_ABI_VERSION = 1
@@ -144,14 +145,22 @@ def snapshot(session: Session) -> SessionSnapshot:
 
 
 def restore(engine: Engine, snap: SessionSnapshot, length: int | None = None, ctx: int | None = None,
-            announce: bool = False) -> Session:
+            announce: bool = False, into: ModelCache | None = None) -> Session:
     """A new session holding ``snap`` (rewound to its first ``length`` tokens if given; then it has no
-    logits until the next token is evaluated), in a context of ``ctx`` tokens (default: the snapshot's)."""
-    ctx = snap.ctx if ctx is None else ctx
+    logits until the next token is evaluated), in a context of ``ctx`` tokens (default: the snapshot's).
+    ``into``: an existing cache of the snapshot's layout to hold it (e.g. a server's decode slot), instead of a
+    new one (its context counts, not ``ctx``)."""
+    ctx = into.ctx if into is not None else snap.ctx if ctx is None else ctx
     if len(snap.tokens) > ctx:
         raise ValueError(f"the session holds {len(snap.tokens)} tokens, more than a context of {ctx}")
-    session = engine.new_session(ctx=ctx, cache=snap.cache_mode, prefill_chunk=snap.prefill_chunk,
-                                 prefill_mode=snap.prefill_mode, announce=announce)
+    if into is None:
+        session = engine.new_session(ctx=ctx, cache=snap.cache_mode, prefill_chunk=snap.prefill_chunk,
+                                     prefill_mode=snap.prefill_mode, announce=announce)
+    else:
+        if (into.mode, into.chunk) != (snap.cache_mode, snap.prefill_chunk):
+            raise ValueError(f"a {snap.cache_mode} session of prefill chunk {snap.prefill_chunk} cannot go into a "
+                             f"{into.mode} cache of chunk {into.chunk}")
+        session = Session(engine, into, snap.prefill_chunk, snap.prefill_mode)
     session.cache.load_state(len(snap.tokens), snap.rows)
     session.tokens = list(snap.tokens)
     session.logits = None if snap.logits is None else snap.logits.to(engine.model.device, copy=True)

@@ -168,6 +168,7 @@ class Metrics:
              st.cancelled),
             ("ds4x_requests_failed_total", "counter", "Requests ended by an engine error.", st.failed),
             ("ds4x_decode_steps_total", "counter", "Batched decode steps.", st.steps),
+            ("ds4x_prefill_steps_total", "counter", "Model calls evaluating prompt chunks.", st.prefill_steps),
             ("ds4x_requests_running", "gauge", "Requests holding a session (admitted).", g["running"]),
             ("ds4x_requests_waiting", "gauge", "Requests queued for admission.", g["waiting"]),
             ("ds4x_kv_bytes_in_use", "gauge", "Planned cache bytes of the admitted sessions.", g["kv_bytes_in_use"]),
@@ -363,20 +364,24 @@ def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str |
 
 def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill_chunk: int = 256,
                max_batch: int = 32, max_queue: int = 128, kv_budget: int | None = None,
-               batch_invariant: bool | None = None, prefix_cache: PrefixCache | None = None) -> FastAPI:
+               batch_invariant: bool | None = None, prefix_cache: PrefixCache | None = None,
+               decode_slots: bool | None = None, prefill_budget: int | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``; sessions of ``ctx`` tokens with ``cache``.
 
     Scheduling (:class:`~ds4x.serve.scheduler.Scheduler`): prompts in chunks of ``prefill_chunk``, at most
     ``max_batch`` sessions decoding together within ``kv_budget`` bytes of planned cache (default
     :func:`~ds4x.serve.scheduler.default_kv_budget`), at most ``max_queue`` waiting. ``batch_invariant``:
-    row-by-row products in the decode step (default: on the CPU). The worker thread runs while the app does
-    (its lifespan).
+    row-by-row products in the decode step (default: on the CPU). ``decode_slots``: sessions in a fixed pool of
+    caches whose decode steps replay CUDA graphs (default: where graphs are on). The worker thread runs while
+    the app does (its lifespan). ``prefill_budget``: prompt tokens evaluated together (default 4 chunks; without
+    batch invariance).
     """
     if ctx <= 0 or ctx > engine.cfg.max_position_embeddings:
         raise ValueError(f"ctx must be in [1, {engine.cfg.max_position_embeddings}], got {ctx}")
     budget = default_kv_budget(engine.model.device) if kv_budget is None else kv_budget
     scheduler = Scheduler(engine, ctx, cache, prefill_chunk=prefill_chunk, max_batch=max_batch, max_queue=max_queue,
-                          kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache)
+                          kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache,
+                          slots=decode_slots, prefill_budget=prefill_budget)
     server = Server(engine, model_name, ctx, cache, scheduler)
     info = server_info(engine, cache)  # once: it runs git and nvidia-smi
 

@@ -4,9 +4,12 @@ Each loop of the worker (between two loops requests join and leave):
 
 1. drop cancelled requests (a client that went away frees its session here, before the next step) and admit
    waiting ones while the batch has room (``max_batch``) and the KV budget covers their planned cache bytes;
-2. run one prefill chunk of the oldest request still reading its prompt (alone: the chunk's shapes are its
-   own, so the prompt is evaluated exactly as ``Session.prefill`` with the same chunk does);
-3. run one batched decode step for every request that is generating (``ds4x.runtime.batch.step_sessions``).
+2. run the next prefill chunk of the oldest request still reading its prompt (alone under ``rowwise``: the
+   chunk's shapes are its own, so the prompt is evaluated exactly as ``Session.prefill`` with the same chunk
+   does; otherwise together with the next chunks of the following ones, up to ``prefill_budget`` tokens in one
+   model call, since a call's fixed cost dominates short prompts);
+3. run one batched decode step for every request that is generating (``ds4x.runtime.batch.step_sessions``;
+   on CUDA the sessions hold caches of a ``DecodeSlots`` pool and the step replays a CUDA graph).
 
 So a long prompt costs the running streams one chunk per step, never a stall. With ``rowwise`` (the default on
 the CPU) the decode step's products are batch-invariant, and a request's tokens are exactly those of
@@ -37,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds4x.model.cache import free_memory, plan_cache
-from ds4x.runtime.batch import step_sessions
+from ds4x.model.cache import ModelCache, free_memory, plan_cache
+from ds4x.runtime.batch import DecodeSlots, step_sessions
+from ds4x.runtime.decode_graph import graphs_enabled
 from ds4x.runtime.engine import Engine, Session
 from ds4x.runtime.sampling import SamplingParams, sample
 from ds4x.runtime.tokenizer import TextStream
@@ -216,6 +220,7 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     steps: int = 0
+    prefill_steps: int = 0  # model calls evaluating prompt chunks
     batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256)))
     ttft: Histogram = field(default_factory=lambda: Histogram(
         (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)))
@@ -226,11 +231,16 @@ class EngineStats:
 class Scheduler:
     def __init__(self, engine: Engine, ctx: int, cache: str, *, prefill_chunk: int = 256, max_batch: int = 32,
                  max_queue: int = 128, kv_budget: int, rowwise: bool | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, slots: bool | None = None,
+                 prefill_budget: int | None = None):
         if prefill_chunk <= 0 or max_batch <= 0 or max_queue < 0:
             raise ValueError(f"prefill chunk and max batch must be positive and max queue >= 0, got "
                              f"{prefill_chunk}, {max_batch}, {max_queue}")
         self.engine, self.ctx, self.cache, self.chunk = engine, ctx, cache, prefill_chunk
+        self.prefill_budget = 4 * prefill_chunk if prefill_budget is None else prefill_budget
+        if self.prefill_budget < prefill_chunk:
+            raise ValueError(f"the prefill budget ({self.prefill_budget} tokens) must hold a prefill chunk "
+                             f"({prefill_chunk})")
         self.max_batch, self.max_queue, self.kv_budget = max_batch, max_queue, kv_budget
         self.rowwise = engine.model.device.type == "cpu" if rowwise is None else rowwise
         self.prefix_cache = prefix_cache
@@ -238,6 +248,11 @@ class Scheduler:
         if kv_budget < self.session_bytes:
             raise ValueError(f"the KV budget ({kv_budget / 2**20:.1f} MiB) is smaller than one session's cache "
                              f"({self.session_bytes / 2**20:.1f} MiB: ctx {ctx}, {cache} cache)")
+        # a fixed pool of caches decoded from CUDA graphs (``slots`` None: where graphs are on)
+        if slots is None:
+            slots = graphs_enabled(engine.model.device, cache)
+        self.slots = (DecodeSlots(engine, ctx, cache, prefill_chunk, min(max_batch, kv_budget // self.session_bytes),
+                                  self.rowwise) if slots else None)
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
@@ -303,6 +318,8 @@ class Scheduler:
         if req in self._running:
             self._running.remove(req)
             self._kv_in_use -= self.session_bytes
+            if self.slots is not None and req.session is not None:
+                self.slots.release(req.session.cache)
         elif req in self._waiting:
             self._waiting.remove(req)
         req.session = None
@@ -327,7 +344,7 @@ class Scheduler:
                 running = list(self._running)
             finished: list[Generation] = []
             try:
-                self._prefill_one(running, finished)
+                self._prefill(running, finished)
                 self._decode(running, finished)
             except Exception as exc:  # a bug of ours: fail what was running, keep serving
                 self._fail([r for r in running if r not in finished], exc, finished)
@@ -342,8 +359,12 @@ class Scheduler:
     def _start(self, req: Generation) -> None:
         """Give an admitted request its session: a stored prefix if one is usable, else a fresh one."""
         job, params = req.job, req.job.params
-        session, n = self._reuse(job.prompt)
-        if session is None:
+        slot = self.slots.acquire() if self.slots is not None else None
+        session, n = self._reuse(job.prompt, slot)
+        if session is None and slot is not None:
+            slot.reset()  # a lookup may have loaded a prefix it then could not use
+            session, n = Session(self.engine, slot, self.chunk), 0
+        elif session is None:
             session, n = self.engine.new_session(ctx=self.ctx, cache=self.cache, prefill_chunk=self.chunk,
                                                  announce=False), 0
         req.session, req.fed = session, n
@@ -360,11 +381,11 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(torch.seed())
         req.output = Output(self.engine, job)
 
-    def _reuse(self, prompt: list[int]) -> tuple[Session | None, int]:
+    def _reuse(self, prompt: list[int], into: ModelCache | None) -> tuple[Session | None, int]:
         if self.prefix_cache is None or len(prompt) <= self.chunk:  # a usable prefix is a whole chunk or more
             return None, 0
         try:
-            session, n = self.prefix_cache.lookup(prompt)
+            session, n = self.prefix_cache.lookup(prompt, into=into)
         except Exception:  # a broken store costs the reuse, not the request
             log.exception("prefix cache: lookup failed")
             return None, 0
@@ -380,30 +401,52 @@ class Scheduler:
         session.tokens, session.logits = session.tokens[:n], None
         return session, n
 
-    def _prefill_one(self, running: list[Generation], finished: list[Generation]) -> None:
-        req = next((r for r in running if r.next_token is None and not r.cancelled), None)
-        if req is None:
+    def _prefill(self, running: list[Generation], finished: list[Generation]) -> None:
+        """The next chunk of the requests reading their prompts, oldest first: one request under ``rowwise``,
+        else as many as ``prefill_budget`` tokens hold (the first always)."""
+        batch: list[tuple[Generation, list[int]]] = []
+        total = 0
+        for req in running:
+            if req.next_token is not None or req.cancelled:
+                continue
+            try:
+                if req.session is None:
+                    self._start(req)
+            except Exception as exc:  # the server survives a failed request
+                self._fail([req], exc, finished)
+                continue
+            part = req.job.prompt[req.fed : req.fed + self.chunk]
+            if batch and (self.rowwise or total + len(part) > self.prefill_budget):
+                break
+            batch.append((req, part))
+            total += len(part)
+        if not batch:
             return
         try:
-            if req.session is None:
-                self._start(req)
-            assert req.session is not None
-            part = req.job.prompt[req.fed : req.fed + self.chunk]
-            (logits,) = step_sessions([(req.session, part)])
+            logits = step_sessions([(req.session, part) for req, part in batch])
+        except Exception as exc:
+            self._fail([req for req, _ in batch], exc, finished)
+            return
+        self.stats.prefill_steps += 1
+        for (req, part), row in zip(batch, logits, strict=True):
             req.fed += len(part)
             req.job.prompt_tokens += len(part)
             self.stats.prompt_tokens += len(part)
             if req.fed == len(req.job.prompt):
-                self._sample(req, logits, finished)
-        except Exception as exc:  # the server survives a failed request
-            self._fail([req], exc, finished)
+                try:
+                    self._sample(req, row, finished)
+                except Exception as exc:
+                    self._fail([req], exc, finished)
 
     def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
         if not batch:
             return
         try:
-            logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
+            if self.slots is not None:
+                logits = self.slots.decode([(r.session, r.next_token) for r in batch])
+            else:
+                logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
         except Exception as exc:
             self._fail(batch, exc, finished)
             return
