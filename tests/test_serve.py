@@ -148,6 +148,8 @@ def test_streaming_matches_non_streaming(client: TestClient, chat: bool) -> None
     ids = [i for c in content for i in c["choices"][0]["token_ids"]]
     assert ids == whole["choices"][0]["token_ids"]
     assert whole["usage"]["completion_tokens"] == 12
+    # streamed ids come with their token, also while its text is held back (an incomplete UTF-8 character)
+    assert [len(c["choices"][0]["token_ids"]) for c in content] == [1] * 12 + [0]
 
 
 def test_stream_without_usage_ends_with_done(client: TestClient) -> None:

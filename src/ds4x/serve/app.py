@@ -278,7 +278,9 @@ class Server:
             params = req.sampling()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text)
+        # streamed token ids arrive with their token, not when held-back text completes (clients time them)
+        return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text,
+                   ids_every_token=bool(req.stream and req.return_token_ids))
 
     def submit(self, job: Job) -> tuple[Generation | None, asyncio.Queue]:
         """Hand ``job`` to the scheduler (or raise the APIError of a refusal); its pieces arrive on the queue."""

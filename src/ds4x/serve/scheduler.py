@@ -78,6 +78,7 @@ class Job:
     stops: list[str]
     ignore_eos: bool
     text: bool  # detokenize (False: a model without a tokenizer; ids only)
+    ids_every_token: bool = False  # a piece per token even while its text is held back (streamed token ids)
     prompt_tokens: int = 0  # evaluated so far (reused prefix tokens are not evaluated)
     reused_tokens: int = 0
     generated: int = 0
@@ -108,8 +109,9 @@ def _first_stop(text: str, stops: list[str]) -> int:
 
 
 class Output:
-    """Token ids -> pieces of text: incomplete UTF-8 characters and possible stop-string prefixes are held back;
-    a stop string ends the output before it."""
+    """Token ids -> pieces of text: incomplete UTF-8 characters and possible stop-string prefixes are held back
+    (with ``ids_every_token`` the token's piece then carries its id and no text); a stop string ends the output
+    before it."""
 
     def __init__(self, engine: Engine, job: Job):
         self.job = job
@@ -132,7 +134,7 @@ class Output:
             cut = len(self.pending) - _holdback(self.pending, job.stops)
         else:
             cut = len(self.pending)
-        if not cut and job.text:
+        if not cut and job.text and not job.ids_every_token:
             return None
         piece = Piece(self.pending[:cut], self.ids)
         self.pending, self.ids = self.pending[cut:], []
