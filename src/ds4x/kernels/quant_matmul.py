@@ -113,8 +113,6 @@ GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per sl
 # (81.9 / 19.3); wo_b 8192->4096 11.7 / 21.7, 22.2 / 21.7, 31.4 / 21.9 (160.5 / 23.1); wo_a grouped 11.9 / 18.4,
 # 22.5 / 18.2; head 129280 x 4096 158.8 / 237.9, 315.4 / 237.6; wq_a 4096->1024 3.2 / 6.5, 4.7 / 6.6, 6.1 / 6.6,
 # 7.4 / 6.5 at 4 rows. The 259 mirrors of Flash q2 take ~9.6 GB; 32 sessions' step 175 -> 149 ms.
-# Routed matvec over several tokens: launch the (token, slot) pairs sorted by expert (same bits per pair).
-ORDER_ROUTED_PAIRS = os.environ.get("DS4X_ORDER_ROUTED_PAIRS", "1") != "0"
 MIRROR_TYPES = frozenset({T.Q8_0})
 MIRROR_MIN_ROWS = 2
 MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
@@ -552,15 +550,11 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, order_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
                     stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
-                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, ORDERED: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
         pid_n = tl.program_id(0)
-        if ORDERED:  # pairs by expert: the programs of one expert's pairs run together and share its reads in L2
-            pair = tl.load(order_ptr + tl.program_id(1))
-        else:
-            pair = tl.program_id(1)
+        pair = tl.program_id(1)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
@@ -799,13 +793,11 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         n_units = k // unit
-        ordered = has_ids and n_pairs > slots and ORDER_ROUTED_PAIRS
-        order = torch.sort(ids_t, stable=True).indices.to(torch.int32) if ordered else _dummy(dev)
         mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
-            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, order, y, n, n_units, w.row_bytes,
+            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
             expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
-            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), ORDERED=ordered,
-            INTERPRET=interpret_mode(), num_warps=nw)
+            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
+            num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
