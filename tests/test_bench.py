@@ -44,3 +44,12 @@ def test_report_has_the_prefill_table(tmp_path):
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "## Full model" in text
     assert "| 4,096 | 98 | 37.81 | 26.4 | 6.0% | - | ok | graph |" in text
+    assert "Server under load" not in text
+    serve = {"bench": "serve", "date": "2026-12-02T18:23:50", "commit": "abc", "model": "flash:q2", "run_id": "r1",
+             "mode": "closed", "concurrency": 8, "requests": 24, "errors": {"http_429": 1}, "aggregate_tok_s": 87.61,
+             "per_stream_tok_s_median": 11.6, "ttft_p50_s": 0.755, "itl_p99_ms": None,
+             "server_meta": {"gpu": "NVIDIA H200"}, "note": "n"}
+    (tmp_path / "serve.jsonl").write_text(json.dumps(serve) + "\n")
+    write_report(ledger, tmp_path / "BENCHMARKS.md", tmp_path / "serve.jsonl")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "| abc | NVIDIA H200 | flash:q2 | r1 | 8 | 24 | 1 | 87.6 | 11.6 | 0.755 | - | ok | n |" in text

@@ -42,7 +42,26 @@ def _frontier_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
+def _serve_table(rows: list[dict[str, Any]]) -> list[str]:
+    def num(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    out = ["| date | commit | server GPU | model | run | concurrency | requests | errors | tok/s | stream tok/s med "
+           "| TTFT p50 s | ITL p99 ms | status | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sm = r.get("server_meta")
+        gpu = sm.get("gpu", "?") if isinstance(sm, dict) else "?"
+        level = r["concurrency"] if r.get("mode") == "closed" else f"rate {r.get('rate')}"
+        out.append(f"| {r['date'][:16]} | {r['commit']} | {gpu} | {r['model']} | {r['run_id']} | {level} "
+                   f"| {r['requests']} | {sum(r.get('errors', {}).values())} | {num(r['aggregate_tok_s'], '.1f')} "
+                   f"| {num(r.get('per_stream_tok_s_median'), '.1f')} | {num(r.get('ttft_p50_s'), '.3f')} "
+                   f"| {num(r.get('itl_p99_ms'), '.1f')} | {r.get('status', 'ok')} | {r.get('note', '')} |")
+    return out
+
+
+def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, Any]] | None = None,
+           serve_name: str = "") -> str:
     lines = [
         "# Benchmarks",
         "",
@@ -88,9 +107,16 @@ def render(rows: list[dict[str, Any]], ledger_name: str) -> str:
             lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['qtype']} | {r['shape']} | {r['flags']['rows']} "
                          f"| {r['flags']['kernel']} | {r['us']:.1f} | {r['gb_s']:.0f} | {frac:.1f}% |")
         lines.append("")
+    if serve:
+        lines += [f"## Server under load (`ds4x bench serve`, from `{serve_name}`)", "",
+                  "Closed loop: each stream sends its next request when the previous one ends; tok/s is every output "
+                  "token over the wall time including the drain; ITL burst-normalized (DESIGN §7). Flags, prompt "
+                  "and output lengths are in the ledger.", "", *_serve_table(serve), ""]
     return "\n".join(lines)
 
 
-def write_report(ledger: Path, out: Path) -> None:
+def write_report(ledger: Path, out: Path, serve_ledger: Path | None = None) -> None:
+    """``out`` from ``ledger``, plus the server-load rows of ``serve_ledger`` if that file exists."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(load(ledger), ledger.as_posix()))
+    serve = load(serve_ledger) if serve_ledger is not None and serve_ledger.is_file() else None
+    out.write_text(render(load(ledger), ledger.as_posix(), serve, serve_ledger.as_posix() if serve_ledger else ""))

@@ -94,6 +94,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench_plot.add_parser(kinds)
     r = kinds.add_parser("report", help="render docs/BENCHMARKS.md from the ledger")
     r.add_argument("--ledger", default="benchmarks/ledger.jsonl")
+    r.add_argument("--serve-ledger", default="benchmarks/serve_ledger.jsonl",
+                   help="`ds4x bench serve` rows to add (if the file exists)")
     r.add_argument("--out", default="docs/BENCHMARKS.md")
 
 
@@ -121,7 +123,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "report":
         from ds4x.bench.report import write_report
 
-        write_report(Path(args.ledger), Path(args.out))
+        write_report(Path(args.ledger), Path(args.out), Path(args.serve_ledger))
         print(f"wrote {args.out}")
         return 0
 
