@@ -3,7 +3,8 @@
 A decode step is one token per session; a prefill chunk is several; both can share a call. The sessions
 may hold different lengths; token-local work runs over all rows together, attention per session
 (:meth:`ds4x.model.transformer.Transformer.forward_batch`). The server (:mod:`ds4x.serve.scheduler`) runs
-each prompt chunk alone and the decode rows of all generating sessions together.
+the next prompt chunks of the requests reading their prompts in one call (one request per call when
+batch-invariant) and the decode rows of all generating sessions together.
 
 On CUDA the server decodes through :class:`DecodeSlots` instead: its sessions live in a fixed pool of caches,
 so a decode step over the first b caches of the pool is captured once as a CUDA graph and replayed whatever
