@@ -133,6 +133,38 @@ def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: E
         pool.decode([(stepping[0], 10**6)])
 
 
+@pytest.mark.gpu
+def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
+    """The server's CUDA path: pool sessions decode from one captured step per batch size. Fed the same tokens,
+    each one's logits stay near those of decoding it alone (batched products differ in the last float bits, which
+    an E4M3 rounding of a stored row can enlarge), across CSA/HCA window closes and a session leaving and joining."""
+    engine = Engine.load("default", device="cuda")
+    pool = DecodeSlots(engine, 512, "packed", 64, capacity=4)
+    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
+    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
+    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
+        ids = engine.tokenizer.encode(text)
+        a.prefill(ids)
+        b.prefill(ids)
+    worst, agree, steps = 0.0, 0, 0
+    for i in range(40):
+        if i == 20:  # the second session leaves; a newcomer takes its slot, prefilled like a fresh one alone
+            pool.release(slotted[1].cache)
+            slotted[1] = Session(engine, pool.acquire(), 64)
+            alone[1] = engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False)
+            ids = engine.tokenizer.encode(TEXTS[3])
+            alone[1].prefill(ids)
+            slotted[1].prefill(ids)
+        tokens = [int(a.logits.argmax()) for a in alone]
+        want = torch.stack([a.step(t) for a, t in zip(alone, tokens, strict=True)])
+        got = torch.stack(pool.decode(list(zip(slotted, tokens, strict=True))))
+        worst = max(worst, float((want - got).abs().max() / want.abs().max()))
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        steps += len(tokens)
+    assert set(pool.steps) == {4} and pool.steps[4].graph is not None
+    assert worst < 2e-2 and agree >= 0.95 * steps, (worst, agree, steps)
+
+
 def test_activations_do_not_depend_on_the_tensor_size() -> None:
     """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
     x = torch.randn(37, 24) * 6

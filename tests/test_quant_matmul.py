@@ -249,6 +249,23 @@ def test_gpu_dequantize_and_grouped():
 
 
 @pytest.mark.gpu
+def test_gpu_dense_mirrors_for_batched_rows():
+    """With mirrors on, 2+ rows multiply through the weight decoded once to bf16 (kept on it); one row keeps the
+    block kernel."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = qm.kernel_layout(GGMLTensor(random_blocks(T.Q8_0, (256, 1024), g), T.Q8_0, (256, 1024)))
+    x = torch.randn(4, 1024, device="cuda", generator=g).bfloat16()
+    qm.use_dense_mirrors(True)
+    try:
+        y = qm.quant_linear(x, w)
+        assert w.dense_mirror is not None and w.dense_mirror.dtype == torch.bfloat16
+        assert torch.equal(y, torch.nn.functional.linear(x, qm.dequantize_gpu(w, torch.bfloat16)))
+        assert torch.equal(qm.quant_linear(x[:1], w), qm.quant_linear(x[:1], w, force="mv"))
+    finally:
+        qm.use_dense_mirrors(False)
+
+
+@pytest.mark.gpu
 def test_gpu_routed_and_linear_dispatch():
     from ds4x.kernels.linear import linear, quant_kernel_name
 
