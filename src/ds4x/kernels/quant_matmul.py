@@ -1028,10 +1028,8 @@ _BENCH_CASES: tuple[tuple[str, GGMLQuantizationType, int, int, str, tuple[tuple[
     ("expert down 2048->4096", T.Q2_K, 4096, 2048, "expert", ((16, 32, 1),)),
     ("expert gate 4096->2048", T.Q4_K, 2048, 4096, "linear", ()),
 )
-_BENCH_ROWS = {(T.Q8_0, "attn wo_b 8192->4096"): (2, 4, 8, 16), (T.IQ2_XXS, "expert gate 4096->2048"): (8, 32, 130),
-               (T.Q2_K, "expert down 2048->4096"): (32, 130)}
-"""Activation rows timed with both kernels, to place MATVEC_MAX_ROWS; for routed experts, tokens (6 experts each of
-256) timed with 1, 2 and 4 tokens of an expert per program, to place MATVEC_SHARED_ROWS."""
+_BENCH_ROWS = {(T.Q8_0, "attn wo_b 8192->4096"): (2, 4, 8, 16), (T.IQ2_XXS, "expert gate 4096->2048"): (8,)}
+"""Activation rows (tokens for routed experts) timed with both kernels, to place MATVEC_MAX_ROWS."""
 
 
 def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # pragma: no cover - needs a GPU
@@ -1090,8 +1088,8 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
 
     def record(**kw: Any) -> None:
         rows.append(kw)
-        int8 = "int8" in kw["kernel"] or (kw["kernel"].startswith("mv") and int8_activations(T[kw["qtype"]]))
-        tol = 2e-2 if int8 else 3e-3 if kw["kernel"] == "mm" else 1e-5
+        tol = 2e-2 if "int8" in kw["kernel"] or (kw["kernel"] == "mv" and int8_activations(T[kw["qtype"]])) else \
+            3e-3 if kw["kernel"] == "mm" else 1e-5
         if not kw["err"] < tol:
             check(f"{kw['qtype']} {kw['what']} M={kw['m']} {kw['kernel']} {kw['config']} parity", False,
                   f"rel err {kw['err']:.1e} >= {tol:.0e}")
@@ -1185,18 +1183,12 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
                     ids_t = [torch.randint(0, n_exp, (t, 6), device=dev, generator=gen) for _ in range(8)]
                     ref = torch.stack([xt[p // 6].double() @ experts[int(e)].dequantize().double().T
                                        for p, e in enumerate(ids_t[0].view(-1).tolist())])
-                    global MATVEC_SHARED_ROWS
-                    default_shared = MATVEC_SHARED_ROWS
-                    for shared in (1, 2, 4):  # the skinny kernel took 4.3 ms at 8 tokens
-                        MATVEC_SHARED_ROWS = shared
-                        try:
-                            us, gbs = timed([lambda x=xt, e=experts, i=i: quant_matmul_routed(x, e, i, force="mv")
-                                             for i in ids_t], 6 * t * nbytes_w + 4 * t * (k + 6 * n))
-                            y = quant_matmul_routed(xt, experts, ids_t[0], force="mv")
-                        finally:
-                            MATVEC_SHARED_ROWS = default_shared
-                        record(qtype=qt.name, what=what + " x6 routed", m=t, kernel=f"mv shared {shared}",
-                               config=None, us=us, gbs=gbs, frac=gbs / copy_bw, err=rel(y.view(-1, n), ref))
+                    for force in ("mv",):  # the skinny kernel took 4.3 ms here
+                        us, gbs = timed([lambda x=xt, e=experts, i=i, f=force: quant_matmul_routed(x, e, i, force=f)
+                                         for i in ids_t], 6 * t * nbytes_w + 4 * t * (k + 6 * n))
+                        err = rel(quant_matmul_routed(xt, experts, ids_t[0], force=force).view(-1, n), ref)
+                        record(qtype=qt.name, what=what + " x6 routed", m=t, kernel=force, config=None, us=us,
+                               gbs=gbs, frac=gbs / copy_bw, err=err)
                 del experts
             del ws, blocks, layouts
             torch.cuda.empty_cache()
