@@ -102,25 +102,6 @@ def test_routed_interpreter(interp, qt, tokens, force, cfg):
         assert rel(qm.quant_matmul_routed(x, w, ids, config=cfg, force=force, int8=True), ref) < INT8_TOL
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=lambda t: t.name)
-def test_routed_matvec_shares_experts_across_tokens_interpreter(interp, qt):
-    """Several tokens: the matvec multiplies each decoded weight by every token routed to its expert (chunks of
-    MATVEC_SHARED_ROWS pairs); every row gets the very bits it gets alone."""
-    n_exp, n, k, tokens = 4, 12, 512, 7
-    w = weight(qt, (n_exp, n, k), seed=int(qt))
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(tokens, k, generator=g)
-    ids = torch.stack([torch.randperm(n_exp, generator=g)[:3] for _ in range(tokens)])
-    ids[:, 0] = 1  # one expert meets every token: 7 pairs, more than one chunk
-    ref = torch.einsum("tk,tjnk->tjn", x.double(), w.dequantize().double()[ids])
-    for int8 in (False, True) if qt in INT8_TYPES else (False,):
-        y = qm.quant_matmul_routed(x, w, ids, config=MV, force="mv", int8=int8)
-        alone = torch.cat([qm.quant_matmul_routed(x[t : t + 1], w, ids[t : t + 1], config=MV, force="mv", int8=int8)
-                           for t in range(tokens)])
-        assert torch.equal(y, alone)
-        assert rel(y, ref) < (INT8_TOL if int8 else 1e-6)
-
-
 @pytest.mark.parametrize("force,cfg", [("mv", MV), ("mm", MM)])
 def test_grouped_interpreter(interp, force, cfg):
     w = weight(T.Q8_0, (4 * 4, 256), seed=21)

@@ -7,10 +7,8 @@ rows' blocks, decodes them in registers and accumulates in float32.
 Two kernels:
 
 * ``_qmv_kernel`` (matvec, 1 to ``MATVEC_MAX_ROWS`` activation rows per weight): a program owns R
-  weight rows of one (activation row, expert) pair (routed products over several tokens: of up to
-  ``MATVEC_SHARED_ROWS`` pairs of one expert, which share every decoded weight) and walks K in steps of U
-  "units". Its tile is ``[U, R, M]``: one unit per thread (lanes and warps along K), the R rows times the M
-  activation rows in each thread's registers.
+  weight rows of one (activation row, expert) pair and walks K in steps of U "units". Its tile is
+  ``[U, R]``: one unit per thread (lanes and warps along K), the R rows in each thread's registers.
   A unit is the run of weights one thread decodes at once, sized so that scales apply to in-thread
   sums (Q8_0: a quarter block, 8 weights; Q4_K: one code word, 8; Q2_K: 16 code bytes, 64;
   IQ2_XXS: one 32-weight group). Every tile keeps that one layout, so nothing goes through shared
@@ -90,12 +88,6 @@ _TYPES = {
 }
 SUPPORTED = tuple(_TYPES)
 MATVEC_MAX_ROWS = 16  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
-# Routed matvec over several tokens: a program takes up to this many pairs of one expert (sorted by expert) and
-# multiplies each decoded weight by all of their activation rows (a row's sums are the same as alone). sm_90
-# SASS per thread step, instructions / registers at 1, 2, 4 rows: IQ2_XXS float 1,816 / 108, 2,304 / 128, 3,240 /
-# 254; int8 1,240 / 96, 1,584 / 168, 2,568 / 175; Q2_K int8 1,864 / 168, 2,696 / 168, spills at 4; split Q8_0
-# 680 / 64, 880 / 124, 1,328 / 163. Not yet timed on a GPU: 2 shares the decode without the register cliff.
-MATVEC_SHARED_ROWS = 2
 DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
 # routed experts (prefill spreads T * k pairs over the experts): where the matvec stops winning, by type. H200,
 # 2026-12-01, Flash shapes, 256 experts, k = 6, ms matvec / skinny: IQ2_XXS gate 4096->2048 at 128 / 256 / 512 /
@@ -288,15 +280,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _x4(xp, k):
-        # x[k .. k+3] of each activation row (xp [1, 1, M] row pointers, k [U, 1, 1] a multiple of 4) as four
-        # float32 [U, 1, M]: one vector load per row, split in registers
-        p = xp + k
-        v = tl.load(p[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]).to(tl.float32)
-        a, b = tl.split(tl.reshape(v, (p.shape[0] * p.shape[2], 2, 2)))
+        # x[k .. k+3] (k [U, 1], a multiple of 4) as four float32 [U, 1]: one vector load, split in registers
+        v = tl.load(xp + k + tl.arange(0, 4)[None, :]).to(tl.float32)
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
         x0, x2 = tl.split(a)
         x1, x3 = tl.split(b)
-        return (tl.reshape(x0, (p.shape[0], 1, p.shape[2])), tl.reshape(x1, (p.shape[0], 1, p.shape[2])),
-                tl.reshape(x2, (p.shape[0], 1, p.shape[2])), tl.reshape(x3, (p.shape[0], 1, p.shape[2])))
+        return x0[:, None], x1[:, None], x2[:, None], x3[:, None]
 
     @triton.jit
     def _dot4f(q, sh: tl.constexpr, bits: tl.constexpr, xp, k):
@@ -369,7 +358,7 @@ if HAVE_TRITON:
             bp = rowp + (c // 4) * 34
             qp = bp + 2 + (c % 4) * 8
             d = _h2f(_ld16(bp))
-        s = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
+        s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for half in tl.static_range(2):
             x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
             if SPLIT:
@@ -395,7 +384,7 @@ if HAVE_TRITON:
         s2 = _ld32(bp + 12)
         q = _ld32(bp + 16 + 32 * ch + 4 * (c % 8))
         k = (c // 32) * 256 + 64 * ch + 4 * (c % 8)
-        out = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for hi in tl.static_range(2):
             sh = 8 * ((2 * ch + hi) % 4)  # sub-block i = 2 ch + hi reads byte i % 4 of the three scale words
             u = (s0 >> sh) & 255
@@ -425,8 +414,8 @@ if HAVE_TRITON:
         q2 = _ld32(qp + 8)
         q3 = _ld32(qp + 12)
         k = (c // 4) * 256 + 128 * h + 16 * jj
-        a = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
-        b = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
+        a = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        b = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for kk in tl.static_range(4):
             if kk < 2:
                 sc = (sw0 >> (8 * jj + 16 * kk)) & 255
@@ -500,7 +489,7 @@ if HAVE_TRITON:
         g23 = _ld16(gp + 2)
         aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
         db = _h2f(_ld16(bp)) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
-        out = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         if ACT8:
             pos_levels = tl.load(gridp + 385)
             neg_levels = tl.load(gridp + 386)
@@ -511,9 +500,9 @@ if HAVE_TRITON:
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
             if ACT8:
                 x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
-                dots = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.int32)
+                dots = tl.zeros_like(aux)
             else:
-                s = tl.zeros((c.shape[0], rowp.shape[1], xp.shape[2]), tl.float32)
+                s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
             for e in tl.static_range(2):
                 j = 2 * half + e
                 if half == 0:
@@ -561,48 +550,33 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, c_expert, c_start, c_len, order_ptr, y_ptr, N, n_units,
-                    row_bytes, expert_bytes, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
-                    QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, M: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-        # tile [U, R, M]: M activation rows share every decoded weight (M > 1: a chunk of at most M pairs of one
-        # expert, from the pairs sorted by expert; each row's sums are the ones it gets alone)
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+                    stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
+                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
         pid_n = tl.program_id(0)
-        j = tl.arange(0, M)
-        n_iter = n_units
-        if M > 1:
-            chunk = tl.program_id(1)
-            n_valid = tl.load(c_len + chunk)
-            e = tl.load(c_expert + chunk).to(tl.int64)
-            valid = j < n_valid
-            pairs = tl.load(order_ptr + tl.load(c_start + chunk) + j, mask=valid, other=0)
-            n_iter = tl.where(n_valid > 0, n_units, 0)  # an empty chunk (the grid's static bound) reads nothing
+        pair = tl.program_id(1)
+        if HAS_IDS:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
-            pairs = tl.program_id(1) + j
-            valid = j < 1
-            if HAS_IDS:
-                e = tl.load(ids_ptr + tl.program_id(1)).to(tl.int64)
-            else:
-                e = 0
+            e = 0
         rows = pid_n * R + tl.arange(0, R)
         # rows past N read row N - 1 (never stored), so no weight load needs a mask
-        rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :, None] * row_bytes
-        xp = x_ptr + (pairs // X_DIV).to(tl.int64)[None, None, :] * stride_x
-        acc = tl.zeros((U, R, M), dtype=tl.float32)
+        rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+        xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
+        acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split Q8_0 rows: 8 code bytes per unit
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
-            while u0 < n_iter:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None, None], xp, grid_ptr, kb,
+            while u0 < n_units:
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
                                   INTERPRET)
                 u0 += U
         else:
-            for u0 in range(0, n_iter, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None, None], xp, grid_ptr, kb,
+            for u0 in range(0, n_units, U):  # U divides n_units (host side)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
                                   INTERPRET)
         y = tl.sum(acc, axis=0)
-        yp = y_ptr + pairs.to(tl.int64)[None, :] * stride_y + rows[:, None]
-        tl.store(yp, y.to(y_ptr.dtype.element_ty), mask=(rows < N)[:, None] & valid[None, :])
+        tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
     def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
@@ -794,27 +768,6 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
     return (32 if m <= 32 else 64), 64, 128, 8
 
 
-def _expert_chunks(ids: torch.Tensor, n_exp: int, size: int) -> tuple[torch.Tensor, ...]:
-    """The (row, slot) pairs of ``ids`` (int32 [P]) grouped by expert into chunks of at most ``size``: (order: the
-    pairs sorted by expert, stable; per chunk its expert, first index into order, and length), int32. The chunk
-    count is a static bound (no host sync, so a CUDA graph can hold it); chunks past the real ones are empty."""
-    dev, n_pairs = ids.device, ids.shape[0]
-    ids_l = ids.long()
-    order = torch.sort(ids_l, stable=True).indices.to(torch.int32)
-    # scatter_add rather than bincount: no host sync
-    counts = torch.zeros(n_exp, dtype=torch.long, device=dev).scatter_add_(0, ids_l, torch.ones_like(ids_l))
-    n_chunks = (counts + size - 1) // size
-    first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-    first_pair = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(min(n_pairs, triton.cdiv(n_pairs, size) + n_exp), device=dev)  # every chunk has a pair
-    c_exp = torch.searchsorted(first_chunk + n_chunks, slot, right=True).clamp(max=n_exp - 1)
-    within = slot - first_chunk[c_exp]
-    c_start = (first_pair[c_exp] + within * size).to(torch.int32)
-    c_len = torch.clamp(counts[c_exp] - within * size, 0, size)
-    c_len = torch.where(within < n_chunks[c_exp], c_len, 0).to(torch.int32)
-    return order, c_exp.to(torch.int32), c_start, c_len
-
-
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
             int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS) -> torch.Tensor:
@@ -840,14 +793,11 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         n_units = k // unit
-        d = _dummy(dev)
-        m = MATVEC_SHARED_ROWS if has_ids and n_pairs > slots else 1  # several tokens: share each expert's decode
-        chunks = _expert_chunks(ids_t, w.shape[0] if w.ndim == 3 else 1, m) if m > 1 else (d, d, d, d)
-        mod._qmv_kernel[(triton.cdiv(n, r), chunks[1].shape[0] if m > 1 else n_pairs)](
-            x2, wr, _iq2_xxs_tables(dev) if iq2 else d, ids_t, chunks[1], chunks[2], chunks[3], chunks[0], y, n,
-            n_units, w.row_bytes, expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids,
-            QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), M=m,
-            INTERPRET=interpret_mode(), num_warps=nw)
+        mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
+            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
+            expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
+            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
+            num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -856,8 +806,23 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         dot_dtype = tl.float32
     prec = "tf32" if x2.dtype == torch.float32 and not interpret_mode() else "ieee"
     if has_ids:
-        order, c_exp, c_start, c_len = _expert_chunks(ids_t, w.shape[0] if w.ndim == 3 else 1, bm)
-        grid = (triton.cdiv(n, bn), c_exp.shape[0])
+        n_exp = w.shape[0] if w.ndim == 3 else 1
+        ids_l = ids_t.long()
+        order = torch.sort(ids_l, stable=True).indices.to(torch.int32)
+        # scatter_add rather than bincount: no host sync, so the launch can live in a CUDA graph
+        counts = torch.zeros(n_exp, dtype=torch.long, device=dev).scatter_add_(0, ids_l, torch.ones_like(ids_l))
+        n_chunks = (counts + bm - 1) // bm
+        first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
+        first_pair = torch.cumsum(counts, 0) - counts
+        max_chunks = triton.cdiv(n_pairs, bm) + n_exp  # a static bound: no host sync
+        slot = torch.arange(max_chunks, device=dev)
+        c_exp = torch.searchsorted(first_chunk + n_chunks, slot, right=True).clamp(max=n_exp - 1)
+        within = slot - first_chunk[c_exp]
+        c_start = (first_pair[c_exp] + within * bm).to(torch.int32)
+        c_len = torch.clamp(counts[c_exp] - within * bm, 0, bm)
+        c_len = torch.where(within < n_chunks[c_exp], c_len, 0).to(torch.int32)
+        c_exp = c_exp.to(torch.int32)
+        grid = (triton.cdiv(n, bn), max_chunks)
     else:
         order = c_exp = c_start = c_len = _dummy(dev)
         grid = (triton.cdiv(n, bn), triton.cdiv(n_pairs, bm))
