@@ -20,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _dense_mirrors_off():
+    """Dense mirrors are a process-wide switch that a decode slot pool turns on; each test starts with it off
+    (a GPU test of exact per-row bits must not inherit another test's mirrors)."""
+    from ds4x.kernels.quant_matmul import use_dense_mirrors
+
+    use_dense_mirrors(False)
+    yield
+    use_dense_mirrors(False)

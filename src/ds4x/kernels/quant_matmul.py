@@ -950,6 +950,9 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
         raise ValueError(f"quant_matmul_routed: want x [T, K], w [E, N, K], ids [T, k]; got {list(x.shape)}, "
                          f"{list(w.shape)}, {list(ids.shape)}")
     t, kk = ids.shape
+    # A program per (token, expert) pair decodes its expert's blocks for that token alone. Sharing each decoded
+    # weight across up to 2 / 4 tokens of one expert was slower on the H200 (IQ2_XXS gate at 32 tokens: 471 /
+    # 741 / 1,278 us for 1 / 2 / 4 tokens a program; 2026-12-02, reverted), as was sorting the pairs by expert.
     # rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
     # step, also for the down projection's [T * k, 1] form
     per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
