@@ -165,6 +165,28 @@ def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
     assert worst < 2e-2 and agree >= 0.95 * steps, (worst, agree, steps)
 
 
+@pytest.mark.gpu
+def test_decode_slots_on_cuda_with_rowwise_products_are_the_bits_of_sessions_alone() -> None:
+    """With batch-invariant products the only batched work left is the cache kernels over the pool's batch of
+    rings (row writes, emit, indexer, top-k, attention): the replayed pool step gives each session exactly the
+    logits of its own captured step."""
+    engine = Engine.load("default", device="cuda")
+    pool = DecodeSlots(engine, 512, "packed", 64, capacity=4, rowwise=True)
+    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
+    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
+    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
+        ids = engine.tokenizer.encode(text)
+        a.prefill(ids)
+        b.prefill(ids)
+    tokens = [int(a.logits.argmax()) for a in alone]
+    for _ in range(24):
+        want = [a.step(t) for a, t in zip(alone, tokens, strict=True)]
+        got = pool.decode(list(zip(slotted, tokens, strict=True)))
+        assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
+        tokens = [int(x.argmax()) for x in want]
+    assert pool.steps[4].graph is not None and alone[0].decoder.graph is not None
+
+
 def test_activations_do_not_depend_on_the_tensor_size() -> None:
     """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
     x = torch.randn(37, 24) * 6
@@ -176,3 +198,43 @@ def test_activations_do_not_depend_on_the_tensor_size() -> None:
     assert torch.allclose(silu(x), torch.nn.functional.silu(x), rtol=1e-6, atol=1e-6)
     assert torch.allclose(softplus(x), torch.nn.functional.softplus(x), rtol=1e-6, atol=1e-6)
     assert softplus(torch.tensor([100.0, -100.0])).tolist() == [100.0, pytest.approx(3.7e-44, abs=1e-43)]
+
+
+def test_pool_decode_on_the_triton_path_runs_each_cache_kernel_once_and_matches_sessions_alone(monkeypatch) -> None:
+    """The GPU decode branch in the Triton interpreter: a step over caches 0..3 of a pool reads their stores as one
+    batch of rings (each cache kernel once per layer for all four: row writes, emit, indexer, top-k, attention),
+    and every session's logits are the bits of stepping it alone (each a batch of one), a free slot included."""
+    import ds4x.model.attention as attention
+
+    if torch.cuda.is_available():
+        pytest.skip("covered by the gpu tests")
+    monkeypatch.setattr(attention, "use_triton", lambda device: True)
+    batch_sizes = []
+    decode_triton = attention._decode_triton
+
+    def counting(st, packed, pos, *args):
+        batch_sizes.append(pos.shape[0])
+        return decode_triton(st, packed, pos, *args)
+
+    monkeypatch.setattr(attention, "_decode_triton", counting)
+    engine = Engine.load("tiny", device="cpu")
+    pool = DecodeSlots(engine, 128, "packed", 32, capacity=4, rowwise=True)
+    alone = [engine.new_session(ctx=128, cache="packed", prefill_chunk=32, prefill_mode="reference", announce=False)
+             for _ in range(3)]
+    slotted = [Session(engine, pool.acquire(), 32, "reference") for _ in range(4)]
+    pool.release(slotted[2].cache)  # a free slot inside the stepped range
+    stepping = [slotted[0], slotted[1], slotted[3]]
+    g = torch.Generator().manual_seed(3)
+    for n, a, b in zip((37, 5, 61), alone, stepping, strict=True):
+        ids = torch.randint(3, 259, (n,), generator=g).tolist()
+        a.prefill(ids)
+        b.prefill(ids)
+    tokens = [int(a.logits.argmax()) for a in alone]
+    batch_sizes.clear()
+    for _ in range(6):  # CSA / HCA windows close on the way (ratios 4 and 8 in the tiny model)
+        want = [a.step(t) for a, t in zip(alone, tokens, strict=True)]
+        got = pool.decode(list(zip(stepping, tokens, strict=True)))
+        assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
+        tokens = [int(x.argmax()) for x in want]
+    n_layers = engine.cfg.num_layers
+    assert batch_sizes == ([1] * 3 * n_layers + [4] * n_layers) * 6

@@ -43,3 +43,23 @@ def test_emit_matches_reference(interp, monkeypatch, ratio, overlap, width, capa
     want = rope.apply_rope(norms.rms_norm(pooled, norm, 1e-6), cos, sin)
     assert got.shape == want.shape == (3, width)
     assert float((got - want).abs().max()) <= 2e-5 * float(want.abs().max())
+
+
+def test_emit_from_a_batch_of_rings_is_each_ring_alone(interp):
+    """A batched decode step: window i from ring i up to its own last position, the bits of one call per ring."""
+    dev = _device()
+    g = torch.Generator().manual_seed(11)
+    ratio, width, capacity = 4, 128, 24
+    rings = (torch.randn(3, capacity, 4 * width, generator=g) * 2).to(dev)
+    ape = torch.randn(ratio, 2 * width, generator=g).to(dev)
+    norm = (1 + 0.1 * torch.randn(width, generator=g)).to(dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(dev)
+    last = torch.tensor([2, 29, 45], device=dev)
+    windows = last // ratio
+    got = compressor.emit_windows_fused(rings, windows, last, ape, norm, inv, 1.25, ratio, True, width, 1e-6)
+    for i in range(3):
+        alone = compressor.emit_windows_fused(rings[i], windows[i : i + 1], last[i], ape, norm, inv, 1.25, ratio, True,
+                                              width, 1e-6)
+        assert torch.equal(got[i : i + 1], alone)
+    with pytest.raises(ValueError, match="one window and one last position per ring"):
+        compressor.emit_windows_fused(rings, windows[:2], last[:2], ape, norm, inv, 1.25, ratio, True, width, 1e-6)

@@ -111,6 +111,30 @@ def test_write_float_rows_into_a_ring_interpreter(interp):
         RT.write_float_rows_triton(x, ring, at[:3])
 
 
+def test_write_into_a_batch_of_rings_interpreter(interp):
+    """out [N, ring, width] (the rings of a batched decode step): row r lands in ring r at at[r] % ring, the same
+    bytes as a write into that ring alone, every other slot untouched."""
+    x_kv, x_ix, x_f = kv_inputs()[:5], indexer_inputs()[:5], random_rows(5, 40, seed=27)
+    at = torch.tensor([3, 17, 0, 40, 9])
+    for x, write, width, dtype in ((x_kv, F.pack_kv_rows_triton, 583, torch.uint8),
+                                   (x_ix, F.pack_indexer_rows_triton, 68, torch.uint8),
+                                   (x_f, None, 40, torch.float32)):
+        rings = torch.full((5, 16, width), 7, dtype=dtype)
+        expect = rings.clone()
+        for r in range(5):
+            if write is None:
+                RT.write_float_rows_triton(x[r : r + 1], expect[r], at[r : r + 1])
+            else:
+                write(x[r : r + 1], out=expect[r], at=at[r : r + 1])
+        if write is None:
+            RT.write_float_rows_triton(x, rings, at)
+        else:
+            assert write(x, out=rings, at=at) is rings
+        assert torch.equal(rings, expect)
+        with pytest.raises(ValueError, match="batch of rings"):
+            (RT.write_float_rows_triton(x, rings[:4], at) if write is None else write(x, out=rings[:4], at=at))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_unpack_indexer_rows_interpreter(interp):
     rows = F.pack_indexer_rows(indexer_inputs())

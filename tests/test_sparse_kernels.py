@@ -182,6 +182,51 @@ def test_attention_slots_from_the_position_match_explicit_indices(position):
         assert torch.equal(out, native)
 
 
+def test_batched_decode_kernels_are_each_query_alone():
+    """A batched decode step (one query per session, each over its own stores): indexer scores, radix top-k and
+    attention (window slots from each position, picked compressed rows) launched once for the batch give every
+    query the bits of a call for it alone, packed and native."""
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    g = torch.Generator().manual_seed(12)
+    dev = _device()
+    B, cap, heads, k = 3, 300, 16, 32
+    idx_rows = torch.stack([_indexer_case(cap, heads, 20 + b, dev)[0] for b in range(B)])
+    q = torch.stack([_indexer_case(cap, heads, 30 + b, dev)[1] for b in range(B)])
+    w = torch.randn(B, heads, generator=g).to(dev)
+    counts = torch.tensor([300, 0, 129], device=dev)
+    scores = indexer_scores_triton(q, w, idx_rows, counts, packed=True)
+    index, valid = select_topk_radix(scores, counts, k)
+    assert index.shape == (B, k)
+    for b in range(B):
+        alone = indexer_scores_triton(q[b], w[b], idx_rows[b], counts[b : b + 1], packed=True)
+        n = int(counts[b])
+        assert torch.equal(scores[b, :n], alone[:n])
+        one = select_topk_radix(alone, counts[b : b + 1], k)
+        assert torch.equal(index[b], one[0]) and torch.equal(valid[b], one[1])
+    with pytest.raises(ValueError, match="visible counts"):
+        select_topk_radix(scores, 300, k)
+
+    raw = torch.stack([pack_kv_rows(torch.randn(48, 128, generator=g) * 2, rope_dim=64) for _ in range(B)]).to(dev)
+    comp = torch.stack([pack_kv_rows(torch.randn(cap, 128, generator=g), rope_dim=64) for _ in range(B)]).to(dev)
+    qa = torch.randn(B, heads, 128, generator=g).to(dev)
+    sinks = torch.randn(heads, generator=g).to(dev)
+    pos = torch.tensor([5, 200, 47], device=dev)
+    picked = torch.where(valid, index, -1)
+    for packed in (True, False):
+        store = (lambda t: t) if packed else (lambda t: unpack_kv_rows(t, rope_dim=64).contiguous())
+        out = attention_decode_triton(qa, [(store(raw), Slots(24, position=pos, ring=48)), (store(comp), picked)],
+                                      sinks, 128**-0.5, 64, packed)
+        assert out.shape == (B, heads, 128)
+        for b in range(B):
+            alone = attention_decode_triton(qa[b], [(store(raw[b]), Slots(24, position=pos[b : b + 1], ring=48)),
+                                                    (store(comp[b]), picked[b])], sinks, 128**-0.5, 64, packed)
+            assert torch.equal(out[b], alone)
+    with pytest.raises(ValueError, match="batch of 3 stores"):
+        attention_decode_triton(qa, [(raw[0], Slots(24, position=pos, ring=48))], sinks, 128**-0.5, 64, True)
+
+
 def _prefill_reference(q, positions, ring_rows, ring, w, sinks, scale, extra):
     """float64 softmax over each query's window slots and extra rows (``extra[t]``: row ids), with the sink."""
     out = []
@@ -253,6 +298,29 @@ def test_flash_shapes_at_1m_on_gpu():
     index, valid = select_topk_radix(ties, n - 5, 512)
     ref = select_topk(ties[None], (torch.arange(n, device="cuda") < n - 5)[None], 512)
     assert torch.equal(selection_mask(index[None], valid[None], n), selection_mask(*ref, n))
+    assert radix_barrier_timeouts(torch.device("cuda")) == 0
+
+
+@pytest.mark.gpu
+def test_batched_selection_at_1m_on_gpu():
+    """Four sessions' 262,144-row CSA stores at once (a batched decode step at 1M): per-row bits of the indexer and
+    the exact radix selection, no barrier timeouts."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+    from ds4x.kernels.select import radix_barrier_timeouts
+
+    n, B = 262_144, 4
+    cases = [_indexer_case(n, 64, 40 + b, "cuda") for b in range(B)]
+    rows, q = torch.stack([c[0] for c in cases]), torch.stack([c[1] for c in cases])
+    w = torch.stack([c[2] for c in cases])
+    counts = torch.tensor([n, n - 5, 1000, 0], device="cuda")
+    scores = indexer_scores_triton(q, w, rows, counts, packed=True)
+    index, valid = select_topk_radix(scores, counts, 512)
+    for b in range(B):
+        m = int(counts[b])
+        if m:
+            assert torch.equal(scores[b, :m], indexer_scores_triton(q[b], w[b], rows[b], m, packed=True))
+        ref = select_topk(scores[b : b + 1], (torch.arange(n, device="cuda") < m)[None], 512)
+        assert torch.equal(selection_mask(index[b : b + 1], valid[b : b + 1], n), selection_mask(*ref, n))
     assert radix_barrier_timeouts(torch.device("cuda")) == 0
 
 

@@ -151,14 +151,15 @@ if HAVE_TRITON:
         return (bits | (s << 31)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _out_rows(rows, rmask, at_ptr, ring, SCATTER: tl.constexpr):
-        # where input row r goes: row r, or with SCATTER row at[r] mod ring (a ring of `ring` rows)
+    def _out_rows(rows, rmask, at_ptr, ring, batch, SCATTER: tl.constexpr):
+        # where input row r goes: row r, or with SCATTER row at[r] mod ring of a ring of `ring` rows (of ring r
+        # of a batch of rings when batch = ring, of the one ring when batch = 0)
         if SCATTER:
-            return tl.load(at_ptr + rows, mask=rmask, other=0).to(tl.int64) % ring
+            return tl.load(at_ptr + rows, mask=rmask, other=0).to(tl.int64) % ring + rows.to(tl.int64) * batch
         return rows.to(tl.int64)
 
     @triton.jit
-    def pack_kv_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
+    def pack_kv_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
                        SCATTER: tl.constexpr):
         # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
@@ -170,7 +171,7 @@ if HAVE_TRITON:
         cols = tl.arange(0, 64)
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + rows64[:, None] * DIM
-        dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
+        dst = _out_rows(rows, rmask, at_ptr, ring, batch, SCATTER)
         o_row = out_ptr + dst[:, None] * BYTES
         for b in tl.static_range(NOPE_BLOCKS):
             v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -187,12 +188,12 @@ if HAVE_TRITON:
         tl.store(o_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
 
     @triton.jit
-    def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, W: tl.constexpr, BLOCK_W: tl.constexpr):
-        # row r of x (any float type) -> float32 row at[r] mod ring of out
+    def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, batch, W: tl.constexpr, BLOCK_W: tl.constexpr):
+        # row r of x (any float type) -> float32 row at[r] mod ring of out (of ring r when batch = ring)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_W)
         v = tl.load(x_ptr + r * W + cols, mask=cols < W).to(tl.float32)
-        dst = tl.load(at_ptr + r).to(tl.int64) % ring
+        dst = tl.load(at_ptr + r).to(tl.int64) % ring + r * batch
         tl.store(out_ptr + dst * W + cols, v, mask=cols < W)
 
     @triton.jit
@@ -238,7 +239,7 @@ if HAVE_TRITON:
         tl.store(o_row + cols[None, :], y * 0.08838834764831845, mask=m2)
 
     @triton.jit
-    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr):
+    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr):
         # Even and odd elements are loaded as separate [R, 16] tiles per 32-value block, so
         # element 2i (low nibble) and 2i+1 (high nibble) meet in one byte without shuffles.
         pid = tl.program_id(0)
@@ -248,7 +249,7 @@ if HAVE_TRITON:
         j = tl.arange(0, 16)
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + rows64[:, None] * 128
-        dst = _out_rows(rows, rmask, at_ptr, ring, SCATTER)
+        dst = _out_rows(rows, rmask, at_ptr, ring, batch, SCATTER)
         o_row = out_ptr + dst[:, None] * 68
         for b in tl.static_range(4):
             ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -323,17 +324,28 @@ def _nope_blocks(dim: int, rope_dim: int, fn: str) -> int:
 
 
 def _pack_out(src: torch.Tensor, width: int, out: torch.Tensor | None, at: torch.Tensor | None,
-              fn: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(destination, row targets, ring size) of a pack: a new [rows, width] tensor, or ``out`` (a contiguous
-    uint8 [ring, width] buffer) whose row ``at[r] % ring`` receives input row r."""
+              fn: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(destination, row targets, ring size, rows per ring of a batch or 0) of a pack: a new [rows, width] tensor,
+    or ``out``, a ring (see `_ring_out`)."""
     if (out is None) != (at is None):
         raise ValueError(f"{fn}: out and at go together")
     if out is None:
-        return torch.empty((src.shape[0], width), dtype=torch.uint8, device=src.device), src, 1
-    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
-        raise ValueError(f"{fn}: out must be a contiguous uint8 [rows, {width}] buffer, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    return out, _ring_index(at, src, fn), out.shape[0]
+        return torch.empty((src.shape[0], width), dtype=torch.uint8, device=src.device), src, 1, 0
+    return out, *_ring_out(src, out, at, torch.uint8, width, fn)
+
+
+def _ring_out(src: torch.Tensor, out: torch.Tensor, at: torch.Tensor, dtype: torch.dtype, width: int,
+              fn: str) -> tuple[torch.Tensor, int, int]:
+    """(row targets, ring size, rows per ring or 0) for writing the rows of ``src`` into ``out``: a contiguous
+    [ring, width] buffer whose row ``at[r] % ring`` receives row r, or a batch of rings [rows, ring, width] (the
+    rings of a batched decode step) whose ring r receives row r there."""
+    if (out.dtype != dtype or out.dim() not in (2, 3) or out.shape[-1] != width or not out.is_contiguous()
+            or (out.dim() == 3 and out.shape[0] != src.shape[0])):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{fn}: out must be a contiguous {kind} [ring, {width}] buffer or [{src.shape[0]}, ring, "
+                         f"{width}] batch of rings, got {out.dtype} {tuple(out.shape)}")
+    ring = out.shape[-2]
+    return _ring_index(at, src, fn), ring, ring if out.dim() == 3 else 0
 
 
 def _ring_index(at: torch.Tensor, src: torch.Tensor, fn: str) -> torch.Tensor:
@@ -348,7 +360,8 @@ def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int
                         out: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
     """Triton :func:`ds4x.formats.rows.pack_kv_rows`: ``[..., 512]`` float -> ``uint8 [..., 583]`` (other widths
     of whole 64-value blocks plus 64 RoPE dims too, as ``kv_row_bytes`` lays them out). With ``out`` and ``at``
-    the rows are written into ``out`` (a ring of rows) at ``at % len(out)`` instead, in the same launch."""
+    the rows are written into ``out`` (a ring of rows, or a batch of rings: `write_float_rows_triton`) at ``at %
+    ring`` instead, in the same launch."""
     fn = "pack_kv_rows_triton"
     dim = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else KV_DIM
     nb = _nope_blocks(dim, rope_dim, fn)
@@ -357,24 +370,22 @@ def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int
     _check_device(xs, fn)
     lead = xs.shape[:-1]
     src = xs.reshape(-1, dim).contiguous()
-    dst, targets, ring = _pack_out(src, kv_row_bytes(dim, rope_dim), out, at, fn)
-    _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, NOPE_BLOCKS=nb, SCATTER=out is not None)
+    dst, targets, ring, batch = _pack_out(src, kv_row_bytes(dim, rope_dim), out, at, fn)
+    _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, batch, NOPE_BLOCKS=nb, SCATTER=out is not None)
     return dst if out is not None else dst.reshape(*lead, dst.shape[-1])
 
 
 def write_float_rows_triton(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor) -> None:
     """Rows ``x`` [N, width] (float32 or a half type) into ``out`` (a contiguous float32 [ring, width] buffer) at rows
-    ``at % ring``, as float32: what ``out.index_copy_(0, at % ring, x.float())`` does, in one launch."""
+    ``at % ring``, as float32: what ``out.index_copy_(0, at % ring, x.float())`` does, in one launch; ``out`` may
+    be a batch of rings [N, ring, width] (row r into ring r)."""
     fn = "write_float_rows_triton"
-    if out.dtype != torch.float32 or out.dim() != 2 or not out.is_contiguous():
-        raise ValueError(f"{fn}: out must be a contiguous float32 [rows, width] buffer, got {out.dtype} "
-                         f"{tuple(out.shape)}")
-    width = out.shape[1]
+    width = out.shape[-1]
     src = _check_float_rows(x, width, fn, to_float32=False).reshape(-1, width).contiguous()
     _check_device(src, fn)
-    targets = _ring_index(at, src, fn)
+    targets, ring, batch = _ring_out(src, out, at, torch.float32, width, fn)
     if src.shape[0]:
-        _kernels().write_rows_kernel[(src.shape[0],)](src, out, targets, out.shape[0], W=width,
+        _kernels().write_rows_kernel[(src.shape[0],)](src, out, targets, ring, batch, W=width,
                                                       BLOCK_W=triton.next_power_of_2(width))
 
 
@@ -414,8 +425,8 @@ def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True, out: tor
     _check_device(xs, fn)
     lead = xs.shape[:-1]
     src = xs.reshape(-1, INDEXER_DIM).contiguous()
-    dst, targets, ring = _pack_out(src, INDEXER_ROW_BYTES, out, at, fn)
-    _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, SCATTER=out is not None)
+    dst, targets, ring, batch = _pack_out(src, INDEXER_ROW_BYTES, out, at, fn)
+    _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, batch, SCATTER=out is not None)
     return dst if out is not None else dst.reshape(*lead, INDEXER_ROW_BYTES)
 
 

@@ -27,7 +27,9 @@ class Slots:
     - ``ratio`` given: compressed rows 0 .. n-1, those whose window has closed by ``position``
       (``(position + 1) // ratio`` of them).
 
-    ``position`` is a device tensor [1], read by the kernel: a captured step replays at any position."""
+    ``position`` is a device tensor [1], read by the kernel: a captured step replays at any position. For a batch
+    of B queries (`attention_decode_triton` with q [B, H, D]) ``position`` is [B] and ``index`` [B, n], one row per
+    query."""
 
     n: int
     index: torch.Tensor | None = None
@@ -40,15 +42,16 @@ class Slots:
         return 0 if self.index is not None else 1 if self.ring else 2
 
     def explicit(self) -> torch.Tensor:
-        """The slots as an index tensor [n] (-1 = none)."""
+        """The slots as an index tensor [n] (-1 = none); [B, n] for B positions."""
         if self.index is not None:
             return self.index
         assert self.position is not None
         j = torch.arange(self.n, device=self.position.device)
+        pos = self.position[:, None] if self.position.numel() > 1 else self.position
         if self.ring:
-            p = self.position - (self.n - 1) + j
+            p = pos - (self.n - 1) + j
             return torch.where(p >= 0, p % self.ring, -1)
-        return torch.where(j < (self.position + 1) // self.ratio, j, -1)
+        return torch.where(j < (pos + 1) // self.ratio, j, -1)
 
 
 # Decode blocking: (rows per block, heads per program, warps, most splits per source). A program runs its split's
@@ -67,7 +70,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
                             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
-    explicit index tensor [n] with -1 = skip) -> out [H, D] float32.
+    explicit index tensor [n] with -1 = skip) -> out [H, D] float32. A batched decode step passes B queries
+    q [B, H, D] with each source's data a batch of stores [B, capacity, width] (query b reads store b), its
+    positions [B] and explicit indices [B, n] -> [B, H, D], in the same two launches; each query's output has the
+    bits of that query alone.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
@@ -78,14 +84,15 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 
-    H, D = q.shape
+    batched = q.dim() == 3
+    B, H, D = q.shape if batched else (1, *q.shape)
     if D % 64 or D > 512 or D - nope != 64:
         raise ValueError(f"the decode kernel handles rows of <= 512 values in 64-value chunks with 64 RoPE dims; "
                          f"got {D} values, {nope} non-RoPE")
     if len(sources) not in (1, 2):
         raise ValueError(f"the decode kernel takes one or two row sources per call, got {len(sources)}")
     rows_of = [rows for rows, _ in sources]
-    slots = [s if isinstance(s, Slots) else Slots(int(s.numel()), index=s) for _, s in sources]
+    slots = [s if isinstance(s, Slots) else Slots(int(s.shape[-1]), index=s) for _, s in sources]
     if not packed:
         # Native rows: pack the rows this query reads (lossless for native values), so both storages run one
         # kernel. Decoding float and packed rows in two kernel variants gave the same operand values but not
@@ -94,8 +101,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
         pack = rows_triton.pack_kv_rows_triton if q.is_cuda else pack_kv_rows
         for i, s in enumerate(slots):
-            idx = s.explicit()
-            rows_of[i] = pack(rows_of[i][idx.clamp(min=0)], validate=False, rope_dim=D - nope)
+            idx = s.explicit().reshape(B, -1) if batched else s.explicit()
+            src = rows_of[i]
+            picked = (src[torch.arange(B, device=idx.device)[:, None], idx.clamp(min=0)] if batched
+                      else src[idx.clamp(min=0)])
+            rows_of[i] = pack(picked, validate=False, rope_dim=D - nope)
             slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
     hp = max(16, 1 << (H - 1).bit_length())
     block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
@@ -108,24 +118,30 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if len(slots) == 1:  # source B repeats A and is never reached
         rows_of, slots, per_split, splits = rows_of * 2, slots * 2, per_split * 2, [splits[0], 0]
     n_split = sum(splits)
-    m = torch.empty(n_split, hp, device=q.device)
-    l = torch.empty(n_split, hp, device=q.device)
-    acc = torch.empty(n_split, hp, D, device=q.device)
+    m = torch.empty(B, n_split, hp, device=q.device)
+    l = torch.empty(B, n_split, hp, device=q.device)
+    acc = torch.empty(B, n_split, hp, D, device=q.device)
     qc = q.contiguous()
     args = []
     for rows, s in zip(rows_of, slots, strict=True):
         pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
-        args.append((rows, s.index if s.index is not None else pos, pos, s.n, s.ring or s.ratio or 1,
-                     rows.stride(0)))
-    (ra, ia, pa, na, ga, sa), (rb, ib, pb, nb, gb, sb) = args
-    partial_kernel[(n_split, hp // hb)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb,
-                                        per_split[1], m, l, acc, scale, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
-                                        NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
-                                        MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
-    out = torch.empty(H, D, device=q.device)
+        if batched and (rows.dim() != 3 or rows.shape[0] != B or (s.position is not None and s.position.numel() != B)
+                        or (s.index is not None and s.index.shape != (B, s.n))):
+            raise ValueError(f"a batch of {B} queries reads a batch of {B} stores with {B} positions or [{B}, n] "
+                             f"indices per source; got stores {tuple(rows.shape)}")
+        index = s.index.contiguous() if s.index is not None else pos
+        args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
+                     rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
+    (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
+    partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb,
+                                           sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a, index_b,
+                                           n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
+                                           NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
+                                           MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
+    out = torch.empty(B, H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
-    combine_kernel[(H, D // 64)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4)
-    return out
+    combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4)
+    return out if batched else out[0]
 
 
 # Prefill blocking (rows per step, heads per program, warps). H200, one layer of a 2,048-query chunk at Flash shapes

@@ -22,14 +22,16 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _emit_kernel(proj, cap, windows, last, ape, norm, inv_freq, out, parts, arrived, magnitude, eps,
+    def _emit_kernel(proj, cap, ring_stride, windows, last, last_stride, ape, norm, inv_freq, out, parts, arrived,
+                     magnitude, eps,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, WIDTH: tl.constexpr, ROPE_HALF: tl.constexpr,
                      BLOCK_C: tl.constexpr, NCB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
         # program (window i, channel block cb): pools BLOCK_C channels over the window's slots and stores them with
         # their sum of squares; the window's last program to arrive (a counter in ``arrived``, zero on entry)
         # normalises the whole row and rotates its RoPE dims. Splitting the channels spreads one window's reads
         # over NCB SMs (a decode step emits one window per compressor).
-        # proj: the ring [cap, 2 * KV] of [kv | gate] projections by position, KV = WIDTH * (2 if OVERLAP else 1).
+        # proj: the ring [cap, 2 * KV] of [kv | gate] projections by position, KV = WIDTH * (2 if OVERLAP else 1);
+        # with ring_stride (a batch of rings, one window each) window i reads ring i and its own last position.
         # With OVERLAP a window pools 2 * RATIO slots: the previous window's positions through channels
         # [0, WIDTH) of kv and gate ("a" lane), then its own through [WIDTH, 2 * WIDTH) ("b" lane).
         KV: tl.constexpr = WIDTH * (2 if OVERLAP else 1)
@@ -37,7 +39,8 @@ if HAVE_TRITON:
         i = tl.program_id(0)
         cb = tl.program_id(1)
         w = tl.load(windows + i)
-        last_pos = tl.load(last)
+        last_pos = tl.load(last + i * last_stride)
+        proj += i.to(tl.int64) * ring_stride
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < WIDTH
         m = tl.full([BLOCK_C], float("-inf"), tl.float32)
@@ -112,8 +115,13 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
                        width: int, eps: float) -> torch.Tensor:
     """Compressed rows [n, width] float32 (pooled, normalised, RoPE at each window's first token) of ``windows``
     [n] from the projection ring ``proj`` [capacity, 2 * kv] float32, using positions up to ``last`` (a device
-    scalar: positions after it, in a window still open, take no part)."""
+    scalar: positions after it, in a window still open, take no part). A batch of rings ``proj`` [n, capacity,
+    2 * kv] with ``last`` [n] (a batched decode step): window i from ring i, up to position last[i]."""
     n = windows.shape[0]
+    batched = proj.dim() == 3
+    if batched and (proj.shape[0] != n or last.numel() != n):
+        raise ValueError(f"emit_windows_fused: a batch of {proj.shape[0]} rings takes one window and one last "
+                         f"position per ring, got {n} and {last.numel()}")
     out = torch.empty(n, width, dtype=torch.float32, device=proj.device)
     if n:
         nslot = ratio * (2 if overlap else 1)
@@ -124,7 +132,8 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
         parts = torch.empty(n, ncb, dtype=torch.float32, device=proj.device)
         arrived = torch.zeros(n, dtype=torch.int32, device=proj.device)
         _kernels()._emit_kernel[(n, ncb)](
-            proj, proj.shape[0], windows.contiguous(), last.reshape(1), ape.contiguous(), norm.contiguous(),
+            proj, proj.shape[-2], proj.stride(0) if batched else 0, windows.contiguous(), last.reshape(-1).contiguous(),
+            1 if batched else 0, ape.contiguous(), norm.contiguous(),
             inv_freq.float().contiguous(), out, parts, arrived, float(magnitude), float(eps), RATIO=ratio,
             OVERLAP=overlap, WIDTH=width, ROPE_HALF=inv_freq.shape[0], BLOCK_C=block_c, NCB=ncb, BLOCK_S=block_s,
             BLOCK_W=block_w, num_warps=4)

@@ -52,7 +52,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     q [T, H, 128], weights [T, H] -> scores [T, n_rows] (a prefill chunk: the same per-row bits as T decode calls).
 
     ``rows`` is the store's data: uint8 [cap, 68] when ``packed`` else float32 [cap, 128] (packed here
-    first); rows 0..n_rows-1 are scored (compressed rows are never wrapped: their store holds the whole
+    first), or one store per query [T, cap, width] (a batched decode step: query t scores store t); rows
+    0..n_rows-1 are scored (compressed rows are never wrapped: their store holds the whole
     context). ``n_rows`` may be an integer tensor on the device, one count or one per query (a CUDA graph
     replays with whatever count it then holds; a prefill query sees only the rows closed by its position):
     scores then have ``cap`` columns and those from a query's count on are not written.
@@ -66,7 +67,10 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     count = n_rows if isinstance(n_rows, torch.Tensor) else None
     if count is not None and count.numel() not in (1, T):
         raise ValueError(f"row counts: one or one per query ({T}), got {count.numel()}")
-    n_rows = rows.shape[0] if count is not None else n_rows
+    per_query = rows.dim() == 3
+    if per_query and rows.shape[0] != T:
+        raise ValueError(f"one row store per query: {T} queries, {rows.shape[0]} stores")
+    n_rows = rows.shape[-2] if count is not None else n_rows
     out = torch.empty(T, n_rows, device=q.device, dtype=torch.float32)
     if n_rows and T:
         from ds4x.kernels.triton_indexer import score_kernel
@@ -74,18 +78,19 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         if not packed:
             from ds4x.formats import pack_indexer_rows
 
-            rows = pack_indexer_rows(rows[:n_rows], validate=False)
+            rows = pack_indexer_rows(rows[..., :n_rows, :], validate=False)
         if rows.dtype != torch.uint8 or rows.shape[-1] != 68 or not rows.is_contiguous():
-            raise ValueError(f"packed indexer rows must be contiguous uint8 [cap, 68]; got {rows.dtype} "
+            raise ValueError(f"packed indexer rows must be contiguous uint8 [(T,) cap, 68]; got {rows.dtype} "
                              f"{tuple(rows.shape)}")
+        words = rows.view(torch.int32)
         n_tiles = -(-n_rows // block_n)
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once: about two programs per
         # SM in all (decode: all of them on the one query)
         n_prog = min(n_tiles, max(1, 2 * num_sms(q.device) // T)) if persistent else n_tiles
         hp = max(16, 1 << (H - 1).bit_length())
-        score_kernel[(n_prog, T)](qs.contiguous().float(), ws.contiguous().float(), rows.view(torch.int32), out,
-                                  n_rows, out if count is None else count,
+        score_kernel[(n_prog, T)](qs.contiguous().float(), ws.contiguous().float(), words,
+                                  words.stride(0) if per_query else 0, out, n_rows, out if count is None else count,
                                   0 if count is None or count.numel() == 1 else 1, -(-n_tiles // n_prog), n_prog,
                                   D**-0.5, H=H, HP=hp, BLOCK_N=block_n, PTX=q.is_cuda if ptx is None else ptx,
                                   PERSISTENT=persistent, DEVICE_COUNT=count is not None, num_warps=4)

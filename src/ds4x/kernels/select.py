@@ -7,8 +7,6 @@ see is never selected. Every fused or hierarchical variant must return the same 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -133,38 +131,74 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # whose programs (at most one per multiprocessor, so all resident) meet at grid barriers; in the CPU
 # interpreter, which runs programs one after another, one launch per phase.
 
-# workspace (int32): [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64 the three
-# histograms (2048 + 2048 + 1024 bins); from 5184 per program the rows above / equal to the k-th score
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
+# the three histograms (2048 + 2048 + 1024 bins); from 5184 per program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
 _WORKSPACE = 64 + 5120 + 2 * _MAX_PROGRAMS
+_MAX_TILE = 8192  # a program's scores stay in registers
 
 
-@functools.cache
-def _workspace(device: torch.device) -> torch.Tensor:
-    """Per-device scratch of the radix select (zero between calls; one stream at a time)."""
-    return torch.zeros(_WORKSPACE, dtype=torch.int32, device=device)
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, rows: int) -> torch.Tensor:
+    """Scratch of the radix select for ``rows`` rows of scores on ``device`` (zero between calls; one stream at a
+    time; one per row count, so a captured step keeps its own)."""
+    key = (device, rows)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.zeros(rows, _WORKSPACE, dtype=torch.int32, device=device)
+    return _WORKSPACES[key]
 
 
 def radix_barrier_timeouts(device: torch.device) -> int:
     """Grid barriers that gave up waiting since start-up (0 unless programs were not all resident)."""
-    return int(_workspace(device)[2])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return sum(int(ws[:, 2].sum()) for (dev, _), ws in _WORKSPACES.items() if dev == device)
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
-    `select_topk_keys`, listed in ascending row order. ``n_visible`` may be a one-element integer tensor on the
-    device (CUDA graphs: the count is read when the kernel runs). ``fused`` (default: on the GPU) runs the five
-    phases in one launch with grid barriers; otherwise one launch per phase."""
+    `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
+    graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
+    device tensor [B] select per row -> [B, min(k, n)], in one launch. ``fused`` (default: on the GPU) runs the
+    five phases in one launch with grid barriers; otherwise one launch per phase."""
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel
 
-    n = scores.shape[0]
+    batched = scores.dim() == 2
+    scores2 = scores if batched else scores[None]
+    B, n = scores2.shape
+    count = n_visible if isinstance(n_visible, torch.Tensor) else None
+    if batched and (count is None or count.numel() != B):
+        raise ValueError(f"select_topk_radix: {B} rows of scores need a device tensor of {B} visible counts")
     kk = min(k, n)
-    index = torch.empty(kk, dtype=torch.long, device=scores.device)
-    valid = torch.empty(kk, dtype=torch.bool, device=scores.device)
-    if kk == 0:
-        return index, valid
+    index = torch.empty(B, kk, dtype=torch.long, device=scores.device)
+    valid = torch.empty(B, kk, dtype=torch.bool, device=scores.device)
+    if kk == 0 or B == 0:
+        return (index, valid) if batched else (index[0], valid[0])
+    fused = scores.is_cuda if fused is None else fused
+    # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
+    sms = num_sms(scores.device)
+    tile = min(_MAX_TILE, max(256, 1 << (-(-n * min(B, sms) // sms) - 1).bit_length()))
+    n_prog = -(-n // tile)
+    if n_prog > _MAX_PROGRAMS:
+        raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
+    per_launch = max(1, sms // n_prog)  # rows of scores per launch
+    ws = _workspace(scores.device, B)
+    flat = scores2.contiguous().float()
+    kp = 1 << (kk - 1).bit_length()
+    phases = [(0, 4)] if fused else [(i, i) for i in range(5)]
+    for r0 in range(0, B, per_launch):
+        r1 = min(B, r0 + per_launch)
+        counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count
+        args = (flat[r0:r1], n, n if count is not None else min(n_visible, n), counts, kk, n_prog, ws[r0:r1],
+                index[r0:r1], valid[r0:r1].view(torch.int8))
+        for first, last in phases:
+            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last,
+                                            DEVICE_COUNT=count is not None, WS=_WORKSPACE, num_warps=4)
+    return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     tile = max(256, 1 << (-(-n // num_sms(scores.device)) - 1).bit_length())
     n_prog = -(-n // tile)

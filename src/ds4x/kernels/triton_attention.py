@@ -134,14 +134,28 @@ def _attend_split(q_nope, q_rope, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, b
 @triton.jit
 def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
                    rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
+                   store_a, store_b, index_a, index_b, n_split,
                    H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
                    NC: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE_A: tl.constexpr,
                    MODE_B: tl.constexpr):
-    """Program (split, group of HB heads): the softmax state of the heads over one split of two row sources:
-    ``blocks_a`` blocks of BLOCK slots of source A per split for the first ``splits_a`` splits, then ``blocks_b``
-    of source B per split. A decode step has few rows per source, so the heads may be split over
-    programs to keep more of the GPU busy (each group decodes the split's rows again)."""
+    """Program (split, group of HB heads, query): the softmax state of the heads over one split of two row
+    sources: ``blocks_a`` blocks of BLOCK slots of source A per split for the first ``splits_a`` splits, then
+    ``blocks_b`` of source B per split. A decode step has few rows per source, so the heads may be split over
+    programs to keep more of the GPU busy (each group decodes the split's rows again). Query b (a batched decode
+    step: one per session) reads its own stores (``store_*`` apart, 0 when shared), index rows (``index_*``
+    apart) and position."""
     split = tl.program_id(0)
+    b = tl.program_id(2).to(tl.int64)
+    q_ptr += b * H * D
+    rows_a += b * store_a
+    rows_b += b * store_b
+    idx_a += b * index_a
+    idx_b += b * index_b
+    pos_a += b
+    pos_b += b
+    m_ptr += b * n_split * HP
+    l_ptr += b * n_split * HP
+    acc_ptr += b * n_split * HP * D
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     h_ok = offs_h < H
     chunk = tl.arange(0, NC)[:, None, None]
@@ -169,9 +183,15 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.constexpr, D: tl.constexpr,
                    SB: tl.constexpr, N_ITER: tl.constexpr):
-    """Program (head, 64-value chunk): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink - top))."""
+    """Program (head, 64-value chunk, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink -
+    top))."""
     h = tl.program_id(0)
     c = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    m_ptr += b * n_split * HP
+    l_ptr += b * n_split * HP
+    acc_ptr += b * n_split * HP * D
+    out_ptr += b * tl.num_programs(0) * D
     offs = tl.arange(0, SB)
     sink = tl.load(sinks_ptr + h).to(tl.float32)
     top = sink

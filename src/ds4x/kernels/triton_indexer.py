@@ -116,12 +116,13 @@ def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
 # Row and tile counts change from call to call (prefill chunks): not specialized, so a count that happens to be a
 # multiple of 16 does not compile a second variant in the middle of a prefill
 @triton.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
-def score_kernel(q_ptr, w_ptr, rows_ptr, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
+def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
                  H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
                  PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)  # the query (a prefill chunk has many; decode one)
+    t = tl.program_id(1).to(tl.int64)  # the query (a prefill chunk has many; decode one per session)
     q_ptr += t * H * 128
+    rows_ptr += t * rows_stride  # a batched decode step: each query's own store (else 0: one store)
     w_ptr += t * H
     out_ptr += t * n_rows
     if DEVICE_COUNT:  # rows in use counted on the device (CUDA graphs; per query in a prefill chunk)
@@ -179,10 +180,15 @@ def threshold(ws_ptr, level: tl.constexpr, NB: tl.constexpr, need):
 @triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr,
                  TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                 DEVICE_COUNT: tl.constexpr):
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr):
     pid = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
+    scores_ptr += r * n
+    ws_ptr += r * WS  # each row its own workspace: its barriers count its own programs
+    index_ptr += r * kk
+    valid_ptr += r * kk
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
-        n_visible = tl.load(count_ptr).to(tl.int32)
+        n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
     need = tl.minimum(n_visible, kk)  # kk = min(k, n)
     rows = pid * TILE + tl.arange(0, TILE)

@@ -14,7 +14,9 @@ same for every storage, which is what makes packed and native-unpacked logits bi
 
 Batching: one call serves the tokens of several caches (``Segment``s of the batch). The projections, norms,
 RoPE and output projection are token-local and run over the whole batch; writing rows, the compressors,
-indexer selection and attention over stored rows run per cache. A single session is the batch of one.
+indexer selection and attention over stored rows run per cache, except in a decode step on the Triton path:
+there the caches' stores are read as batches of rings (`ds4x.model.cache.batch_layer`: the caches of a
+`CachePool`, or a single cache), and each of those kernels runs once per layer for all of them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
 from ds4x.kernels.select import select_topk, select_topk_radix
-from ds4x.model.cache import LayerState, ModelCache, RowStore
+from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
 from ds4x.model.projections import project, stacked_name
 from ds4x.model.rope import apply_rope, cos_sin
@@ -65,16 +67,21 @@ def _compress(projected: torch.Tensor, proj: RowStore, rows: RowStore, ape: torc
               positions: torch.Tensor, windows: torch.Tensor | None, ratio: int, overlap: bool, width: int,
               cfg: ModelConfig, rope: tuple[torch.Tensor, float]) -> None:
     """Store one cache's compressor projections [T, kv | gate] at ``positions`` and (re)write the compressed rows
-    of ``windows`` from the projections up to the last of them."""
+    of ``windows`` from the projections up to the last of them. With batches of rings (a decode step over B
+    caches, `batch_layer`) row b, its position and window b belong to cache b."""
     proj.write_at(positions, projected)
     if windows is None:
         return
+    batched = proj.data.dim() == 3
+    last = positions if batched else positions[-1:]
     inv_freq, magnitude = rope
     if use_triton(projected.device) and compressor.supported(proj.data, inv_freq.shape[0]):
-        rows.write_at(windows, compressor.emit_windows_fused(proj.data, windows, positions[-1], ape, norm, inv_freq,
+        rows.write_at(windows, compressor.emit_windows_fused(proj.data, windows, last, ape, norm, inv_freq,
                                                              magnitude, ratio, overlap, width, cfg.rms_norm_eps))
         return
-    pooled = _emit_windows(proj, ape, windows, positions[-1], ratio, overlap, width)
+    rings = ([RowStore(proj.capacity, proj.codec, proj.data.device, d) for d in proj.data] if batched else [proj])
+    pooled = torch.cat([_emit_windows(ring, ape, windows[i : i + 1] if batched else windows, last[i if batched else 0],
+                                      ratio, overlap, width) for i, ring in enumerate(rings)])
     normed = rms_norm(pooled, norm, cfg.rms_norm_eps)
     cos, sin = cos_sin(rope, windows * ratio)  # RoPE at each window's first token
     rows.write_at(windows, apply_rope(normed, cos, sin))
@@ -165,21 +172,32 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         index_q = apply_rope(index_q, cos, sin)
         index_w = linear(x, w[ip + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
 
-    outs = []
-    for seg in segments:
+    pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
+    done: set[int] = set()
+    decode = [i for i, seg in enumerate(segments)
+              if seg.length == 1 and seg.cache.mode != "float" and use_triton(x.device)]
+    for group in _decode_groups([segments[i] for i in decode], decode, layer):
+        rows = group.rows
+        out = _decode_triton(group.st, group.cache.mode == "packed", positions[rows], q[rows], kv[rows],
+                             None if comp is None else comp[rows], None if idx is None else idx[rows],
+                             None if index_q is None else group.cache.indexer_query(index_q[rows]),
+                             None if index_w is None else index_w[rows], w, layer, cfg, rope)
+        n = group.numbers
+        if isinstance(rows, slice) and n == list(range(n[0], n[0] + len(n))):
+            pieces.append((n[0], out))  # consecutive segments and rows: one piece
+        else:
+            pieces.extend(zip(n, out.split(1), strict=True))
+        done.update(n)
+    for i, seg in enumerate(segments):
+        if i in done:
+            continue
         cache, r = seg.cache, seg.rows
         st: LayerState = cache.layers[layer]
         pos = positions[r]
         st.raw.write_at(pos, kv[r])
-        # The decode kernels take every count from the device, so the step replays as a CUDA graph: the window
-        # holding the new position is re-emitted each step (its row is read only once closed). Otherwise the
-        # windows that close in this pass are emitted, known from the host's position.
-        fast = seg.length == 1 and cache.mode != "float" and use_triton(x.device)
-        p0 = cache.length  # host int (reading positions[0] would sync the GPU); not used by the fast path
-        windows = None
-        if fast and ratio:
-            windows = pos // ratio
-        elif ratio and (p0 + seg.length) // ratio > p0 // ratio:
+        p0 = cache.length  # host int (reading positions[0] would sync the GPU)
+        windows = None  # the windows that close in this pass, known from the host's position
+        if ratio and (p0 + seg.length) // ratio > p0 // ratio:
             windows = torch.arange(p0 // ratio, (p0 + seg.length) // ratio, device=x.device)
         if comp is not None:
             assert st.comp_proj is not None and st.comp_rows is not None
@@ -193,39 +211,80 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         step = _Step(layer, pos, p0, max(0, p0 - cfg.sliding_window + 1), (p0 + seg.length) // ratio if ratio else 0,
                      None if index_q is None else cache.indexer_query(index_q[r]),
                      None if index_w is None else index_w[r], w, cfg, cache)
-        if fast:
-            outs.append(_decode_triton(step, q[r][0])[None])
-        elif not reference and cache.mode == "packed" and use_triton(x.device):
-            outs.append(_prefill_triton(step, q[r]))
+        if not reference and cache.mode == "packed" and use_triton(x.device):
+            pieces.append((i, _prefill_triton(step, q[r])))
         else:
-            outs.append(_attend_reference(step, q[r]))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            pieces.append((i, _attend_reference(step, q[r])))
+    out = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda piece: piece[0])])
     out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
     return linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
 
 
-def _decode_triton(step: _Step, q: torch.Tensor) -> torch.Tensor:
-    """One query [H, D] from stored rows with the Triton kernels: [H, D] float32 before the inverse RoPE.
+@dataclass
+class _DecodeGroup:
+    """Decode segments (one token each) whose caches' stores batch into one view (`batch_layer`)."""
 
-    Only device values describe the step (position, row counts), and every shape is fixed by the cache's
-    capacities, so a captured step replays at any position: the window is its W slots (-1 before position 0),
-    HCA offers all compressed slots with the unwritten ones at -1, CSA scores the whole indexer store with the
-    row count read on the device."""
-    cfg, st, pos = step.cfg, step.st, step.positions
-    packed = step.cache.mode == "packed"
-    ratio = cfg.compress_ratios[step.layer]
+    numbers: list[int]  # their segment numbers
+    rows: slice | torch.Tensor  # their rows of the batch
+    st: LayerState  # the layer's stores as batches of rings
+    cache: ModelCache  # the first (all share the mode)
+
+
+def _decode_groups(segs: list[Segment], numbers: list[int], layer: int) -> list[_DecodeGroup]:
+    """All decode segments in one group when their caches are slots 0..B-1 of one pool (the server's decode
+    step), else one group per segment."""
+    st = batch_layer([s.cache for s in segs], layer) if segs else None
+    parts = [list(range(len(segs)))] if st is not None else [[j] for j in range(len(segs))]
+    groups = []
+    for part in parts:
+        starts = [segs[j].start for j in part]
+        rows: slice | torch.Tensor = slice(starts[0], starts[0] + len(part))
+        if starts != list(range(starts[0], starts[0] + len(part))):
+            rows = torch.tensor(starts, device=segs[0].cache.device)
+        group_st = st if st is not None else batch_layer([segs[part[0]].cache], layer)
+        assert group_st is not None
+        groups.append(_DecodeGroup([numbers[j] for j in part], rows, group_st, segs[part[0]].cache))
+    return groups
+
+
+def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                   comp: torch.Tensor | None, idx: torch.Tensor | None, index_q: torch.Tensor | None,
+                   index_w: torch.Tensor | None, w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig,
+                   rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """One token for each of B caches (their stores batched: ``st``, rings [B, ...]) with the Triton kernels, each
+    kernel launched once for all B: the row writes and compressors, then queries q [B, H, D] -> [B, H, D] float32
+    before the inverse RoPE. Each cache's rows are bit-identical to a step of that cache alone.
+
+    Only device values describe the step (positions, row counts), and every shape is fixed by the caches'
+    capacities, so a captured step replays at any positions: the window holding the new position is re-emitted
+    each step (its row is read only once closed), the attention window is its W slots (-1 before position 0), HCA
+    offers all compressed slots with the unwritten ones at -1, CSA scores the whole indexer store with the row
+    count read on the device."""
+    p = f"layers.{layer}.attn."
+    kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
+    st.raw.write_at(pos, kv)
+    windows = pos // ratio if ratio else None
+    if comp is not None:
+        assert st.comp_proj is not None and st.comp_rows is not None
+        _compress(comp, st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"], pos,
+                  windows, ratio, kind == CSA, cfg.head_dim, cfg, rope)
+    if idx is not None:
+        assert st.idx_proj is not None and st.idx_rows is not None
+        _compress(idx, st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
+                  w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg, rope)
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
         (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
-    if step.kind == HCA:
+    if kind == HCA:
+        assert st.comp_rows is not None
         sources.append((st.comp_rows.data, Slots(st.comp_rows.capacity, position=pos, ratio=ratio)))
-    elif step.kind == CSA:
-        assert step.index_q is not None and step.index_w is not None
-        n_rows = (pos + 1) // ratio  # [1]: compressed rows whose window has closed
-        scores = indexer_scores_triton(step.index_q[0], step.index_w[0], st.idx_rows.data, n_rows, packed)
+    elif kind == CSA:
+        assert index_q is not None and index_w is not None and st.idx_rows is not None and st.comp_rows is not None
+        n_rows = (pos + 1) // ratio  # [B]: compressed rows whose window has closed
+        scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
         index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
         sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
-    return attention_decode_triton(q, sources, step.sinks, cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
+    return attention_decode_triton(q, sources, w[p + "attn_sink"], cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,8 +58,12 @@ def align_up(n: int, a: int) -> int:
 # ---- codecs: how a float row is stored and read back ------------------------------------------
 
 def _copy_into_ring(data: torch.Tensor, index: torch.Tensor, stored: torch.Tensor) -> None:
-    """Rows already in the storage format into the ring ``data`` at ``index % len(data)``."""
-    data.index_copy_(0, index % data.shape[0], stored.to(data.dtype))
+    """Rows already in the storage format into the ring ``data`` at ``index % len(data)``; into a batch of rings
+    ``data`` [B, ring, width], row b into ring b at ``index[b] % ring``."""
+    if data.dim() == 3:
+        data[torch.arange(data.shape[0], device=data.device), index % data.shape[1]] = stored.to(data.dtype)
+    else:
+        data.index_copy_(0, index % data.shape[0], stored.to(data.dtype))
 
 
 class FloatCodec:
@@ -183,11 +187,14 @@ Codec = FloatCodec | PackedKVCodec | PackedIndexerCodec
 
 
 class RowStore:
-    """Rows addressed by an absolute index, held in a ring of ``capacity`` slots."""
+    """Rows addressed by an absolute index, held in a ring of ``capacity`` slots.
 
-    def __init__(self, capacity: int, codec: Codec, device: torch.device):
+    ``data`` is the ring [capacity, width], or (`batch_layer`) a batch of rings [B, capacity, width], one per
+    session of a batched decode step; only ``write_at`` takes a batch (row b of the rows goes to ring b)."""
+
+    def __init__(self, capacity: int, codec: Codec, device: torch.device, data: torch.Tensor | None = None):
         self.capacity, self.codec = capacity, codec
-        self.data = torch.zeros(capacity, codec.width, dtype=codec.dtype, device=device)
+        self.data = torch.zeros(capacity, codec.width, dtype=codec.dtype, device=device) if data is None else data
 
     def _slots(self, start: int, stop: int) -> torch.Tensor | slice:
         if stop - start > self.capacity:
@@ -225,7 +232,7 @@ class RowStore:
 
     def clone(self) -> RowStore:
         other = copy.copy(self)
-        other.data = self.data.clone()
+        other.data = self.data.clone()  # its own ring, outside any pool
         return other
 
     @property
@@ -302,7 +309,7 @@ def format_plan(plan: dict[str, int]) -> str:
 
 class ModelCache:
     def __init__(self, cfg: ModelConfig, ctx: int, device: torch.device | str = "cpu", mode: str = "float",
-                 chunk: int = 512):
+                 chunk: int = 512, pool: CachePool | None = None):
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {CACHE_MODES}, got {mode!r}")
         if mode != "float" and (why := cfg.native_cache_error()):
@@ -315,8 +322,10 @@ class ModelCache:
         # when a list, CSA layers append (layer, positions, selected row indices, valid) here (quality reports)
         self.selections: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.plan = plan_cache(cfg, ctx, chunk, mode)
+        # a cache of a pool keeps its rows in slot ``slot`` of the pool's tensors (allocated by the pool)
+        self.pool, self.slot = pool, 0 if pool is None else pool.take_slot()
         free = free_memory(self.device)
-        if self.plan["total"] > free:
+        if pool is None and self.plan["total"] > free:
             raise CacheMemoryError(
                 f"a {mode} cache for {ctx} tokens needs {self.plan['total'] / 2**30:.2f} GiB "
                 f"({format_plan(self.plan)}) but {self.device} has {free / 2**30:.2f} GiB free"
@@ -331,17 +340,22 @@ class ModelCache:
         else:
             kv_codec, ix_codec = PackedKVCodec(hd, rd), PackedIndexerCodec()
         dev = self.device
+
+        def store(layer: int, name: str, capacity: int, codec: Codec) -> RowStore:
+            data = None if pool is None else pool.ring(layer, name, capacity, codec)[self.slot]
+            return RowStore(capacity, codec, dev, data)
+
         self.layers: list[LayerState] = []
         for i, cap in enumerate(_capacities(cfg, ctx, chunk, mode)):
             kind = cfg.attn_kinds[i]
-            st = LayerState(raw=RowStore(cap["raw"], kv_codec, dev))
+            st = LayerState(raw=store(i, "raw", cap["raw"], kv_codec))
             if kind != SLIDING:
                 lanes = 2 if kind == CSA else 1
-                st.comp_proj = RowStore(cap["proj"], FloatCodec(2 * lanes * hd), dev)
-                st.comp_rows = RowStore(cap["comp_rows"], kv_codec, dev)
+                st.comp_proj = store(i, "comp_proj", cap["proj"], FloatCodec(2 * lanes * hd))
+                st.comp_rows = store(i, "comp_rows", cap["comp_rows"], kv_codec)
             if kind == CSA:
-                st.idx_proj = RowStore(cap["proj"], FloatCodec(4 * ih), dev)
-                st.idx_rows = RowStore(cap["comp_rows"], ix_codec, dev)
+                st.idx_proj = store(i, "idx_proj", cap["proj"], FloatCodec(4 * ih))
+                st.idx_rows = store(i, "idx_rows", cap["comp_rows"], ix_codec)
             self.layers.append(st)
 
     def check_room(self, n_new: int) -> None:
@@ -394,6 +408,7 @@ class ModelCache:
     def clone(self) -> ModelCache:
         """A deep copy on the same device (continuing either leaves the other untouched)."""
         other = copy.copy(self)
+        other.pool, other.slot = None, 0  # its own rows (cloned below), outside any pool
         other.plan = dict(self.plan)
         other.selections = None if self.selections is None else list(self.selections)
         other.layers = [LayerState(**{f.name: None if (s := getattr(st, f.name)) is None else s.clone()
@@ -435,3 +450,57 @@ class ModelCache:
     def indexer_query(self, q: torch.Tensor) -> torch.Tensor:
         """An indexer query as the cache's semantics score it (rotated and MXFP4 unless float)."""
         return q.float() if self.mode == "float" else rotate_mxfp4_roundtrip(q)
+
+
+# ---- pools: the caches of a batched decode step -----------------------------------------------------
+
+class CachePool:
+    """``slots`` caches of one layout whose stores are slices of one tensor per store [slots, capacity, width].
+
+    A decode step over caches 0..B-1 of a pool then reads every store of a layer as one batch of rings
+    (`batch_layer`), so each cache kernel (row writes, compressor emit, indexer scoring, top-k, attention) runs
+    once per layer for all B sessions instead of once per session. All slots are allocated up front (a captured
+    step holds the pointers), after checking that they fit the device."""
+
+    def __init__(self, cfg: ModelConfig, ctx: int, device: torch.device | str, mode: str, chunk: int, slots: int):
+        if slots <= 0:
+            raise ValueError(f"a cache pool needs at least one slot, got {slots}")
+        self.slots, self.device = slots, torch.device(device)
+        total = slots * plan_cache(cfg, ctx, chunk, mode)["total"]
+        free = free_memory(self.device)
+        if total > free:
+            raise CacheMemoryError(f"{slots} {mode} caches for {ctx} tokens need {total / 2**30:.2f} GiB but "
+                                   f"{self.device} has {free / 2**30:.2f} GiB free; lower the batch or the context")
+        self.data: dict[tuple[int, str], torch.Tensor] = {}
+        self._taken = 0
+        self.caches = [ModelCache(cfg, ctx, device, mode, chunk, pool=self) for _ in range(slots)]
+
+    def take_slot(self) -> int:
+        """The next slot, for a cache being built on this pool."""
+        if self._taken == self.slots:
+            raise ValueError(f"all {self.slots} slots of the cache pool are built")
+        self._taken += 1
+        return self._taken - 1
+
+    def ring(self, layer: int, name: str, capacity: int, codec: Codec) -> torch.Tensor:
+        """The pool's tensor of one store [slots, capacity, width] (made on first use)."""
+        key = (layer, name)
+        if key not in self.data:
+            self.data[key] = torch.zeros(self.slots, capacity, codec.width, dtype=codec.dtype, device=self.device)
+        return self.data[key]
+
+
+def batch_layer(caches: list[ModelCache], layer: int) -> LayerState | None:
+    """The stores of ``layer`` of ``caches`` as batches of rings [B, capacity, width] (B = len(caches)): without a
+    copy for one cache, or for caches 0..B-1 of one pool in order; None otherwise."""
+    first, pool = caches[0], caches[0].pool
+    if len(caches) > 1 and (pool is None or any(c.pool is not pool or c.slot != i for i, c in enumerate(caches))):
+        return None
+
+    def batched(name: str, s: RowStore) -> RowStore:
+        data = s.data[None] if len(caches) == 1 else pool.data[(layer, name)][: len(caches)]
+        return RowStore(s.capacity, s.codec, s.data.device, data)
+
+    st = first.layers[layer]
+    return LayerState(**{f.name: None if (s := getattr(st, f.name)) is None else batched(f.name, s)
+                         for f in fields(LayerState)})

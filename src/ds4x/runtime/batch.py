@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from ds4x.kernels.linear import rowwise_products
-from ds4x.model.cache import ModelCache
+from ds4x.model.cache import CachePool, ModelCache
 from ds4x.runtime.decode_graph import CapturedStep
 from ds4x.runtime.engine import Engine, Session
 
@@ -58,7 +58,7 @@ def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool 
 
 
 class DecodeSlots:
-    """A pool of at most ``capacity`` caches of one layout whose sessions decode together from CUDA graphs.
+    """A pool of ``capacity`` caches of one layout whose sessions decode together from CUDA graphs.
 
     A decode step covers the first b caches of the pool, b the smallest batch size (powers of two, and
     ``capacity``) that holds every stepping session; one graph is captured per b on first use. Caches in that
@@ -66,7 +66,9 @@ class DecodeSlots:
     position 0, a session reading its prompt at its own length, so the rows written lie at or past it and the
     next pass overwrites them before anything reads them (as a captured step rewrites its open compressor
     window every step). Free caches are handed out lowest first, so the sessions stay packed at the front.
-    Caches are allocated when first needed and kept. On CUDA, Q8_0 matrices multiply batches through dense
+    The caches are the slots of a `CachePool`, all allocated up front: the step's cache kernels (row writes,
+    compressor emit, indexer scoring, top-k, attention) run once per layer for all b sessions, not once per
+    session. On CUDA, Q8_0 matrices multiply batches through dense
     mirrors (:func:`ds4x.kernels.quant_matmul.use_dense_mirrors`). ``rowwise``: batch-invariant products (see
     :func:`step_sessions`; for the eager step, e.g. on the CPU).
     """
@@ -81,24 +83,16 @@ class DecodeSlots:
 
             use_dense_mirrors(True)
         self.sizes = sorted({*(1 << i for i in range(capacity.bit_length()) if 1 << i < capacity), capacity})
-        self.caches: list[ModelCache] = []
-        self.slot_of: dict[int, int] = {}  # id(cache) -> its index
-        self.free: list[int] = []  # sorted
+        model = engine.model
+        self.caches: list[ModelCache] = CachePool(model.cfg, ctx, model.device, mode, chunk, capacity).caches
+        self.slot_of: dict[int, int] = {id(c): i for i, c in enumerate(self.caches)}
+        self.free: list[int] = list(range(capacity))  # sorted
         self.steps: dict[int, CapturedStep] = {}
-
-    def _grow(self, n: int) -> None:
-        while len(self.caches) < n:
-            cache = self.engine.model.new_cache(self.ctx, self.mode, self.chunk)
-            self.slot_of[id(cache)] = len(self.caches)
-            bisect.insort(self.free, len(self.caches))
-            self.caches.append(cache)
 
     def acquire(self) -> ModelCache:
         """An empty cache of the pool (the lowest free one), or ValueError when all are in use."""
         if not self.free:
-            if len(self.caches) == self.capacity:
-                raise ValueError(f"all {self.capacity} decode slots are in use")
-            self._grow(len(self.caches) + 1)
+            raise ValueError(f"all {self.capacity} decode slots are in use")
         cache = self.caches[self.free.pop(0)]
         cache.reset()
         return cache
@@ -123,7 +117,6 @@ class DecodeSlots:
         for session, token in items:
             session._check_ids([token])
         b = next(n for n in self.sizes if n > max(slots))
-        self._grow(b)
         caches = self.caches[:b]
         tokens = [0] * b
         positions = [0 if slot in self.free else c.length for slot, c in enumerate(caches)]
