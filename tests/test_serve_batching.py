@@ -116,6 +116,10 @@ def test_concurrent_streams_are_separate_and_match_their_non_streamed_rerun(engi
         streamed, whole = asyncio.run(main())
         assert _metric(base, "ds4x_requests_running") == 0 and _metric(base, "ds4x_kv_bytes_in_use") == 0
         assert _metric(base, 'ds4x_batch_size_bucket{le="4"}') < _metric(base, "ds4x_batch_size_count")  # batched
+        steps = _metric(base, "ds4x_decode_steps_total")
+        assert _metric(base, "ds4x_decode_step_model_seconds_count") == steps > 0
+        assert _metric(base, "ds4x_decode_step_sample_seconds_count") == steps
+        assert _metric(base, "ds4x_decode_step_model_seconds_sum") > 0
         assert (scheduler.slots is not None) == slots
     for prompt, s, w in zip(PROMPTS, streamed, whole, strict=True):
         assert s == w

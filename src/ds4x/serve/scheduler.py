@@ -228,6 +228,12 @@ class EngineStats:
         (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)))
     itl: Histogram = field(default_factory=lambda: Histogram(
         (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)))
+    # where a decode step's time goes: the model (launch to logits ready), then sampling and delivering the
+    # batch's tokens; with the ITL the rest is the worker loop and the HTTP side
+    step_model: Histogram = field(default_factory=lambda: Histogram(
+        (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1)))
+    step_sample: Histogram = field(default_factory=lambda: Histogram(
+        (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)))
 
 
 class Scheduler:
@@ -444,14 +450,18 @@ class Scheduler:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
         if not batch:
             return
+        t0 = time.perf_counter()
         try:
             if self.slots is not None:
                 logits = self.slots.decode([(r.session, r.next_token) for r in batch])
             else:
                 logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
+            if logits[0].is_cuda:
+                torch.cuda.synchronize(logits[0].device)  # sampling would wait for it anyway: time the two apart
         except Exception as exc:
             self._fail(batch, exc, finished)
             return
+        t1 = time.perf_counter()
         self.stats.steps += 1
         self.stats.batch_size.observe(len(batch))
         for req, row in zip(batch, logits, strict=True):
@@ -459,6 +469,8 @@ class Scheduler:
                 self._sample(req, row, finished)
             except Exception as exc:
                 self._fail([req], exc, finished)
+        self.stats.step_model.observe(t1 - t0)
+        self.stats.step_sample.observe(time.perf_counter() - t1)
 
     def _sample(self, req: Generation, logits: torch.Tensor, finished: list[Generation]) -> None:
         """Draw the next token from ``logits``, send what it shows, and decide whether the request goes on
