@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         args.host, args.port, ctx, args.cache, sched.max_batch, sched.kv_budget / 2**30,
         sched.kv_budget // sched.session_bytes, sched.session_bytes / 2**20, sched.max_queue, sched.chunk,
         sched.chunk if sched.rowwise else sched.prefill_budget, "on" if sched.rowwise else "off",
-        "CUDA graphs over a pool of cache slots" if sched.slots is not None else "eager",
+        f"CUDA graphs over a pool of {sched.slots.capacity} cache slots (allocated now)" if sched.slots is not None
+        else "eager",
         "off" if prefix_cache is None else f"{args.prefix_cache_bytes / 2**30:.2f} GiB in memory"
         + (f", {args.prefix_cache_dir} (cap {args.prefix_cache_disk_bytes / 2**30:.2f} GiB)"
            if args.prefix_cache_dir else ""))
