@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ds4x.runtime.sampling import SamplingParams, sample
+from ds4x.runtime.sampling import SamplingParams, sample, sample_rows
 
 
 def test_greedy_takes_lowest_index_among_ties():
@@ -34,3 +34,25 @@ def test_top_p_and_min_p_cut_the_tail():
 def test_invalid_parameters(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_draws_follow_the_distribution_and_skip_tokens_without_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = torch.log(probs)  # -inf where there is no mass
+    g = torch.Generator().manual_seed(5)
+    n = 6000
+    counts = torch.bincount(torch.tensor([sample(logits, SamplingParams(temperature=1.0), g) for _ in range(n)]),
+                            minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    for i in (1, 3, 4):  # within 5 standard deviations of the expected count
+        sd = (n * probs[i] * (1 - probs[i])) ** 0.5
+        assert abs(counts[i] - n * probs[i]) < 5 * sd
+
+
+def test_rows_sampled_together_are_the_rows_sampled_alone():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(6)) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.2, top_k=20),
+              SamplingParams(temperature=0.5, min_p=0.05)]
+    together = sample_rows(list(logits), params, [torch.Generator().manual_seed(i) for i in range(4)])
+    alone = [sample(logits[i], params[i], torch.Generator().manual_seed(i)) for i in range(4)]
+    assert together == alone and together[0] == int(logits[0].argmax())

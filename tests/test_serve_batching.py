@@ -322,7 +322,7 @@ def test_prompts_of_several_requests_share_a_prefill_call_without_batch_invarian
 def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     import ds4x.serve.scheduler as sched_mod
 
-    real, calls = sched_mod.sample, []
+    real, calls = sched_mod.draw, []
 
     def flaky(logits, params, generator=None):  # noqa: ANN001
         calls.append(1)
@@ -330,7 +330,7 @@ def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch:
             raise RuntimeError("injected")
         return real(logits, params, generator)
 
-    monkeypatch.setattr(sched_mod, "sample", flaky)
+    monkeypatch.setattr(sched_mod, "draw", flaky)
     sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
     got: dict[int, list] = {0: [], 1: []}
     for k in got:

@@ -44,7 +44,7 @@ from ds4x.model.cache import ModelCache, free_memory, plan_cache
 from ds4x.runtime.batch import DecodeSlots, step_sessions
 from ds4x.runtime.decode_graph import graphs_enabled
 from ds4x.runtime.engine import Engine, Session
-from ds4x.runtime.sampling import SamplingParams, sample
+from ds4x.runtime.sampling import SamplingParams, draw
 from ds4x.runtime.tokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -436,15 +436,14 @@ class Scheduler:
             self._fail([req for req, _ in batch], exc, finished)
             return
         self.stats.prefill_steps += 1
+        ready = []
         for (req, part), row in zip(batch, logits, strict=True):
             req.fed += len(part)
             req.job.prompt_tokens += len(part)
             self.stats.prompt_tokens += len(part)
             if req.fed == len(req.job.prompt):
-                try:
-                    self._sample(req, row, finished)
-                except Exception as exc:
-                    self._fail([req], exc, finished)
+                ready.append((req, row))
+        self._sample(ready, finished)
 
     def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
@@ -464,20 +463,32 @@ class Scheduler:
         t1 = time.perf_counter()
         self.stats.steps += 1
         self.stats.batch_size.observe(len(batch))
-        for req, row in zip(batch, logits, strict=True):
-            try:
-                self._sample(req, row, finished)
-            except Exception as exc:
-                self._fail([req], exc, finished)
+        self._sample(list(zip(batch, logits, strict=True)), finished)
         self.stats.step_model.observe(t1 - t0)
         self.stats.step_sample.observe(time.perf_counter() - t1)
 
-    def _sample(self, req: Generation, logits: torch.Tensor, finished: list[Generation]) -> None:
-        """Draw the next token from ``logits``, send what it shows, and decide whether the request goes on
-        (the same order of checks as ``Session.generate``)."""
+    def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation]) -> None:
+        """Draw each request's next token from its logits (one device read for all), then `_take` it."""
+        drawn: list[tuple[Generation, torch.Tensor]] = []
+        for req, row in rows:
+            try:
+                drawn.append((req, draw(row, req.job.params, req.generator)))
+            except Exception as exc:
+                self._fail([req], exc, finished)
+        if not drawn:
+            return
+        tokens = torch.cat([t for _, t in drawn]).tolist()
+        for (req, _), token in zip(drawn, tokens, strict=True):
+            try:
+                self._take(req, token, finished)
+            except Exception as exc:
+                self._fail([req], exc, finished)
+
+    def _take(self, req: Generation, token: int, finished: list[Generation]) -> None:
+        """Send what ``token`` shows and decide whether the request goes on (the same order of checks as
+        ``Session.generate``)."""
         job, session, out = req.job, req.session, req.output
         assert session is not None and out is not None
-        token = sample(logits, job.params, req.generator)
         now = time.perf_counter()
         if req.last_token_at is None:
             self.stats.ttft.observe(now - req.submitted)
