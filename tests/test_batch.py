@@ -133,6 +133,17 @@ def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: E
         pool.decode([(stepping[0], 10**6)])
 
 
+def _three_prefilled_twice(engine: Engine, pool: DecodeSlots) -> tuple[list[Session], list[Session]]:
+    """Three sessions of their own and three of the pool, each pair prefilled with one of the texts."""
+    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
+    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
+    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
+        ids = engine.tokenizer.encode(text)
+        a.prefill(ids)
+        b.prefill(ids)
+    return alone, slotted
+
+
 @pytest.mark.gpu
 def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
     """The server's CUDA path: pool sessions decode from one captured step per batch size. Fed the same tokens,
@@ -140,12 +151,7 @@ def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
     an E4M3 rounding of a stored row can enlarge), across CSA/HCA window closes and a session leaving and joining."""
     engine = Engine.load("default", device="cuda")
     pool = DecodeSlots(engine, 512, "packed", 64, capacity=4)
-    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
-    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
-    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
-        ids = engine.tokenizer.encode(text)
-        a.prefill(ids)
-        b.prefill(ids)
+    alone, slotted = _three_prefilled_twice(engine, pool)
     worst, agree, steps = 0.0, 0, 0
     for i in range(40):
         if i == 20:  # the second session leaves; a newcomer takes its slot, prefilled like a fresh one alone
@@ -172,12 +178,7 @@ def test_decode_slots_on_cuda_with_rowwise_products_are_the_bits_of_sessions_alo
     logits of its own captured step."""
     engine = Engine.load("default", device="cuda")
     pool = DecodeSlots(engine, 512, "packed", 64, capacity=4, rowwise=True)
-    alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
-    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
-    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
-        ids = engine.tokenizer.encode(text)
-        a.prefill(ids)
-        b.prefill(ids)
+    alone, slotted = _three_prefilled_twice(engine, pool)
     tokens = [int(a.logits.argmax()) for a in alone]
     for _ in range(24):
         want = [a.step(t) for a, t in zip(alone, tokens, strict=True)]
