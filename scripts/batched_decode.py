@@ -7,15 +7,20 @@ request alone).
 
     PYTHONPATH=src python scripts/batched_decode.py                       # flash:q2, B = 1, 8, 32 at 4K (H200)
     PYTHONPATH=src python scripts/batched_decode.py -m tiny --device cpu --batches 1,4 --context 256   # dry run
+
+``--ledger PATH`` appends one row per batch size (``bench: batched_decode``) to a benchmark ledger.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 from ds4x.bench.frontier import seed_frontier
+from ds4x.bench.ledger import append, environment
 from ds4x.runtime.batch import DecodeSlots
 from ds4x.runtime.engine import Engine, Session
 
@@ -55,6 +60,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append to")
     args = ap.parse_args()
     engine = Engine.load(args.model, device=args.device, dtype="auto")
     batches = [int(b) for b in args.batches.split(",")]
@@ -63,6 +69,13 @@ def main() -> int:
     print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8}  (context {args.context}, {args.model})")
     for r in rows:
         print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f}")
+    if args.ledger is not None:
+        env = environment()
+        flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,
+                 "quant_act": os.environ.get("DS4X_QUANT_ACT", "default")}
+        append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0", "flags": flags,
+                 "context": args.context, "batch": r["batch"], "step_ms": r["step_ms"], "tok_s": r["tok_s"]}
+                for r in rows], args.ledger)
     return 0
 
 

@@ -89,6 +89,18 @@ def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, A
                          f"| {100 * r['floor_fraction']:.1f}% | {'-' if peak is None else f'{peak / 1e9:.1f}'} "
                          f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
         lines.append("")
+    batched = [r for r in rows if r.get("bench") == "batched_decode"]
+    if batched:
+        lines += ["## Batched decode: B sessions in one replayed step (`scripts/batched_decode.py`)", "",
+                  "Each session seeded at the frontier (no prefill); the server's pool of cache slots, one CUDA graph "
+                  "per batch size; median step including a host read of each session's greedy token.", "",
+                  "| date | commit | GPU | model | context | batch | step ms | tok/s | status | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in batched:
+            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['context']:,} "
+                         f"| {r['batch']} | {r['step_ms']:.2f} | {r['tok_s']:.1f} | {r.get('status', 'ok')} "
+                         f"| {r.get('note', '')} |")
+        lines.append("")
     kernels = [r for r in rows if r.get("bench") == "kernel"]
     if kernels:
         lines += ["## Kernel comparisons (one-off A/B runs, `do_bench` median; the command is in each row's flags)", "",
