@@ -171,29 +171,6 @@ def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
     assert worst < 2e-2 and agree >= 0.95 * steps, (worst, agree, steps)
 
 
-@pytest.mark.gpu
-def test_decode_slots_on_cuda_with_rowwise_products_are_the_bits_of_sessions_alone() -> None:
-    """With batch-invariant products the only batched work left is the cache kernels over the pool's batch of
-    rings (row writes, emit, indexer, top-k, attention): a pool of four gives each session exactly the logits of
-    a pool of its own (rowwise products take the reference ops, so the alone side is a pool too, not the fused
-    single-session step)."""
-    engine = Engine.load("default", device="cuda")
-    pool = DecodeSlots(engine, 512, "packed", 64, capacity=4, rowwise=True)
-    own = [DecodeSlots(engine, 512, "packed", 64, capacity=1, rowwise=True) for _ in range(3)]
-    alone = [Session(engine, p.acquire(), 64) for p in own]
-    slotted = [Session(engine, pool.acquire(), 64) for _ in range(3)]
-    for text, a, b in zip(TEXTS, alone, slotted, strict=False):
-        ids = engine.tokenizer.encode(text)
-        a.prefill(ids)
-        b.prefill(ids)
-    tokens = [int(a.logits.argmax()) for a in alone]
-    for _ in range(24):
-        want = [p.decode([(a, t)])[0] for p, a, t in zip(own, alone, tokens, strict=True)]
-        got = pool.decode(list(zip(slotted, tokens, strict=True)))
-        assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True))
-        tokens = [int(x.argmax()) for x in want]
-
-
 def test_activations_do_not_depend_on_the_tensor_size() -> None:
     """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
     x = torch.randn(37, 24) * 6

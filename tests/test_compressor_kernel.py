@@ -63,3 +63,8 @@ def test_emit_from_a_batch_of_rings_is_each_ring_alone(interp):
         assert torch.equal(got[i : i + 1], alone)
     with pytest.raises(ValueError, match="one window and one last position per ring"):
         compressor.emit_windows_fused(rings, windows[:2], last[:2], ape, norm, inv, 1.25, ratio, True, width, 1e-6)
+
+
+@pytest.mark.gpu
+def test_emit_from_a_batch_of_rings_on_gpu():
+    test_emit_from_a_batch_of_rings_is_each_ring_alone(None)

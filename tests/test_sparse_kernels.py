@@ -302,6 +302,12 @@ def test_flash_shapes_at_1m_on_gpu():
 
 
 @pytest.mark.gpu
+def test_batched_decode_kernels_are_each_query_alone_on_gpu():
+    """The same bits per query on the compiled kernels (tensor-core attention, PTX indexer decode)."""
+    test_batched_decode_kernels_are_each_query_alone()
+
+
+@pytest.mark.gpu
 def test_batched_selection_at_1m_on_gpu():
     """Four sessions' 262,144-row CSA stores at once (a batched decode step at 1M): per-row bits of the indexer and
     the exact radix selection, no barrier timeouts."""
