@@ -199,17 +199,3 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE, num_warps=4)
     return (index, valid) if batched else (index[0], valid[0])
-    fused = scores.is_cuda if fused is None else fused
-    tile = max(256, 1 << (-(-n // num_sms(scores.device)) - 1).bit_length())
-    n_prog = -(-n // tile)
-    if n_prog > _MAX_PROGRAMS:
-        raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
-    count = n_visible if isinstance(n_visible, torch.Tensor) else None
-    args = (scores.contiguous().float(), n, n if count is not None else min(n_visible, n),
-            index if count is None else count, kk, n_prog, _workspace(scores.device), index, valid.view(torch.int8))
-    kp = 1 << (kk - 1).bit_length()
-    phases = [(0, 4)] if fused else [(i, i) for i in range(5)]
-    for first, last in phases:
-        radix_kernel[(n_prog,)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last, DEVICE_COUNT=count is not None,
-                                num_warps=4)
-    return index, valid
