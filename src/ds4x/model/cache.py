@@ -309,7 +309,7 @@ def format_plan(plan: dict[str, int]) -> str:
 
 class ModelCache:
     def __init__(self, cfg: ModelConfig, ctx: int, device: torch.device | str = "cpu", mode: str = "float",
-                 chunk: int = 512, pool: CachePool | None = None):
+                 chunk: int = 512, pool: CachePool | None = None, slot: int = 0):
         if mode not in CACHE_MODES:
             raise ValueError(f"cache mode must be one of {CACHE_MODES}, got {mode!r}")
         if mode != "float" and (why := cfg.native_cache_error()):
@@ -323,7 +323,7 @@ class ModelCache:
         self.selections: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.plan = plan_cache(cfg, ctx, chunk, mode)
         # a cache of a pool keeps its rows in slot ``slot`` of the pool's tensors (allocated by the pool)
-        self.pool, self.slot = pool, 0 if pool is None else pool.take_slot()
+        self.pool, self.slot = pool, slot
         free = free_memory(self.device)
         if pool is None and self.plan["total"] > free:
             raise CacheMemoryError(
@@ -472,15 +472,7 @@ class CachePool:
             raise CacheMemoryError(f"{slots} {mode} caches for {ctx} tokens need {total / 2**30:.2f} GiB but "
                                    f"{self.device} has {free / 2**30:.2f} GiB free; lower the batch or the context")
         self.data: dict[tuple[int, str], torch.Tensor] = {}
-        self._taken = 0
-        self.caches = [ModelCache(cfg, ctx, device, mode, chunk, pool=self) for _ in range(slots)]
-
-    def take_slot(self) -> int:
-        """The next slot, for a cache being built on this pool."""
-        if self._taken == self.slots:
-            raise ValueError(f"all {self.slots} slots of the cache pool are built")
-        self._taken += 1
-        return self._taken - 1
+        self.caches = [ModelCache(cfg, ctx, device, mode, chunk, pool=self, slot=i) for i in range(slots)]
 
     def ring(self, layer: int, name: str, capacity: int, codec: Codec) -> torch.Tensor:
         """The pool's tensor of one store [slots, capacity, width] (made on first use)."""

@@ -33,7 +33,7 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """One token id from float logits [V] (see `draw`)."""
-    return sample_rows([logits], [params], [generator])[0]
+    return int(draw(logits, params, generator))
 
 
 def sample_rows(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],
