@@ -184,15 +184,20 @@ def test_activations_do_not_depend_on_the_tensor_size() -> None:
     assert softplus(torch.tensor([100.0, -100.0])).tolist() == [100.0, pytest.approx(3.7e-44, abs=1e-43)]
 
 
-def test_pool_decode_on_the_triton_path_runs_each_cache_kernel_once_and_matches_sessions_alone(monkeypatch) -> None:
+@pytest.mark.parametrize("emit", ["fused", "torch"])
+def test_pool_decode_on_the_triton_path_runs_each_cache_kernel_once_and_matches_sessions_alone(monkeypatch,
+                                                                                             emit) -> None:
     """The GPU decode branch in the Triton interpreter: a step over caches 0..3 of a pool reads their stores as one
     batch of rings (each cache kernel once per layer for all four: row writes, emit, indexer, top-k, attention),
-    and every session's logits are the bits of stepping it alone (each a batch of one), a free slot included."""
+    and every session's logits are the bits of stepping it alone (each a batch of one), a free slot included.
+    ``emit``: the fused compressor kernel, or the torch emit over each ring of the batch (its fallback)."""
     import ds4x.model.attention as attention
 
     if torch.cuda.is_available():
         pytest.skip("covered by the gpu tests")
     monkeypatch.setattr(attention, "use_triton", lambda device: True)
+    if emit == "torch":
+        monkeypatch.setattr(attention.compressor, "supported", lambda proj, rope_half: False)
     batch_sizes = []
     decode_triton = attention._decode_triton
 
