@@ -18,6 +18,10 @@ Two kernels:
   GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
   W * V weights in their natural order.
 
+Routed products with a few or more pairs per expert (prompts, prefill chunks) go on Hopper to a third kernel,
+:mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
+multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
+
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
 of one row each). Above 64 rows ``quant_linear`` / ``quant_grouped_linear`` decode the weight once with
@@ -76,6 +80,7 @@ import torch
 from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels import routed_wgmma
 
 T = GGMLQuantizationType
 log = logging.getLogger(__name__)
@@ -113,6 +118,14 @@ GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per sl
 # (81.9 / 19.3); wo_b 8192->4096 11.7 / 21.7, 22.2 / 21.7, 31.4 / 21.9 (160.5 / 23.1); wo_a grouped 11.9 / 18.4,
 # 22.5 / 18.2; head 129280 x 4096 158.8 / 237.9, 315.4 / 237.6; wq_a 4096->1024 3.2 / 6.5, 4.7 / 6.6, 6.1 / 6.6,
 # 7.4 / 6.5 at 4 rows. The 259 mirrors of Flash q2 take ~9.6 GB; 32 sessions' step 175 -> 149 ms.
+# Routed products with at least this many (row, expert) pairs per expert on average go to the Hopper tensor-core
+# kernel (kernels/routed_wgmma.py: each weight tile decoded once per chunk of pairs of one expert) where it runs;
+# DS4X_ROUTED_WGMMA=off keeps them on the matvec / grouped paths. H200, Flash shapes, 256 experts, 6 per token,
+# us matvec or grouped / tensor-core kernel: IQ2_XXS gate at 32 / 130 / 1,024 / 4,096 tokens (0.75 / 3 / 24 / 96 pairs
+# per expert) 412 / 729, 1,645 / 1,186, 3,828 (grouped) / 2,396, 3,937 (grouped) / 2,566; Q2_K down 212 / 529,
+# 821 / 877, 3,760 (grouped; the matvec ~6,400) / 1,478, 3,968 (grouped) / 2,357. The thresholds sit between the
+# measured points (none was measured between 3 and 24 pairs per expert).
+WGMMA_MIN_PAIRS_PER_EXPERT = {T.IQ2_XXS: 2, T.Q2_K: 4}
 MIRROR_TYPES = frozenset({T.Q8_0})
 MIRROR_MIN_ROWS = 2
 MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
@@ -957,6 +970,11 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
     # step, also for the down projection's [T * k, 1] form
     per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
     mv_max = ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS)
+    if force == "wgmma" or (force is None and config is None
+                            and t * kk >= WGMMA_MIN_PAIRS_PER_EXPERT.get(w.qtype, 1 << 30) * w.shape[0]
+                            and os.environ.get("DS4X_ROUTED_WGMMA", "").lower() != "off"
+                            and routed_wgmma.available(x, w)):
+        return routed_wgmma.routed_wgmma(x, w, ids, kk).reshape(t, kk, w.shape[1])
     if force is None and config is None and per_expert > mv_max and _grouped_path(x):
         return _routed_grouped(x.contiguous(), w, ids, kk).reshape(t, kk, w.shape[1])
     y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8, mv_max)
