@@ -32,9 +32,15 @@ def describe(device: torch.device, cache_mode: str) -> str:
     decode = ("triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)" if fast
               else "torch reference")
     prefill = "triton (TF32; torch in reference mode)" if fast and cache_mode == "packed" else "torch reference"
+    routed = "torch reference"
+    if use_triton(device):
+        from ds4x.kernels import routed_wgmma
+
+        routed = ("IQ2_XXS / Q2_K: tensor-core decode-once kernel (gluon wgmma) from a few pairs per expert; others: "
+                  "bf16 decode + torch._grouped_mm" if routed_wgmma.hopper(device)
+                  else "bf16 decode + torch._grouped_mm")
     return (f"decode attention + indexer scoring: {decode}; top-k: {'triton radix select' if fast else 'torch'}"
             f"; mHC pre/post, RMSNorm, RoPE, compressor emit (pool + norm + RoPE), MoE routing and SwiGLU, "
             f"row packing and Hadamard: {'triton fused' if use_triton(device) else 'torch reference'}"
             f"; prefill attention: {prefill}"
-            f"; routed experts at prefill: "
-            f"{'bf16 decode + torch._grouped_mm' if use_triton(device) else 'torch reference'}")
+            f"; routed experts at prefill: {routed}")

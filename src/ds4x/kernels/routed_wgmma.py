@@ -233,12 +233,17 @@ def iq2_xxs_levels(device: torch.device) -> torch.Tensor:
     return ((packed + 2**15) % 2**16 - 2**15).to(torch.int16).to(device)
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether the kernel can run on ``device`` (an sm_90 GPU, Gluon present, not the interpreter)."""
+    return (HAVE_GLUON and not interpret_mode() and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
 def available(x: torch.Tensor, w: GGMLTensor) -> bool:
     """Whether :func:`routed_wgmma` can run this product here."""
-    return (HAVE_GLUON and not interpret_mode() and x.is_cuda and x.dtype == torch.bfloat16
-            and w.qtype in _CODES and w.ndim == 3 and w.layout != "split" and w.shape[-1] % 256 == 0
-            and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0 and w.row_bytes % 4 == 0
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+    return (x.dtype == torch.bfloat16 and w.qtype in _CODES and w.ndim == 3 and w.layout != "split"
+            and w.shape[-1] % 256 == 0 and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0
+            and w.row_bytes % 4 == 0 and hopper(x.device))
 
 
 def wgmma_config(qtype: GGMLQuantizationType, pairs_per_expert: float) -> tuple[int, int, int]:
