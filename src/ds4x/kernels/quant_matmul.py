@@ -820,21 +820,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     prec = "tf32" if x2.dtype == torch.float32 and not interpret_mode() else "ieee"
     if has_ids:
         n_exp = w.shape[0] if w.ndim == 3 else 1
-        ids_l = ids_t.long()
-        order = torch.sort(ids_l, stable=True).indices.to(torch.int32)
-        # scatter_add rather than bincount: no host sync, so the launch can live in a CUDA graph
-        counts = torch.zeros(n_exp, dtype=torch.long, device=dev).scatter_add_(0, ids_l, torch.ones_like(ids_l))
-        n_chunks = (counts + bm - 1) // bm
-        first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
-        first_pair = torch.cumsum(counts, 0) - counts
-        max_chunks = triton.cdiv(n_pairs, bm) + n_exp  # a static bound: no host sync
-        slot = torch.arange(max_chunks, device=dev)
-        c_exp = torch.searchsorted(first_chunk + n_chunks, slot, right=True).clamp(max=n_exp - 1)
-        within = slot - first_chunk[c_exp]
-        c_start = (first_pair[c_exp] + within * bm).to(torch.int32)
-        c_len = torch.clamp(counts[c_exp] - within * bm, 0, bm)
-        c_len = torch.where(within < n_chunks[c_exp], c_len, 0).to(torch.int32)
-        c_exp = c_exp.to(torch.int32)
+        order, c_exp, c_start, c_len, max_chunks = routed_wgmma.chunk_tables(ids_t, n_exp, bm)
         grid = (triton.cdiv(n, bn), max_chunks)
     else:
         order = c_exp = c_start = c_len = _dummy(dev)

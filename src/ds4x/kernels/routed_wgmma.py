@@ -258,10 +258,12 @@ def wgmma_config(qtype: GGMLQuantizationType, pairs_per_expert: float) -> tuple[
 def chunk_tables(ids: torch.Tensor, n_exp: int, bt: int) -> tuple[torch.Tensor, ...]:
     """(order, chunk expert, chunk first sorted pair, chunk length, chunk count bound): the pairs sorted by expert
     and cut into chunks of at most ``bt`` pairs of one expert, on the device without a host sync (the bound is
-    static: ceil(pairs / bt) + experts; chunks past the used ones have length 0)."""
+    static: ceil(pairs / bt) + experts; chunks past the used ones have length 0), so a launch over them can live in
+    a CUDA graph. Also the skinny kernel's chunks (quant_matmul)."""
     dev = ids.device
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    # scatter_add rather than bincount: no host sync
     counts = torch.zeros(n_exp, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     n_chunks = (counts + bt - 1) // bt
     first_chunk = torch.cumsum(n_chunks, 0) - n_chunks
