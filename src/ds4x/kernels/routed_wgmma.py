@@ -49,9 +49,7 @@ from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, triton
 
 T = GGMLQuantizationType
-BK = 128  # weights per K step: half an IQ2_XXS / Q2_K block
-_CODES = {T.IQ2_XXS: 16, T.Q2_K: 10}
-_BLOCK_BYTES = {T.IQ2_XXS: 66, T.Q2_K: 84}
+_CODES = {T.IQ2_XXS: 16, T.Q2_K: 10}  # the kernel's QTYPE
 
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the other kernels
     from triton.experimental import gluon
