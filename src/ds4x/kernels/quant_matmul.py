@@ -120,11 +120,11 @@ GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per sl
 # 7.4 / 6.5 at 4 rows. The 259 mirrors of Flash q2 take ~9.6 GB; 32 sessions' step 175 -> 149 ms.
 # Routed products with at least this many (row, expert) pairs per expert on average go to the Hopper tensor-core
 # kernel (kernels/routed_wgmma.py: each weight tile decoded once per chunk of pairs of one expert) where it runs;
-# DS4X_ROUTED_WGMMA=off keeps them on the matvec / grouped paths. H200, Flash shapes, 256 experts, 6 per token,
-# us matvec or grouped / tensor-core kernel: IQ2_XXS gate at 32 / 130 / 1,024 / 4,096 tokens (0.75 / 3 / 24 / 96 pairs
-# per expert) 412 / 729, 1,645 / 1,186, 3,828 (grouped) / 2,396, 3,937 (grouped) / 2,566; Q2_K down 212 / 529,
-# 821 / 877, 3,760 (grouped; the matvec ~6,400) / 1,478, 3,968 (grouped) / 2,357. The thresholds sit between the
-# measured points (none was measured between 3 and 24 pairs per expert).
+# DS4X_ROUTED_WGMMA=off keeps them on the matvec / grouped paths. H200 (7173fca), Flash shapes, 256 experts, 6 per
+# token, us matvec or grouped / tensor-core kernel at 32 / 130 / 512 / 1,024 / 4,096 tokens (0.75 / 3 / 12 / 24 / 96
+# pairs per expert): IQ2_XXS gate 412 / 770, 1,644 / 1,227, 3,801 (grouped) / 1,427, 3,930 (grouped) / 2,390,
+# 4,010 (grouped) / 2,557; Q2_K down 212 / 532, 822 / 851, 3,676 (grouped) / 1,011, 3,751 (grouped; the matvec
+# ~6,400) / 1,472, 4,086 (grouped) / 2,370. The thresholds sit between measured points (none between 3 and 12).
 WGMMA_MIN_PAIRS_PER_EXPERT = {T.IQ2_XXS: 2, T.Q2_K: 4}
 MIRROR_TYPES = frozenset({T.Q8_0})
 MIRROR_MIN_ROWS = 2
