@@ -28,10 +28,20 @@ from tests.test_formats import (  # noqa: E402 - after the importorskip on purpo
 
 @pytest.fixture(scope="module")
 def interp():
+    """The interpreter, with programs of 16 rows whatever the row count (the interpreter's cost is per program;
+    `test_programs_of_fewer_rows_interpreter` covers the small programs a decode step launches)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_INTERPRET", "1")
+    mp.setattr(RT, "rows_per_program", lambda n: (RT.BLOCK_ROWS, 4))
     yield
     mp.undo()
+
+
+def test_rows_per_program():
+    assert RT.rows_per_program(1) == (1, 1)
+    assert RT.rows_per_program(32) == (1, 1)
+    assert RT.rows_per_program(4096) == (8, 4)
+    assert RT.rows_per_program(1 << 20) == (RT.BLOCK_ROWS, 4)
 
 
 def kv_inputs() -> torch.Tensor:
@@ -65,6 +75,33 @@ def test_unpack_kv_rows_interpreter(interp):
 def test_pack_indexer_rows_interpreter(interp):
     x = indexer_inputs()
     assert torch.equal(F.pack_indexer_rows_triton(x), F.pack_indexer_rows(x))
+
+
+@pytest.mark.parametrize("per", [1, 4])
+def test_programs_of_fewer_rows_interpreter(monkeypatch, per):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(RT, "rows_per_program", lambda n: (per, 1 if per == 1 else 4))
+    kv, idx = kv_inputs()[-19:], indexer_inputs()[-19:]  # the adversarial rows
+    assert torch.equal(F.pack_kv_rows_triton(kv), F.pack_kv_rows(kv))
+    assert torch.equal(F.pack_indexer_rows_triton(idx), F.pack_indexer_rows(idx))
+    assert_bits_equal(F.unpack_indexer_rows_triton(F.pack_indexer_rows(idx)),
+                      F.unpack_indexer_rows(F.pack_indexer_rows(idx)))
+    finite = idx[:, :64].abs().amax(-1) < 1e30
+    assert_bits_equal(RT.rotate_mxfp4_roundtrip_triton(idx[finite]),
+                      F.unpack_indexer_rows(F.pack_indexer_rows(F.hadamard128(idx[finite]))))
+
+
+def test_rotated_indexer_rows_and_round_trip_interpreter(interp):
+    x = indexer_inputs()
+    rotated = F.hadamard128(x)
+    x, rotated = x[rotated.isfinite().all(-1)], rotated[rotated.isfinite().all(-1)]  # 2e38 rows overflow
+    assert torch.equal(F.pack_indexer_rows_triton(x, rotate=True), F.pack_indexer_rows(rotated))
+    assert_bits_equal(RT.rotate_mxfp4_roundtrip_triton(x), F.unpack_indexer_rows(F.pack_indexer_rows(rotated)))
+    ring = torch.zeros(8, 68, dtype=torch.uint8)
+    F.pack_indexer_rows_triton(x[:3].bfloat16(), out=ring, at=torch.tensor([9, 2, 7]), validate=False, rotate=True)
+    expect = torch.zeros_like(ring)
+    expect[[1, 2, 7]] = F.pack_indexer_rows(F.hadamard128(x[:3].bfloat16()))
+    assert torch.equal(ring, expect)
 
 
 def test_pack_into_a_ring_interpreter(interp):
@@ -208,6 +245,8 @@ def test_triton_kv_rows_on_gpu(compiled):
     ref = F.pack_kv_rows(x)
     got = F.pack_kv_rows_triton(x.cuda())
     assert torch.equal(got.cpu(), ref)
+    for n in (1, 32):
+        assert torch.equal(F.pack_kv_rows_triton(x[-n:].cuda()).cpu(), ref[-n:])
     assert_bits_equal(F.unpack_kv_rows_triton(got).cpu(), F.unpack_kv_rows(ref))
     junk = torch.randint(0, 256, (4096, 583), dtype=torch.int32).to(torch.uint8)
     assert_bits_equal(F.unpack_kv_rows_triton(junk.cuda()).cpu(), F.unpack_kv_rows(junk))
@@ -222,6 +261,13 @@ def test_triton_indexer_rows_on_gpu(compiled):
     assert_bits_equal(F.unpack_indexer_rows_triton(got).cpu(), F.unpack_indexer_rows(ref))
     junk = torch.randint(0, 256, (4096, 68), dtype=torch.int32).to(torch.uint8)
     assert_bits_equal(F.unpack_indexer_rows_triton(junk.cuda()).cpu(), F.unpack_indexer_rows(junk))
+    for n in (1, 32, 8191):  # one-row programs of a decode step, and 16-row ones
+        rotated = F.hadamard128(x[:n])
+        ok = rotated.isfinite().all(-1)
+        assert torch.equal(F.pack_indexer_rows_triton(x[:n][ok].cuda(), rotate=True).cpu(),
+                           F.pack_indexer_rows(rotated[ok]))
+        assert_bits_equal(RT.rotate_mxfp4_roundtrip_triton(x[:n][ok].cuda()).cpu(),
+                          F.unpack_indexer_rows(F.pack_indexer_rows(rotated[ok])))
 
 
 @pytest.mark.gpu

@@ -52,3 +52,19 @@ def test_rope_matches_reference(monkeypatch, shape, inverse, dtype):
     else:
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert float((got.float() - want.float()).abs().max()) <= tol * float(want.float().abs().max())
+
+
+@pytest.mark.parametrize("shape, weighted, dtype", [((3, 8, 512), False, torch.bfloat16),
+                                                    ((4, 512), True, torch.bfloat16), ((2, 128), True, torch.float32)])
+def test_rms_norm_rope_is_the_two_kernels(shape, weighted, dtype):
+    """The fused norm + RoPE launch gives the bits of the norm kernel followed by the RoPE kernel."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(_device())
+    w = torch.randn(shape[-1], generator=g).to(_device()) if weighted else None
+    cos, sin = rope.cos_sin((torch.rand(32, generator=g).to(_device()), 1.0), torch.arange(shape[0], device=_device()))
+    fused = norm_rope.rms_norm_fused(x, w, 1e-6, (cos, sin))
+    two = norm_rope.rope_fused(norm_rope.rms_norm_fused(x, w, 1e-6), cos, sin)
+    assert fused.dtype == two.dtype and torch.equal(fused, two)
+    model = rope.rms_norm_rope(x, w, 1e-6, cos, sin)  # the kernel on CUDA, the torch ops on the CPU
+    close = torch.allclose(model.float(), fused.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(model, fused) if x.is_cuda else close

@@ -177,6 +177,22 @@ def test_routed_grouped_interpreter(interp, monkeypatch):
     assert rel(yd.view(36, n), torch.einsum("pk,pnk->pn", xd.double(), w.dequantize().double()[ids.reshape(36)])) < 1e-2
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_dense_matvec_interpreter(interp, monkeypatch, wdtype):
+    """Dense 16-bit weights through the matvec: float32 sums of the exact weights, each row alone."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(9, 256, generator=g) * 0.5).to(wdtype)
+    x = torch.randn(3, 256, generator=g)
+    monkeypatch.setattr(qm, "matvec_config", lambda *a: (4, 8, 1))  # few programs for the interpreter
+    y = qm.dense_linear(x, w)
+    assert y.shape == (3, 9) and y.dtype == torch.float32
+    assert rel(y, x.double() @ w.double().T) < 1e-6
+    assert torch.equal(qm.dense_linear(x[1:2], w), y[1:2])  # a row's bits do not depend on the others
+    assert qm.dense_linear(x.bfloat16(), w).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="cannot take"):
+        qm.dense_linear(x, w.float())
+
+
 def test_errors():
     w = weight(T.Q8_0, (8, 64), seed=1)
     with pytest.raises(ValueError, match="features"):
@@ -231,6 +247,25 @@ def test_gpu_dequantize_and_grouped(monkeypatch):
     assert rel(qm.quant_matmul_routed(x, w, ids), ref) < 1e-2
     assert rel(default, ref) < 1e-2
     assert rel(qm.quant_matmul_routed(x, w, ids, force="mm"), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 4096), (512, 4096), (64, 4096), (256, 4096)])
+def test_gpu_dense_matvec_and_dispatch(n, k):
+    """The Flash compressor / indexer / router shapes: the matvec against float64, and `linear` sending one row
+    there (cuBLAS from DENSE_MATVEC_MAX_ROWS + 1 rows)."""
+    from ds4x.kernels.linear import linear
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(qm.DENSE_MATVEC_MAX_ROWS, k, generator=g, device="cuda").bfloat16()
+    y = qm.dense_linear(x, w)
+    ref = x.double() @ w.double().T
+    assert float((y.double() - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+    assert torch.equal(linear(x, w), y)
+    assert torch.equal(qm.dense_linear(x[:1], w), y[:1])
+    wide = torch.cat([x, x[:1]])
+    assert torch.equal(linear(wide, w), torch.nn.functional.linear(wide, w))
 
 
 @pytest.mark.gpu

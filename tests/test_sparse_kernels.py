@@ -4,6 +4,8 @@ On the CPU they run in the Triton interpreter (tests/conftest.py selects it) at 
 tests run compiled at Flash shapes.
 """
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -75,11 +77,12 @@ def test_indexer_and_radix_take_the_row_count_from_the_device():
         if n:
             assert torch.equal(scores[:n], indexer_scores_triton(q, w, rows, n, packed=True))
         for k in (64, 512):
-            by_device = select_topk_radix(scores, count, k)  # rows from n on were not written: never read
-            by_host = select_topk_radix(scores[:n] if n else scores[:1], n, k)
-            assert torch.equal(by_device[1][: by_host[1].numel()], by_host[1])
-            assert torch.equal(by_device[0][by_device[1]], by_host[0][by_host[1]])
-            assert not bool(by_device[1][by_host[1].numel():].any())
+            for small in (True, False):
+                by_device = select_topk_radix(scores, count, k, small=small)  # rows from n on are never read
+                by_host = select_topk_radix(scores[:n] if n else scores[:1], n, k, small=small)
+                assert torch.equal(by_device[1][: by_host[1].numel()], by_host[1])
+                assert torch.equal(by_device[0][by_device[1]], by_host[0][by_host[1]])
+                assert not bool(by_device[1][by_host[1].numel():].any())
 
 
 def test_indexer_scores_for_a_chunk_of_queries_are_the_decode_bits():
@@ -109,17 +112,18 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
         scores = scores.to(_device())
         vis = (torch.arange(n) < n_vis).to(_device())
         ref = selection_mask(*select_topk(scores[None], vis[None], k), n)[0]
-        for fn in (select_topk_keys, select_topk_threshold, select_topk_radix,
+        for fn in (select_topk_keys, select_topk_threshold, select_topk_radix, partial(select_topk_radix, small=False),
                    lambda s, v, kk: select_topk_blocked(s, v, kk, block=1024)):
             index, valid = fn(scores, n_vis, k)
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
 
 
-def test_radix_select_lists_the_selection_in_row_order():
+@pytest.mark.parametrize("small", [True, False], ids=["one-program", "multi-program"])
+def test_radix_select_lists_the_selection_in_row_order(small):
     g = torch.Generator().manual_seed(4)
     for n, n_vis, k in [(3000, 2999, 512), (600, 0, 16), (40, 40, 64)]:
         scores = torch.randn(n, generator=g).to(_device())
-        index, valid = select_topk_radix(scores, n_vis, k)
+        index, valid = select_topk_radix(scores, n_vis, k, small=small)
         ref = selection_mask(*select_topk(scores[None], (torch.arange(n) < n_vis).to(_device())[None], k), n)[0]
         assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
         assert valid.tolist() == [True] * min(k, n_vis) + [False] * (min(k, n) - min(k, n_vis))

@@ -18,10 +18,10 @@ How they stay bit-exact on any backend (GPU or ``TRITON_INTERPRET=1``):
   power-of-two multiply, exact (subnormal results included; Triton does not flush
   denormals for a plain fp32 multiply).
 
-Each program handles ``BLOCK_ROWS`` rows. Inputs are made contiguous ``[N, width]`` (float32, or a half type
-that the kernel reads as float32) / uint8 ``[N, bytes]``; any leading shape is accepted and restored.
-``write_float_rows_triton`` stores unpacked rows into a float32 ring (the cast, the ring index and the copy
-in one launch).
+Each program handles up to ``BLOCK_ROWS`` rows (`rows_per_program`). Inputs are made contiguous ``[N, width]``
+(float32, or a half type that the kernel reads as float32) / uint8 ``[N, bytes]``; any leading shape is accepted
+and restored. ``write_float_rows_triton`` stores unpacked rows into a float32 ring (the cast, the ring index and
+the copy in one launch).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ __all__ = [
     "pack_indexer_rows_triton",
     "unpack_indexer_rows_triton",
     "hadamard128_triton",
+    "rotate_mxfp4_roundtrip_triton",
 ]
 
 BLOCK_ROWS = 16
@@ -219,54 +220,63 @@ if HAVE_TRITON:
         tl.store(o_row + NOPE_BLOCKS * 64 + cols[None, :], h.to(tl.float16, bitcast=True).to(tl.float32), mask=m2)
 
     @triton.jit
+    def _hadamard_rows(y, R: tl.constexpr):
+        # The butterfly of ds4x.formats.hadamard on a [R, 128] float32 tile in registers, bit for bit: at stride s
+        # the pair (a, b) = (y[i], y[i + s]) becomes (a + b, a - b), strides 1..64, then one scale multiply.
+        for stage in tl.static_range(7):  # stride 1 << stage
+            g = tl.permute(tl.reshape(y, (R, 64 >> stage, 2, 1 << stage)), (0, 1, 3, 2))  # [R, groups, s, (a, b)]
+            a, b = tl.split(g)
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, 128))
+        return y * 0.08838834764831845
+
+    @triton.jit
     def hadamard128_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
-        # The butterfly of ds4x.formats.hadamard (strides 1..64, then one scale multiply), bit for bit: each
-        # stage writes the row to `out` and reads every value's partner back (x[i ^ stride]).
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         m2 = (rows < n_rows)[:, None]
         cols = tl.arange(0, 128)
         rows64 = rows.to(tl.int64)
-        o_row = out_ptr + rows64[:, None] * 128
         y = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        for stage in tl.static_range(7):
-            stride = 1 << stage
-            tl.store(o_row + cols[None, :], y, mask=m2)
-            tl.debug_barrier()
-            partner = tl.load(o_row + (cols[None, :] ^ stride), mask=m2, other=0.0)
-            tl.debug_barrier()
-            y = tl.where((cols[None, :] & stride) == 0, y + partner, partner - y)
-        tl.store(o_row + cols[None, :], y * 0.08838834764831845, mask=m2)
+        tl.store(out_ptr + rows64[:, None] * 128 + cols[None, :], _hadamard_rows(y, BLOCK_R), mask=m2)
 
     @triton.jit
-    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr):
-        # Even and odd elements are loaded as separate [R, 16] tiles per 32-value block, so
-        # element 2i (low nibble) and 2i+1 (high nibble) meet in one byte without shuffles.
+    def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr,
+                            ROTATE: tl.constexpr, VALUES: tl.constexpr):
+        # A row is four 32-value blocks; element 2i goes to the low nibble and 2i+1 to the high nibble of a byte.
+        # ROTATE: the Hadamard-128 rotation first (in registers). VALUES: write the float32 values the packed row
+        # decodes to (code * scale, exact) instead of the bytes: the MXFP4 round trip in one launch.
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
-        m2 = rmask[:, None]
-        j = tl.arange(0, 16)
         rows64 = rows.to(tl.int64)
-        x_row = x_ptr + rows64[:, None] * 128
-        dst = _out_rows(rows, rmask, at_ptr, ring, batch, SCATTER)
-        o_row = out_ptr + dst[:, None] * 68
-        for b in tl.static_range(4):
-            ve = tl.load(x_row + b * 32 + 2 * j[None, :], mask=m2, other=0.0).to(tl.float32)
-            vo = tl.load(x_row + b * 32 + 2 * j[None, :] + 1, mask=m2, other=0.0).to(tl.float32)
-            e0, bad0 = _block_exponent(ve, 6.0 * 2.0**-126, 1.0 / 6.0)
-            e1, bad1 = _block_exponent(vo, 6.0 * 2.0**-126, 1.0 / 6.0)
-            # block exponent = exponent of the larger half (ceil-log2 is monotone in amax)
-            bad = bad0 | bad1
-            e = tl.where(bad, 128, tl.maximum(e0, e1))
-            inv = _pow2(tl.where(bad, 0, -e))
-            ae = tl.minimum(tl.abs(ve) * inv[:, None], 6.0)
-            ao = tl.minimum(tl.abs(vo) * inv[:, None], 6.0)
-            ce = _round_code(ae, 1, 1) | (_sign(ve) << 3)
-            co = _round_code(ao, 1, 1) | (_sign(vo) << 3)
-            byte = tl.where(bad[:, None], 0, ce | (co << 4))
-            tl.store(o_row + b * 16 + j[None, :], byte.to(tl.uint8), mask=m2)
-            tl.store(out_ptr + dst * 68 + 64 + b, (e + 127).to(tl.uint8), mask=rmask)
+        cols = tl.arange(0, 128)
+        x = tl.load(x_ptr + rows64[:, None] * 128 + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        if ROTATE:
+            x = _hadamard_rows(x, BLOCK_R)
+        ve, vo = tl.split(tl.reshape(x, (BLOCK_R * 4, 16, 2)))  # [row-block, 16] even / odd elements
+        blk = tl.arange(0, BLOCK_R * 4)
+        bmask = (pid * BLOCK_R + blk // 4) < n_rows
+        e0, bad0 = _block_exponent(ve, 6.0 * 2.0**-126, 1.0 / 6.0)
+        e1, bad1 = _block_exponent(vo, 6.0 * 2.0**-126, 1.0 / 6.0)
+        # block exponent = exponent of the larger half (ceil-log2 is monotone in amax)
+        bad = bad0 | bad1
+        e = tl.where(bad, 128, tl.maximum(e0, e1))
+        inv = _pow2(tl.where(bad, 0, -e))
+        ae = tl.minimum(tl.abs(ve) * inv[:, None], 6.0)
+        ao = tl.minimum(tl.abs(vo) * inv[:, None], 6.0)
+        ce = tl.where(bad[:, None], 0, _round_code(ae, 1, 1) | (_sign(ve) << 3))
+        co = tl.where(bad[:, None], 0, _round_code(ao, 1, 1) | (_sign(vo) << 3))
+        j = tl.arange(0, 16)
+        if VALUES:
+            scale = _ue8m0_decode(e + 127)[:, None]
+            vals = tl.reshape(tl.join(_e2m1_value(ce) * scale, _e2m1_value(co) * scale), (BLOCK_R, 128))
+            tl.store(out_ptr + rows64[:, None] * 128 + cols[None, :], vals, mask=rmask[:, None])
+        else:
+            dst = _out_rows(pid * BLOCK_R + blk // 4, bmask, at_ptr, ring, batch, SCATTER)  # per row-block
+            o = out_ptr + dst * 68
+            tl.store(o[:, None] + (blk % 4)[:, None] * 16 + j[None, :], (ce | (co << 4)).to(tl.uint8),
+                     mask=bmask[:, None])
+            tl.store(o + 64 + blk % 4, (e + 127).to(tl.uint8), mask=bmask)
 
     @triton.jit
     def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
@@ -303,12 +313,24 @@ def _check_device(t: torch.Tensor, fn: str) -> None:
         )
 
 
+def rows_per_program(n_rows: int) -> tuple[int, int]:
+    """(rows per program, warps) of a launch over ``n_rows`` rows: a few rows (a decode step's) get a program
+    of one warp each, as a 16-row tile of one row did 16 rows' work and a warp-wide reduction is the shortest;
+    many rows (a prefill chunk's) share programs of up to ``BLOCK_ROWS`` rows while the grid stays over two
+    programs per multiprocessor of an H200."""
+    per = 1
+    while per < BLOCK_ROWS and n_rows >= 2 * per * 264:
+        per *= 2
+    return per, 1 if per == 1 else 4
+
+
 def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int, *args: Any, **constexprs: int) -> None:
     mod = _kernels()
     if n_rows == 0:
         return
-    grid = ((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)
-    getattr(mod, name)[grid](src, out, n_rows, *args, BLOCK_R=BLOCK_ROWS, **constexprs)
+    per, warps = rows_per_program(n_rows)
+    getattr(mod, name)[(triton.cdiv(n_rows, per),)](src, out, n_rows, *args, BLOCK_R=per, num_warps=warps,
+                                                     **constexprs)
 
 
 def kv_rows_supported(dim: int, rope_dim: int) -> bool:
@@ -417,17 +439,32 @@ def hadamard128_triton(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_indexer_rows_triton(x: torch.Tensor, *, validate: bool = True, out: torch.Tensor | None = None,
-                             at: torch.Tensor | None = None) -> torch.Tensor:
+                             at: torch.Tensor | None = None, rotate: bool = False) -> torch.Tensor:
     """Triton :func:`ds4x.formats.rows.pack_indexer_rows`: ``[..., 128]`` float -> ``uint8 [..., 68]``; ``out`` and
-    ``at`` as for :func:`pack_kv_rows_triton`."""
+    ``at`` as for :func:`pack_kv_rows_triton`. ``rotate``: pack ``hadamard128(x)`` (the rotation in the same
+    launch)."""
     fn = "pack_indexer_rows_triton"
     xs = check_indexer_input(x, fn) if validate else _check_float_rows(x, INDEXER_DIM, fn, to_float32=False)
     _check_device(xs, fn)
     lead = xs.shape[:-1]
     src = xs.reshape(-1, INDEXER_DIM).contiguous()
     dst, targets, ring, batch = _pack_out(src, INDEXER_ROW_BYTES, out, at, fn)
-    _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, batch, SCATTER=out is not None)
+    _launch("pack_indexer_kernel", src, dst, src.shape[0], targets, ring, batch, SCATTER=out is not None,
+            ROTATE=rotate, VALUES=False)
     return dst if out is not None else dst.reshape(*lead, INDEXER_ROW_BYTES)
+
+
+def rotate_mxfp4_roundtrip_triton(x: torch.Tensor) -> torch.Tensor:
+    """``unpack_indexer_rows(pack_indexer_rows(hadamard128(x)))`` in one launch (bit-identical): ``[..., 128]``
+    float -> float32, the values an indexer query scores with. Rows are not checked for NaN / Inf."""
+    fn = "rotate_mxfp4_roundtrip_triton"
+    xs = _check_float_rows(x, INDEXER_DIM, fn, to_float32=False)
+    _check_device(xs, fn)
+    lead = xs.shape[:-1]
+    src = xs.reshape(-1, INDEXER_DIM).contiguous()
+    out = torch.empty(src.shape, dtype=torch.float32, device=src.device)
+    _launch("pack_indexer_kernel", src, out, src.shape[0], src, 1, 0, SCATTER=False, ROTATE=True, VALUES=True)
+    return out.reshape(*lead, INDEXER_DIM)
 
 
 def unpack_indexer_rows_triton(rows: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ their own kernels here, so the model layer never touches a weight's storage dire
 - CPU (and any device without the Triton kernels): the reference, dequantize (bit-exact to gguf)
   then multiply in the activation dtype. The activations are not quantized, so a GGUF and the same
   weights in safetensors give the same logits.
-- CUDA: :mod:`ds4x.kernels.quant_matmul` multiplies straight from the packed blocks. Set
-  ``DS4X_QUANT_KERNEL=torch`` to force the reference there too.
+- CUDA: :mod:`ds4x.kernels.quant_matmul` multiplies straight from the packed blocks, and dense 16-bit
+  weights by a few rows (a decode step's) with its matvec too. Set ``DS4X_QUANT_KERNEL=torch`` to force the
+  reference (and cuBLAS) there too.
 
 Inside ``rowwise_products()`` every product computes each row on its own (batch invariance): a matmul
 library picks its kernel, and so its reduction order, by the number of rows, so a row's result otherwise
@@ -63,6 +64,19 @@ def _quant_kernels(w: GGMLTensor):  # -> module or None
     return quant_matmul if quant_matmul.supports(w) else None
 
 
+def _dense_kernels(x: torch.Tensor, w: torch.Tensor, rowwise: bool):  # -> module or None
+    """The Triton module for a dense product of a few rows (or of rows computed alone: its matvec is row-wise by
+    construction, so a batch-invariant step and a decode step get the same bits), else None (torch)."""
+    if not w.is_cuda or os.environ.get("DS4X_QUANT_KERNEL", "auto").lower() == "torch":
+        return None
+    from ds4x.kernels import quant_matmul
+
+    rows = x.numel() // max(1, x.shape[-1])
+    if (rowwise or rows <= quant_matmul.DENSE_MATVEC_MAX_ROWS) and quant_matmul.dense_serves(x, w):
+        return quant_matmul
+    return None
+
+
 def quant_kernel_name(w: Weight) -> str:
     """Which kernel serves products with ``w`` (for the startup log)."""
     if not isinstance(w, GGMLTensor):
@@ -94,6 +108,8 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
                 return out.view(*x.shape[:-1], -1)
             return qm.quant_linear(x, weight)
         dense = weight.dequantize(x.dtype)
+    elif (qm := _dense_kernels(x, weight, rowwise)) is not None:
+        return qm.dense_linear(x, weight)
     else:
         dense = weight.to(x.dtype) if weight.dtype != x.dtype else weight
     return _by_row(x, dense.t()) if rowwise else F.linear(x, dense)

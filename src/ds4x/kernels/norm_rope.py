@@ -21,7 +21,10 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(x, w, out, D: tl.constexpr, eps, BLOCK: tl.constexpr, HAS_W: tl.constexpr):
+    def _rms_norm_kernel(x, w, out, cos, sin, M, D: tl.constexpr, eps, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
+                         HALF: tl.constexpr):
+        # HALF > 0: then RoPE on the trailing 2 * HALF dims of the row (token row // M) in interleaved pairs, from
+        # the normalised values rounded to out's dtype, as the two separate kernels compute it
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         m = d < D
@@ -29,7 +32,17 @@ if HAVE_TRITON:
         y = v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps))
         if HAS_W:
             y = tl.load(w + d, mask=m, other=0.0).to(tl.float32) * y
-        tl.store(out + row * D + d, y.to(out.dtype.element_ty), mask=m)
+        y = y.to(out.dtype.element_ty)
+        if HALF > 0:
+            even, odd = tl.split(tl.reshape(y.to(tl.float32), (BLOCK // 2, 2)))
+            i = tl.arange(0, BLOCK // 2) - (D // 2 - HALF)  # pair index within the rotated dims
+            rot = (i >= 0) & (i < HALF)
+            c = tl.load(cos + (row // M) * HALF + i, mask=rot, other=1.0)
+            s = tl.load(sin + (row // M) * HALF + i, mask=rot, other=0.0)
+            re = tl.where(rot, even * c - odd * s, even).to(out.dtype.element_ty)
+            ro = tl.where(rot, odd * c + even * s, odd).to(out.dtype.element_ty)
+            y = tl.reshape(tl.join(re, ro), (BLOCK,))
+        tl.store(out + row * D + d, y, mask=m)
 
     @triton.jit
     def _rope_kernel(x, cos, sin, out, M, D: tl.constexpr, KEEP: tl.constexpr, HALF: tl.constexpr,
@@ -67,8 +80,11 @@ def rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return supported(x) and x.dim() >= 2 and half > 0 and half & (half - 1) == 0
 
 
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., D] -> x / rms(x) (* weight), computed in float32, returned in x's dtype."""
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., D] -> x / rms(x) (* weight), computed in float32, returned in x's dtype. ``rope``: (cos, sin)
+    [T, rope_dim/2] of x [T, ..., D]: then also `rope_fused` of the result, in the same launch, with the same
+    bits as the two calls."""
     d = x.shape[-1]
     xc = x.contiguous()
     out = torch.empty_like(xc)
@@ -76,9 +92,17 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     if rows:
         w = weight.contiguous() if weight is not None else xc
         block = triton.next_power_of_2(d)
-        _kernels()._rms_norm_kernel[(rows,)](xc, w, out, d, eps, BLOCK=block, HAS_W=weight is not None,
+        cos, sin = (c.float().contiguous() for c in rope) if rope is not None else (xc, xc)
+        half = rope[0].shape[-1] if rope is not None else 0
+        _kernels()._rms_norm_kernel[(rows,)](xc, w, out, cos, sin, max(1, rows // x.shape[0]), d, eps, BLOCK=block,
+                                             HAS_W=weight is not None, HALF=half,
                                              num_warps=min(16, max(1, block // 256)))
     return out
+
+
+def norm_rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether `rms_norm_fused` can apply RoPE too: a power-of-two pair count within an even row."""
+    return rope_supported(x, cos) and x.shape[-1] % 2 == 0 and 2 * cos.shape[-1] <= x.shape[-1]
 
 
 def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

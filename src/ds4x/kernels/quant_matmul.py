@@ -92,6 +92,13 @@ _TYPES = {
     T.IQ2_XXS: (16, 32, 66, 256, 32),
 }
 SUPPORTED = tuple(_TYPES)
+# dense 16-bit weights through the matvec (`dense_linear`): GGML type -> the same fields (8 weights a unit)
+_DENSE_TYPES = {T.BF16: (30, 1, 2, 1, 8), T.F16: (1, 1, 2, 1, 8)}
+_DENSE_QTYPE = {torch.bfloat16: T.BF16, torch.float16: T.F16}
+# Dense 16-bit weights multiply through the matvec up to this many rows: cuBLAS picks split-K GEMM kernels at a
+# few rows, which reached ~0.7 TB/s on the Flash compressor / indexer / router shapes of a decode step (H200,
+# 4K decode profile at 4270d51: 981 us over 273 launches for ~0.7 GB)
+DENSE_MATVEC_MAX_ROWS = 4
 MATVEC_MAX_ROWS = 16  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
 DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
 # routed experts (prefill spreads T * k pairs over the experts): where the matvec stops winning, by type. H200,
@@ -549,10 +556,31 @@ if HAVE_TRITON:
         return db * out
 
     @triton.jit
+    def _mv_dense(rowp, c, xp, BF16: tl.constexpr):
+        # unit: weights 8c .. 8c+7 of a dense 16-bit row, two 8-byte words of four weights each
+        s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for half in tl.static_range(2):
+            q = tl.load((rowp + 16 * c + 8 * half).to(tl.pointer_type(tl.int64)))
+            x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
+            lo = q.to(tl.int32)
+            hi = (q >> 32).to(tl.int32)
+            if BF16:  # bf16 is the top half of a float32
+                w0 = (lo << 16).to(tl.float32, bitcast=True)
+                w1 = (lo & -65536).to(tl.float32, bitcast=True)
+                w2 = (hi << 16).to(tl.float32, bitcast=True)
+                w3 = (hi & -65536).to(tl.float32, bitcast=True)
+            else:
+                w0, w1, w2, w3 = _h2f(lo), _h2f(lo >> 16), _h2f(hi), _h2f(hi >> 16)
+            s += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+        return s
+
+    @triton.jit
     def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, kb,
                  INTERPRET: tl.constexpr):
         # kb: bytes of codes per row (the split Q8_0 layout's scale offset)
-        if QTYPE == 8 or QTYPE == 9:
+        if QTYPE == 30 or QTYPE == 1:
+            out = _mv_dense(rowp, c, xp, QTYPE == 30)
+        elif QTYPE == 8 or QTYPE == 9:
             out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9)
         elif QTYPE == 10:
             out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
@@ -688,7 +716,7 @@ def kernel_layout(w: GGMLTensor) -> GGMLTensor:
 
 def _code(w: GGMLTensor) -> int:
     """The kernels' QTYPE for ``w`` (9: split-layout Q8_0)."""
-    return 9 if w.layout == "split" else _TYPES[w.qtype][0]
+    return 9 if w.layout == "split" else (_TYPES.get(w.qtype) or _DENSE_TYPES[w.qtype])[0]
 
 
 @lru_cache(maxsize=8)
@@ -763,7 +791,7 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
     shape allows (H200, Q8_0 split rows, 1 row: wo_b 8192->4096 57.7% of copy bandwidth at R = 4 against 49.1% at
     8; wq_a 4096->1024 23.1% at R = 2 against 14.8% at 8), each thread holding about 8 (unit, row) pairs per
     step so that many loads are in flight."""
-    unit = _TYPES[qtype][4]
+    unit = (_TYPES.get(qtype) or _DENSE_TYPES[qtype])[4]
     units = k // unit
     if unit >= 32:  # 2-bit types: many rows per thread amortize the activation decode (or quantization)
         r = 8
@@ -788,7 +816,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
     is "mv" or "mm"; ``slots``: products per activation row (see matvec_config)."""
     mod = _kernels()
-    _, s, _block_bytes, _, unit = _TYPES[w.qtype]
+    _, s, _block_bytes, _, unit = _TYPES.get(w.qtype) or _DENSE_TYPES[w.qtype]
     code = _code(w)
     wr = w.raw
     n, k = w.shape[-2], w.shape[-1]
@@ -937,6 +965,27 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
         return torch.nn.functional.linear(x, dequantize_gpu(w, x.dtype))
     return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], 1, config, force, int8).reshape(*lead, w.shape[0])
+
+
+def dense_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `dense_linear` can take this product: a 16-bit weight [N, K] on CUDA (or in the interpreter), K a
+    multiple of 8, rows 8-byte aligned (any number of rows of x; the matvec reads W once per row, so callers send
+    it a few)."""
+    return (HAVE_TRITON and w.dtype in _DENSE_QTYPE and w.dim() == 2 and w.is_contiguous()
+            and (w.is_cuda or interpret_mode()) and x.device == w.device and w.shape[1] % 8 == 0
+            and w.data_ptr() % 8 == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.shape[-1] == w.shape[1])
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype for a dense 16-bit weight, by the matvec kernel: float32
+    sums, each row of x alone (the same bits whatever the number of rows), see `dense_serves`."""
+    if not dense_serves(x, w):
+        raise ValueError(f"dense_linear: cannot take x {x.dtype} {list(x.shape)} @ w {w.dtype} {list(w.shape)} on "
+                         f"{w.device}")
+    g = GGMLTensor(w.view(torch.uint8), _DENSE_QTYPE[w.dtype], tuple(w.shape))
+    x2 = x.reshape(-1, x.shape[-1])
+    return _launch(x2, g, None, 1, x2.shape[0], 1, 1, force="mv").reshape(*x.shape[:-1], w.shape[0])
 
 
 def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,

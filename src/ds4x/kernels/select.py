@@ -157,15 +157,22 @@ def radix_barrier_timeouts(device: torch.device) -> int:
     return sum(int(ws[:, 2].sum()) for (dev, _), ws in _WORKSPACES.items() if dev == device)
 
 
+# rows of scores up to this many are selected by one program each (`radix_small_kernel`), BITS bits of the k-th
+# code per step; more rows by the multi-program radix_kernel
+SMALL_ROWS = 8192
+SMALL_BITS = 2
+
+
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      small: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
     `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
     graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
-    device tensor [B] select per row -> [B, min(k, n)], in one launch. ``fused`` (default: on the GPU) runs the
-    five phases in one launch with grid barriers; otherwise one launch per phase."""
+    device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (or with
+    ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the five phases of the
+    multi-program select in one launch with grid barriers, or one launch per phase."""
     from ds4x.kernels.indexer import num_sms
-    from ds4x.kernels.triton_indexer import radix_kernel
+    from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
     batched = scores.dim() == 2
     scores2 = scores if batched else scores[None]
@@ -178,6 +185,15 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     valid = torch.empty(B, kk, dtype=torch.bool, device=scores.device)
     if kk == 0 or B == 0:
         return (index, valid) if batched else (index[0], valid[0])
+    flat = scores2.contiguous().float()
+    kp = 1 << (kk - 1).bit_length()
+    if n <= SMALL_ROWS if small is None else small:
+        tile = max(16, 1 << (n - 1).bit_length())
+        radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
+                                 index if count is None else count, kk, index, valid.view(torch.int8), TILE=tile,
+                                 KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
+                                 num_warps=min(16, max(4, tile // 512)))
+        return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
     sms = num_sms(scores.device)
@@ -187,8 +203,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
-    flat = scores2.contiguous().float()
-    kp = 1 << (kk - 1).bit_length()
     phases = [(0, 4)] if fused else [(i, i) for i in range(5)]
     for r0 in range(0, B, per_launch):
         r1 = min(B, r0 + per_launch)

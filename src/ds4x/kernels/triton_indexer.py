@@ -254,3 +254,44 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tl.store(ws_ptr + 64 + i * 1024 + z, tl.zeros([1024], tl.int32))
             tl.atomic_xchg(ws_ptr, 0)
             tl.atomic_xchg(ws_ptr + 1, 0)
+
+
+@triton.jit
+def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid_ptr, TILE: tl.constexpr,
+                       KP: tl.constexpr, BITS: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+    # One program per row of scores holds all of them: the k-th largest order-preserving code is built BITS bits
+    # at a time from the top (the largest candidate that at least `need` codes reach), then the selection is
+    # listed as radix_kernel lists it. No grid barriers: a few short reductions per row.
+    r = tl.program_id(0).to(tl.int64)
+    scores_ptr += r * n
+    index_ptr += r * kk
+    valid_ptr += r * kk
+    if DEVICE_COUNT:
+        n_visible = tl.load(count_ptr + r).to(tl.int32)
+    n_visible = tl.minimum(n_visible, n)
+    need = tl.minimum(n_visible, kk)
+    rows = tl.arange(0, TILE)
+    vis = rows < n_visible
+    s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0
+    b = s.to(tl.int32, bitcast=True)
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed order-preserving code: radix_kernel's u - 2**31
+    c = tl.arange(0, 1 << BITS).to(tl.int64)
+    kth = tl.full([], 0, tl.int64)  # in u = key + 2**31 terms, built from the top bit down
+    for step in tl.static_range(32 // BITS):  # bits [32 - BITS * (step + 1), 32 - BITS * step) of the k-th code
+        cand = ((kth | (c << (32 - BITS * (step + 1)))) - 2147483648).to(tl.int32)  # [C] candidates, signed codes
+        reach = vis[None, :] & (key[None, :] >= cand[:, None])
+        cnt = tl.sum(reach.to(tl.int32), axis=1)
+        kth = kth | (tl.max(tl.where(cnt >= need, c, 0), axis=0) << (32 - BITS * (step + 1)))
+    kth32 = (kth - 2147483648).to(tl.int32)
+    gt = vis & (key > kth32)
+    eq = vis & (key == kth32)
+    ties_taken = need - tl.sum(gt.to(tl.int32), 0)
+    eq_i = eq.to(tl.int32)
+    sel = gt | (eq & (tl.cumsum(eq_i, 0) - eq_i < ties_taken))
+    sel_i = sel.to(tl.int32)
+    slot = tl.cumsum(sel_i, 0) - sel_i
+    tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+    tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
+    pad = need + tl.arange(0, KP)
+    tl.store(index_ptr + pad, tl.zeros([KP], tl.int64), mask=pad < kk)
+    tl.store(valid_ptr + pad, tl.zeros([KP], tl.int8), mask=pad < kk)

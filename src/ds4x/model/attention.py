@@ -35,7 +35,7 @@ from ds4x.kernels.select import select_topk, select_topk_radix
 from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
 from ds4x.model.projections import project, stacked_name
-from ds4x.model.rope import apply_rope, cos_sin
+from ds4x.model.rope import apply_rope, cos_sin, rms_norm_rope
 
 
 def _emit_windows(proj: RowStore, ape: torch.Tensor, windows: torch.Tensor, last: torch.Tensor, ratio: int,
@@ -160,8 +160,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
     q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
     q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)
-    q = apply_rope(rms_norm(q, None, cfg.rms_norm_eps), cos, sin)  # working dtype: the kernels read it as is
-    kv = apply_rope(rms_norm(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps), cos, sin)
+    q = rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)  # working dtype: the kernels read it as is
+    kv = rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
     comp = idx = index_q = index_w = None
     if kind in (CSA, HCA):
         comp = _compressor_projection(x, w, p + "compressor.")

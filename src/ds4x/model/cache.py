@@ -149,7 +149,7 @@ def rotate_mxfp4_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """Indexer keys and queries as the native graph scores them: Hadamard-128, then through MXFP4 and back."""
     rt = _triton_rows(x)
     if rt is not None:
-        return rt.unpack_indexer_rows_triton(rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False))
+        return rt.rotate_mxfp4_roundtrip_triton(x)
     return mxfp4_roundtrip(hadamard128(x.float()), 32)
 
 
@@ -167,14 +167,14 @@ class PackedIndexerCodec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         rt = _triton_rows(x)
         if rt is not None:
-            return rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False)
+            return rt.pack_indexer_rows_triton(x, validate=False, rotate=True)
         return pack_indexer_rows(hadamard128(x.float()), validate=False)
 
     def write_at(self, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor) -> None:
         """As FloatCodec.write_at; the Triton pack writes straight into the ring."""
         rt = _triton_rows(x)
         if rt is not None:
-            rt.pack_indexer_rows_triton(rt.hadamard128_triton(x), validate=False, out=data, at=index)
+            rt.pack_indexer_rows_triton(x, validate=False, out=data, at=index, rotate=True)
         else:
             _copy_into_ring(data, index, self.encode(x))
 

@@ -13,6 +13,7 @@ import torch
 from ds4x.config import SLIDING, ModelConfig, YarnScaling
 from ds4x.kernels import norm_rope
 from ds4x.kernels.dispatch import use_triton
+from ds4x.model.norms import rms_norm
 
 
 def _yarn_inv_freq(dim: int, base: float, y: YarnScaling) -> torch.Tensor:
@@ -75,3 +76,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)``; one launch on CUDA, with the bits of the two."""
+    if use_triton(x.device) and norm_rope.norm_rope_supported(x, cos):
+        return norm_rope.rms_norm_fused(x, weight, eps, (cos, sin))
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
