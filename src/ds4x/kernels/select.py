@@ -161,6 +161,7 @@ def radix_barrier_timeouts(device: torch.device) -> int:
 # code per step; more rows by the multi-program radix_kernel
 SMALL_ROWS = 8192
 SMALL_BITS = 2
+SMALL_WARPS: int | None = None  # None: by tile size
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
@@ -192,7 +193,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
                                  index if count is None else count, kk, index, valid.view(torch.int8), TILE=tile,
                                  KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
-                                 num_warps=min(16, max(4, tile // 512)))
+                                 num_warps=SMALL_WARPS or min(16, max(4, tile // 512)))
         return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
