@@ -157,11 +157,17 @@ def radix_barrier_timeouts(device: torch.device) -> int:
     return sum(int(ws[:, 2].sum()) for (dev, _), ws in _WORKSPACES.items() if dev == device)
 
 
-# rows of scores up to this many are selected by one program each (`radix_small_kernel`), BITS bits of the k-th
-# code per step; more rows by the multi-program radix_kernel
-SMALL_ROWS = 8192
+# Rows of up to SMALL_ROWS scores (SMALL_ROWS_BATCHED when a step selects for 8 or more rows) are selected by one
+# program each (`radix_small_kernel`: SMALL_BITS bits of the k-th code per step, SMALL_WARPS warps, else 8 up to
+# 2,048 scores and 16 above); more by the multi-program radix_kernel, whose grid barriers cost ~25 us whatever
+# the size. H200, top-512, us one-program (2 bits, 8 warps) / multi-program: 1,042 scores 11.3 / 24.8 (1 row),
+# 11.3 / 50.0 (32 rows); 2,050 scores 17.1 / 24.9, 17.2 / 52.3; 4,160 scores (16 warps) 28.2 / 24.2, 28.5 / 63.8;
+# 8,192 scores (16 warps) 28.7 / 24.3, 29.0 / 50.4. A 4K decode step: 9.59 ms against 9.86 with the multi-program
+# select only (d07e15a + 8 warps).
+SMALL_ROWS = 2048
+SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
-SMALL_WARPS: int | None = None  # None: by tile size
+SMALL_WARPS: int | None = None
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
@@ -169,9 +175,9 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
     `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
     graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
-    device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (or with
-    ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the five phases of the
-    multi-program select in one launch with grid barriers, or one launch per phase."""
+    device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (see
+    there; or with ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the
+    five phases of the multi-program select in one launch with grid barriers, or one launch per phase."""
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
@@ -188,12 +194,12 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         return (index, valid) if batched else (index[0], valid[0])
     flat = scores2.contiguous().float()
     kp = 1 << (kk - 1).bit_length()
-    if n <= SMALL_ROWS if small is None else small:
+    if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
         tile = max(16, 1 << (n - 1).bit_length())
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
                                  index if count is None else count, kk, index, valid.view(torch.int8), TILE=tile,
                                  KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
-                                 num_warps=SMALL_WARPS or min(16, max(4, tile // 512)))
+                                 num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16))
         return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
