@@ -61,6 +61,10 @@ def test_emit_from_a_batch_of_rings_is_each_ring_alone(interp):
         alone = compressor.emit_windows_fused(rings[i], windows[i : i + 1], last[i], ape, norm, inv, 1.25, ratio, True,
                                               width, 1e-6)
         assert torch.equal(got[i : i + 1], alone)
+    # the arrival counters are kept between calls: each call leaves them at zero, and a repeat gives the same bits
+    assert torch.equal(compressor.emit_windows_fused(rings, windows, last, ape, norm, inv, 1.25, ratio, True, width,
+                                                     1e-6), got)
+    assert not bool(compressor._arrival_counters(rings.device, 3).any())
     with pytest.raises(ValueError, match="one window and one last position per ring"):
         compressor.emit_windows_fused(rings, windows[:2], last[:2], ape, norm, inv, 1.25, ratio, True, width, 1e-6)
 

@@ -68,3 +68,18 @@ def test_rms_norm_rope_is_the_two_kernels(shape, weighted, dtype):
     model = rope.rms_norm_rope(x, w, 1e-6, cos, sin)  # the kernel on CUDA, the torch ops on the CPU
     close = torch.allclose(model.float(), fused.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(model, fused) if x.is_cuda else close
+
+
+def test_rope_into_another_dtype_is_a_cast_after():
+    """The attention output's inverse RoPE writes the working dtype directly: the bits of rotating, then casting."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 8, 512, generator=g) * 2).to(_device())
+    cos, sin = rope.cos_sin((torch.rand(32, generator=g).to(_device()), 1.0), torch.arange(3, device=_device()))
+    got = norm_rope.rope_fused(x, cos, sin, inverse=True, dtype=torch.bfloat16)
+    after = norm_rope.rope_fused(x, cos, sin, inverse=True).to(torch.bfloat16)
+    model = rope.apply_rope(x, cos, sin, inverse=True, dtype=torch.bfloat16)
+    assert got.dtype == model.dtype == torch.bfloat16
+    if x.is_cuda:
+        assert torch.equal(got, after) and torch.equal(model, got)
+    else:  # the interpreter rounds float32 -> bfloat16 toward zero, torch to nearest: one bf16 step apart at most
+        assert torch.allclose(got.float(), after.float(), rtol=2**-7, atol=0)

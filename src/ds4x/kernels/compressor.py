@@ -28,8 +28,8 @@ if HAVE_TRITON:
                      BLOCK_C: tl.constexpr, NCB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
         # program (window i, channel block cb): pools BLOCK_C channels over the window's slots and stores them with
         # their sum of squares; the window's last program to arrive (a counter in ``arrived``, zero on entry)
-        # normalises the whole row and rotates its RoPE dims. Splitting the channels spreads one window's reads
-        # over NCB SMs (a decode step emits one window per compressor).
+        # normalises the whole row and rotates its RoPE dims, and leaves the counter at zero. Splitting the
+        # channels spreads one window's reads over NCB SMs (a decode step emits one window per compressor).
         # proj: the ring [cap, 2 * KV] of [kv | gate] projections by position, KV = WIDTH * (2 if OVERLAP else 1);
         # with ring_stride (a batch of rings, one window each) window i reads ring i and its own last position.
         # With OVERLAP a window pools 2 * RATIO slots: the previous window's positions through channels
@@ -76,6 +76,7 @@ if HAVE_TRITON:
         # acq_rel: this program's stores are visible to the one that sees the count complete, and that one sees
         # all of theirs
         if tl.atomic_add(arrived + i, 1, sem="acq_rel") == NCB - 1:
+            tl.atomic_xchg(arrived + i, 0)  # zero again for the next call (the counters are kept, not re-filled)
             total = tl.sum(tl.load(parts + i * NCB + tl.arange(0, NCB), cache_modifier=".cg"), axis=0)
             cw = tl.arange(0, BLOCK_W)
             wm = cw < WIDTH
@@ -104,6 +105,18 @@ def _kernels() -> Any:
     return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters [n] for the emit kernel, kept between calls (each call leaves them at zero), so a step
+    needs no fill launch per compressor; one stream at a time, like the radix select's workspace."""
+    key = (device, n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def supported(proj: torch.Tensor, rope_half: int) -> bool:
     """Triton present, a CUDA ring (or the interpreter), and a power-of-two count of rotated pairs."""
     return (HAVE_TRITON and (proj.is_cuda or interpret_mode()) and rope_half > 0
@@ -130,7 +143,7 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
         ncb = block_w // block_c
         block_s = max(1, min(triton.next_power_of_2(nslot), 4096 // block_c))
         parts = torch.empty(n, ncb, dtype=torch.float32, device=proj.device)
-        arrived = torch.zeros(n, dtype=torch.int32, device=proj.device)
+        arrived = _arrival_counters(proj.device, n)
         _kernels()._emit_kernel[(n, ncb)](
             proj, proj.shape[-2], proj.stride(0) if batched else 0, windows.contiguous(), last.reshape(-1).contiguous(),
             1 if batched else 0, ape.contiguous(), norm.contiguous(),

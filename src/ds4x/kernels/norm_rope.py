@@ -53,7 +53,7 @@ if HAVE_TRITON:
         dst = out + row * D
         if KEEP > 0:
             k = tl.arange(0, BLOCK_KEEP)
-            tl.store(dst + k, tl.load(base + k, mask=k < KEEP), mask=k < KEEP)
+            tl.store(dst + k, tl.load(base + k, mask=k < KEEP).to(out.dtype.element_ty), mask=k < KEEP)
         i = tl.arange(0, HALF)
         c = tl.load(cos + (row // M) * HALF + i)
         s = tl.load(sin + (row // M) * HALF + i)
@@ -105,11 +105,13 @@ def norm_rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return rope_supported(x, cos) and x.shape[-1] % 2 == 0 and 2 * cos.shape[-1] <= x.shape[-1]
 
 
-def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """`ds4x.model.rope.apply_rope` in one launch: x [T, ..., D], cos/sin [T, rope_dim/2] float32."""
+def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`ds4x.model.rope.apply_rope` in one launch: x [T, ..., D], cos/sin [T, rope_dim/2] float32; the result in
+    ``dtype`` (x's by default: each value rounds once, so the bits of a cast after)."""
     t, d, half = x.shape[0], x.shape[-1], cos.shape[-1]
     xc = x.contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty_like(xc, dtype=dtype or xc.dtype)
     rows = xc.numel() // d if d else 0
     if rows:
         keep = d - 2 * half

@@ -216,7 +216,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         else:
             pieces.append((i, _attend_reference(step, q[r])))
     out = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda piece: piece[0])])
-    out = apply_rope(out, cos, sin, inverse=True).to(x.dtype)
+    out = apply_rope(out, cos, sin, inverse=True, dtype=x.dtype)
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
     return linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
 

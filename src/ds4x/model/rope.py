@@ -58,14 +58,18 @@ def cos_sin(table: tuple[torch.Tensor, float], positions: torch.Tensor) -> tuple
     return freqs.cos() * magnitude, freqs.sin() * magnitude
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rotate the trailing ``2*cos.shape[-1]`` dims of ``x`` [T, ..., D] in interleaved pairs (2i, 2i+1).
 
     ``cos``/``sin`` are [T, rope_dim/2] and broadcast over the middle dims. ``inverse`` rotates by -angle
-    (used on the attention output, so each value row contributes by relative distance only).
+    (used on the attention output, so each value row contributes by relative distance only). ``dtype``: the
+    result's (x's by default), the bits of ``apply_rope(...).to(dtype)``.
     """
     if use_triton(x.device) and norm_rope.rope_supported(x, cos):  # one launch, not a dozen (kernels.norm_rope)
-        return norm_rope.rope_fused(x, cos, sin, inverse)
+        return norm_rope.rope_fused(x, cos, sin, inverse, dtype)
+    if dtype is not None and dtype != x.dtype:
+        return apply_rope(x, cos, sin, inverse).to(dtype)
     rd = cos.shape[-1] * 2
     extra = x.dim() - 2
     c = cos.reshape(cos.shape[0], *([1] * extra), cos.shape[1])
