@@ -2,7 +2,7 @@
 """Batched decode through the server's pool of cache slots (``ds4x.runtime.batch.DecodeSlots``): ms per step and
 aggregate tok/s for B sessions decoding together, each seeded at a frontier of ``--context`` tokens (no prefill),
 the step replayed from its CUDA graph, then a host read of each session's greedy token (the server samples each
-request alone).
+request alone); "replay ms" times the captured step alone (CUDA events, no host reads).
 ``--profile`` breaks the largest batch's replayed step down by kernel group.
 
     PYTHONPATH=src python scripts/batched_decode.py                       # flash:q2, B = 1, 8, 32 at 4K (H200)
@@ -44,11 +44,25 @@ def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profil
         if i >= 3:
             times.append(time.perf_counter() - t0)
     ms = 1000 * statistics.median(times)
+    replay_ms = None
+    graph = pool.steps[batch].graph
+    if graph is not None:  # the captured step alone (CUDA events), without the host's token reads and copies
+        import torch
+
+        reps = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            reps.append(start.elapsed_time(end))
+        replay_ms = statistics.median(reps)
     if profile and pool.steps[batch].graph is not None:
         from ds4x.bench.profile import format_profile, profile_step
 
         print(format_profile(*profile_step(pool.steps[batch].graph.replay)))
-    return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first}
+    return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first, "replay_ms": replay_ms}
 
 
 def main() -> int:
@@ -66,15 +80,17 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     rows = [run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches))
             for b in batches]
-    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8}  (context {args.context}, {args.model})")
+    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10}  (context {args.context}, {args.model})")
     for r in rows:
-        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f}")
+        replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.2f}"
+        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10}")
     if args.ledger is not None:
         env = environment()
         flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,
                  "quant_act": os.environ.get("DS4X_QUANT_ACT", "default")}
         append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0", "flags": flags,
-                 "context": args.context, "batch": r["batch"], "step_ms": r["step_ms"], "tok_s": r["tok_s"]}
+                 "context": args.context, "batch": r["batch"], "step_ms": r["step_ms"], "tok_s": r["tok_s"],
+                 "replay_ms": r["replay_ms"]}
                 for r in rows], args.ledger)
     return 0
 

@@ -93,13 +93,19 @@ def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, A
     if batched:
         lines += ["## Batched decode: B sessions in one replayed step (`scripts/batched_decode.py`)", "",
                   "Each session seeded at the frontier (no prefill); the server's pool of cache slots, one CUDA graph "
-                  "per batch size; median step including a host read of each session's greedy token.", "",
-                  "| date | commit | GPU | model | context | batch | step ms | tok/s | status | note |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "per batch size; median step including a host read of each session's greedy token (step ms), and "
+                  "the captured step alone timed with CUDA events (replay ms); tok/s from step ms where measured, "
+                  "else from replay ms.", "",
+                  "| date | commit | GPU | model | context | batch | step ms | replay ms | tok/s | status | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def ms(v: Any) -> str:
+            return "-" if v is None else f"{v:.2f}"
+
         for r in batched:
             lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['context']:,} "
-                         f"| {r['batch']} | {r['step_ms']:.2f} | {r['tok_s']:.1f} | {r.get('status', 'ok')} "
-                         f"| {r.get('note', '')} |")
+                         f"| {r['batch']} | {ms(r['step_ms'])} | {ms(r.get('replay_ms'))} | {r['tok_s']:.1f} "
+                         f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
         lines.append("")
     kernels = [r for r in rows if r.get("bench") == "kernel"]
     if kernels:
