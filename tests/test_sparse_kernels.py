@@ -128,6 +128,8 @@ def test_radix_select_lists_the_selection_in_row_order(small):
         assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
         assert valid.tolist() == [True] * min(k, n_vis) + [False] * (min(k, n) - min(k, n_vis))
         assert bool((index[valid].diff() > 0).all()) and bool((index[~valid] == 0).all())
+        padded, valid2 = select_topk_radix(scores, n_vis, k, small=small, pad=-1)
+        assert torch.equal(valid2, valid) and torch.equal(padded, torch.where(valid, index, -1))
 
 
 @pytest.mark.parametrize("dim, rope, heads", [(128, 64, 16), (512, 64, 64)])

@@ -171,13 +171,14 @@ SMALL_WARPS: int | None = None
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
-                      small: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      small: bool | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
     `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
     graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
     device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (see
     there; or with ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the
-    five phases of the multi-program select in one launch with grid barriers, or one launch per phase."""
+    five phases of the multi-program select in one launch with grid barriers, or one launch per phase. Slots no
+    visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no masking after)."""
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
@@ -197,7 +198,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
         tile = max(16, 1 << (n - 1).bit_length())
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
-                                 index if count is None else count, kk, index, valid.view(torch.int8), TILE=tile,
+                                 index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
                                  KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
                                  num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16))
         return (index, valid) if batched else (index[0], valid[0])
@@ -215,7 +216,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         r1 = min(B, r0 + per_launch)
         counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count
         args = (flat[r0:r1], n, n if count is not None else min(n_visible, n), counts, kk, n_prog, ws[r0:r1],
-                index[r0:r1], valid[r0:r1].view(torch.int8))
+                index[r0:r1], valid[r0:r1].view(torch.int8), pad)
         for first, last in phases:
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE, num_warps=4)

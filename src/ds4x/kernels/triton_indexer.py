@@ -178,7 +178,7 @@ def threshold(ws_ptr, level: tl.constexpr, NB: tl.constexpr, need):
 
 
 @triton.jit
-def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr,
+def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr):
     pid = tl.program_id(0)
@@ -243,10 +243,10 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         slot = gt_before + tl.minimum(eq_before, ties_taken) + tl.cumsum(sel_i, 0) - sel_i
         tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
         tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
-        if pid == 0:  # slots no visible row fills
-            pad = need + tl.arange(0, KP)
-            tl.store(index_ptr + pad, tl.zeros([KP], tl.int64), mask=pad < kk)
-            tl.store(valid_ptr + pad, tl.zeros([KP], tl.int8), mask=pad < kk)
+        if pid == 0:  # slots no visible row fills: index `pad`, not valid
+            rest = need + tl.arange(0, KP)
+            tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
+            tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
         # the last program to finish leaves the workspace zeroed for the next call
         if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
             z = tl.arange(0, 1024)
@@ -257,7 +257,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
 
 
 @triton.jit
-def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid_ptr, TILE: tl.constexpr,
+def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid_ptr, pad, TILE: tl.constexpr,
                        KP: tl.constexpr, BITS: tl.constexpr, DEVICE_COUNT: tl.constexpr):
     # One program per row of scores holds all of them: the k-th largest order-preserving code is built BITS bits
     # at a time from the top (the largest candidate that at least `need` codes reach), then the selection is
@@ -292,6 +292,6 @@ def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid
     slot = tl.cumsum(sel_i, 0) - sel_i
     tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
     tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
-    pad = need + tl.arange(0, KP)
-    tl.store(index_ptr + pad, tl.zeros([KP], tl.int64), mask=pad < kk)
-    tl.store(valid_ptr + pad, tl.zeros([KP], tl.int8), mask=pad < kk)
+    rest = need + tl.arange(0, KP)
+    tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
+    tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)

@@ -282,8 +282,8 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, q: torch.Ten
         assert index_q is not None and index_w is not None and st.idx_rows is not None and st.comp_rows is not None
         n_rows = (pos + 1) // ratio  # [B]: compressed rows whose window has closed
         scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
-        index, valid = select_topk_radix(scores, n_rows, cfg.index_topk)
-        sources.append((st.comp_rows.data, torch.where(valid, index, -1)))
+        index, _ = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)  # unfilled slots: no row
+        sources.append((st.comp_rows.data, index))
     return attention_decode_triton(q, sources, w[p + "attn_sink"], cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
 
