@@ -714,9 +714,14 @@ def kernel_layout(w: GGMLTensor) -> GGMLTensor:
     return w
 
 
+def _fields(qtype: GGMLQuantizationType) -> tuple[int, int, int, int, int]:
+    """The kernel fields of a block type or of a dense 16-bit type (`_TYPES`, `_DENSE_TYPES`)."""
+    return _TYPES.get(qtype) or _DENSE_TYPES[qtype]
+
+
 def _code(w: GGMLTensor) -> int:
     """The kernels' QTYPE for ``w`` (9: split-layout Q8_0)."""
-    return 9 if w.layout == "split" else (_TYPES.get(w.qtype) or _DENSE_TYPES[w.qtype])[0]
+    return 9 if w.layout == "split" else _fields(w.qtype)[0]
 
 
 @lru_cache(maxsize=8)
@@ -791,7 +796,7 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
     shape allows (H200, Q8_0 split rows, 1 row: wo_b 8192->4096 57.7% of copy bandwidth at R = 4 against 49.1% at
     8; wq_a 4096->1024 23.1% at R = 2 against 14.8% at 8), each thread holding about 8 (unit, row) pairs per
     step so that many loads are in flight."""
-    unit = (_TYPES.get(qtype) or _DENSE_TYPES[qtype])[4]
+    unit = _fields(qtype)[4]
     units = k // unit
     if unit >= 32:  # 2-bit types: many rows per thread amortize the activation decode (or quantization)
         r = 8
@@ -816,7 +821,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
     is "mv" or "mm"; ``slots``: products per activation row (see matvec_config)."""
     mod = _kernels()
-    _, s, _block_bytes, _, unit = _TYPES.get(w.qtype) or _DENSE_TYPES[w.qtype]
+    _, s, _block_bytes, _, unit = _fields(w.qtype)
     code = _code(w)
     wr = w.raw
     n, k = w.shape[-2], w.shape[-1]
