@@ -9,15 +9,23 @@ request alone); "replay ms" times the captured step alone (CUDA events, no host 
     PYTHONPATH=src python scripts/batched_decode.py -m tiny --device cpu --batches 1,4 --context 256   # dry run
 
 ``--ledger PATH`` appends one row per batch size (``bench: batched_decode``) to a benchmark ledger.
+
+``--variant 'NAME: module.attr=EXPR; ...'`` (repeatable) adds an A/B in one process: every round runs the defaults
+and then each variant (module attributes set to the Python expressions, restored after), each with a freshly
+captured pool, e.g. ``--variant 'multi-program select: ds4x.kernels.select.SMALL_ROWS=0' --rounds 2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ds4x.bench.frontier import seed_frontier
 from ds4x.bench.ledger import append, environment
@@ -65,6 +73,34 @@ def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profil
     return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first, "replay_ms": replay_ms}
 
 
+def parse_variant(spec: str) -> tuple[str, list[tuple[Any, str, Any]]]:
+    """'NAME: pkg.module.attr=EXPR; ...' -> (NAME, [(module, attr, value)]): the attributes a variant sets."""
+    name, sep, body = spec.partition(":")
+    if not sep or not body.strip():
+        raise SystemExit(f"--variant wants 'NAME: module.attr=EXPR; ...', got {spec!r}")
+    sets = []
+    for assignment in filter(None, (a.strip() for a in body.split(";"))):
+        path, _, expr = assignment.partition("=")
+        module, _, attr = path.strip().rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            raise SystemExit(f"--variant {name!r}: {module} has no attribute {attr!r}")
+        sets.append((mod, attr, eval(expr)))  # a developer's own expression on the command line
+    return name.strip(), sets
+
+
+@contextmanager
+def variant_applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
+    try:
+        for mod, attr, value in sets:
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in saved:
+            setattr(mod, attr, value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="flash:q2")
@@ -75,22 +111,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append to")
+    ap.add_argument("--variant", action="append", default=[], help="'NAME: module.attr=EXPR; ...' (A/B, see above)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the defaults and the variants, alternating")
     args = ap.parse_args()
+    variants = [("default", [])] + [parse_variant(v) for v in args.variant]
     engine = Engine.load(args.model, device=args.device, dtype="auto")
     batches = [int(b) for b in args.batches.split(",")]
-    rows = [run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches))
-            for b in batches]
-    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10}  (context {args.context}, {args.model})")
+    rows = []
+    for _ in range(args.rounds if args.variant else 1):
+        for name, sets in variants:
+            with variant_applied(sets):
+                rows += [{**run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches)),
+                          "variant": name} for b in batches]
+    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10}  variant  (context {args.context}, "
+          f"{args.model})")
     for r in rows:
         replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.2f}"
-        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10}")
+        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10}  {r['variant']}")
     if args.ledger is not None:
         env = environment()
         flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,
                  "quant_act": os.environ.get("DS4X_QUANT_ACT", "default")}
-        append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0", "flags": flags,
+        spec = dict(zip([n for n, _ in variants], ["", *args.variant], strict=True))
+        append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0",
+                 "flags": {**flags, **({"variant": spec[r["variant"]]} if r["variant"] != "default" else {})},
                  "context": args.context, "batch": r["batch"], "step_ms": r["step_ms"], "tok_s": r["tok_s"],
-                 "replay_ms": r["replay_ms"]}
+                 "replay_ms": r["replay_ms"], **({"status": "variant"} if r["variant"] != "default" else {})}
                 for r in rows], args.ledger)
     return 0
 
