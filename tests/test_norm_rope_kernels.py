@@ -83,3 +83,13 @@ def test_rope_into_another_dtype_is_a_cast_after():
         assert torch.equal(got, after) and torch.equal(model, got)
     else:  # the interpreter rounds float32 -> bfloat16 toward zero, torch to nearest: one bf16 step apart at most
         assert torch.allclose(got.float(), after.float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.gpu
+def test_fused_norm_rope_and_rope_into_bf16_bit_for_bit_on_gpu():
+    """The compiled kernels: the fused launches give the bits of the separate ones (the interpreter rounds to
+    bf16 differently, so only the GPU checks this exactly)."""
+    for shape, weighted, dtype in [((3, 8, 512), False, torch.bfloat16), ((4, 512), True, torch.bfloat16),
+                                   ((64, 512), True, torch.bfloat16)]:
+        test_rms_norm_rope_is_the_two_kernels(shape, weighted, dtype)
+    test_rope_into_another_dtype_is_a_cast_after()
