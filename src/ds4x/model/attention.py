@@ -96,6 +96,27 @@ def _compressor_projection(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: 
     return torch.cat(project(x, w, names), dim=-1)
 
 
+class PassPositions:
+    """The positions [N] of one pass and the window indices every layer of a compression ratio derives from them,
+    each computed on first use and kept for the pass (a decode step would otherwise launch them per layer)."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self._derived: dict[tuple[str, int], torch.Tensor] = {}
+
+    def windows(self, ratio: int) -> torch.Tensor:
+        """The window holding each position: ``positions // ratio``."""
+        if ("window", ratio) not in self._derived:
+            self._derived["window", ratio] = self.positions // ratio
+        return self._derived["window", ratio]
+
+    def closed(self, ratio: int) -> torch.Tensor:
+        """The windows closed by each position: ``(positions + 1) // ratio``."""
+        if ("closed", ratio) not in self._derived:
+            self._derived["closed", ratio] = (self.positions + 1) // ratio
+        return self._derived["closed", ratio]
+
+
 @dataclass
 class Segment:
     """One cache's share of a batched pass: rows [start, start + length) of the batch, at positions
@@ -142,7 +163,7 @@ class _Step:
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions: torch.Tensor, cfg: ModelConfig,
               segments: list[Segment], rope: tuple[torch.Tensor, float],
               rope_at_positions: tuple[torch.Tensor, torch.Tensor] | None = None,
-              reference: bool = False) -> torch.Tensor:
+              reference: bool = False, derived: PassPositions | None = None) -> torch.Tensor:
     """One attention block for a batch of N tokens x [N, hidden] at ``positions`` [N].
 
     ``segments`` split the batch by cache (each segment's positions are consecutive from its cache.length).
@@ -150,7 +171,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     cache writes, compressors, indexer selection and attention over stored rows run per segment.
     ``rope_at_positions`` is ``cos_sin(rope, positions)`` when the caller already has it (it is the same for
     every layer of a rope kind). Multi-token segments of a packed cache on CUDA attend with the Triton prefill
-    kernel (TF32 products) unless ``reference`` asks for the torch path.
+    kernel (TF32 products) unless ``reference`` asks for the torch path. ``derived``: the pass's `PassPositions`
+    of ``positions`` (shared by the layers; a new one otherwise).
     """
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
@@ -176,9 +198,12 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     done: set[int] = set()
     decode = [i for i, seg in enumerate(segments)
               if seg.length == 1 and seg.cache.mode != "float" and use_triton(x.device)]
+    derived = derived if derived is not None else PassPositions(positions)
     for group in _decode_groups([segments[i] for i in decode], decode, layer):
         rows = group.rows
-        out = _decode_triton(group.st, group.cache.mode == "packed", positions[rows], q[rows], kv[rows],
+        out = _decode_triton(group.st, group.cache.mode == "packed", positions[rows],
+                             derived.windows(ratio)[rows] if ratio else None,
+                             derived.closed(ratio)[rows] if kind == CSA else None, q[rows], kv[rows],
                              None if comp is None else comp[rows], None if idx is None else idx[rows],
                              None if index_q is None else group.cache.indexer_query(index_q[rows]),
                              None if index_w is None else index_w[rows], w, layer, cfg, rope)
@@ -248,13 +273,15 @@ def _decode_groups(segs: list[Segment], numbers: list[int], layer: int) -> list[
     return groups
 
 
-def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, windows: torch.Tensor | None,
+                   n_rows: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor,
                    comp: torch.Tensor | None, idx: torch.Tensor | None, index_q: torch.Tensor | None,
                    index_w: torch.Tensor | None, w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig,
                    rope: tuple[torch.Tensor, float]) -> torch.Tensor:
     """One token for each of B caches (their stores batched: ``st``, rings [B, ...]) with the Triton kernels, each
     kernel launched once for all B: the row writes and compressors, then queries q [B, H, D] -> [B, H, D] float32
-    before the inverse RoPE. Each cache's rows are bit-identical to a step of that cache alone.
+    before the inverse RoPE. Each cache's rows are bit-identical to a step of that cache alone. ``windows`` /
+    ``n_rows``: the window of each position and (CSA) the windows closed by it (`PassPositions`).
 
     Only device values describe the step (positions, row counts), and every shape is fixed by the caches'
     capacities, so a captured step replays at any positions: the window holding the new position is re-emitted
@@ -264,7 +291,6 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, q: torch.Ten
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
     st.raw.write_at(pos, kv)
-    windows = pos // ratio if ratio else None
     if comp is not None:
         assert st.comp_proj is not None and st.comp_rows is not None
         _compress(comp, st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"], pos,
@@ -280,7 +306,7 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, q: torch.Ten
         sources.append((st.comp_rows.data, Slots(st.comp_rows.capacity, position=pos, ratio=ratio)))
     elif kind == CSA:
         assert index_q is not None and index_w is not None and st.idx_rows is not None and st.comp_rows is not None
-        n_rows = (pos + 1) // ratio  # [B]: compressed rows whose window has closed
+        assert n_rows is not None  # [B]: compressed rows whose window has closed
         scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
         index, _ = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)  # unfilled slots: no row
         sources.append((st.comp_rows.data, index))

@@ -8,7 +8,7 @@ import torch
 
 from ds4x.config import ModelConfig
 from ds4x.kernels.linear import embedding, kernel_form, linear, rowwise_products
-from ds4x.model.attention import Segment, attention
+from ds4x.model.attention import PassPositions, Segment, attention
 from ds4x.model.cache import ModelCache
 from ds4x.model.hyper import hc_head, hc_post, hc_pre
 from ds4x.model.moe import moe
@@ -91,13 +91,15 @@ class Transformer:
         x = embedding(w["embed.weight"], ids, self.dtype)
         streams = x.unsqueeze(1).expand(N, cfg.hc_mult, cfg.hidden_size).contiguous()
         rope_at_positions = {kind: cos_sin(table, positions) for kind, table in self.rope.items()}  # once a pass
+        derived = PassPositions(positions)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             block_in, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"],
                                           w[p + "hc_attn_scale"], cfg)
             h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
             kind = rope_kind(cfg, i)
-            out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind], reference)
+            out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind], reference,
+                            derived)
             streams = hc_post(streams, out, post, comb)
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
                                           w[p + "hc_ffn_scale"], cfg)
