@@ -266,7 +266,6 @@ if HAVE_TRITON:
         ao = tl.minimum(tl.abs(vo) * inv[:, None], 6.0)
         ce = tl.where(bad[:, None], 0, _round_code(ae, 1, 1) | (_sign(ve) << 3))
         co = tl.where(bad[:, None], 0, _round_code(ao, 1, 1) | (_sign(vo) << 3))
-        j = tl.arange(0, 16)
         if VALUES:
             scale = _ue8m0_decode(e + 127)[:, None]
             vals = tl.reshape(tl.join(_e2m1_value(ce) * scale, _e2m1_value(co) * scale), (BLOCK_R, 128))
@@ -274,6 +273,7 @@ if HAVE_TRITON:
         else:
             dst = _out_rows(pid * BLOCK_R + blk // 4, bmask, at_ptr, ring, batch, SCATTER)  # per row-block
             o = out_ptr + dst * 68
+            j = tl.arange(0, 16)
             tl.store(o[:, None] + (blk % 4)[:, None] * 16 + j[None, :], (ce | (co << 4)).to(tl.uint8),
                      mask=bmask[:, None])
             tl.store(o + 64 + blk % 4, (e + 127).to(tl.uint8), mask=bmask)

@@ -55,22 +55,27 @@ def _by_row(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows, wt.expand(rows.shape[0], *wt.shape)).view(*x.shape[:-1], wt.shape[-1])
 
 
-def _quant_kernels(w: GGMLTensor):  # -> module or None
-    """The Triton module when it can serve this weight, else None (the torch reference)."""
+def _product_kernels(w: Weight):  # -> module or None
+    """The Triton product kernels for a weight on CUDA, unless DS4X_QUANT_KERNEL=torch asks for the reference."""
     if not w.is_cuda or os.environ.get("DS4X_QUANT_KERNEL", "auto").lower() == "torch":
         return None
     from ds4x.kernels import quant_matmul
 
-    return quant_matmul if quant_matmul.supports(w) else None
+    return quant_matmul
+
+
+def _quant_kernels(w: GGMLTensor):  # -> module or None
+    """The Triton module when it can serve this weight, else None (the torch reference)."""
+    quant_matmul = _product_kernels(w)
+    return quant_matmul if quant_matmul is not None and quant_matmul.supports(w) else None
 
 
 def _dense_kernels(x: torch.Tensor, w: torch.Tensor, rowwise: bool):  # -> module or None
     """The Triton module for a dense product of a few rows (or of rows computed alone: its matvec is row-wise by
     construction, so a batch-invariant step and a decode step get the same bits), else None (torch)."""
-    if not w.is_cuda or os.environ.get("DS4X_QUANT_KERNEL", "auto").lower() == "torch":
+    quant_matmul = _product_kernels(w)
+    if quant_matmul is None:
         return None
-    from ds4x.kernels import quant_matmul
-
     rows = x.numel() // max(1, x.shape[-1])
     if (rowwise or rows <= quant_matmul.DENSE_MATVEC_MAX_ROWS) and quant_matmul.dense_serves(x, w):
         return quant_matmul
