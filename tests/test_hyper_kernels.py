@@ -18,7 +18,9 @@ def _fast_pre(streams, fn, base, scale, cfg):
 
 
 def _fast_post(streams, block_out, post, comb):
-    return hk.hc_post_fused(streams.to(DEV), block_out.to(DEV), post.to(DEV), comb.to(DEV)).cpu()
+    out, partials = hk.hc_post_fused(streams.to(DEV), block_out.to(DEV), post.to(DEV), comb.to(DEV))
+    assert partials is None
+    return out.cpu()
 
 
 def _inputs(t: int, n: int, hd: int, seed: int, dtype=torch.float32):
@@ -51,7 +53,34 @@ def test_hc_post_matches_reference(t, hd):
     _, post, comb = hc_pre(streams, fn, base, scale, cfg)
     block_out = torch.randn(t, hd, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_fast_post(streams, block_out, post, comb),
-                               hc_post(streams, block_out, post, comb), rtol=1e-5, atol=1e-5)
+                               hc_post(streams, block_out, post, comb)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,hd,dtype", [(1, 256, torch.float32), (3, 320, torch.bfloat16), (2, 96, torch.float32)])
+def test_post_computes_the_next_blocks_mixing(t, hd, dtype):
+    """hc_post with the next block's fn: the same new streams, and the next hc_pre given its partials (one launch)
+    gives what the next hc_pre computes from the stored streams itself (to float32 rounding: other chunks)."""
+    cfg = tiny_config().replace(hidden_size=hd)
+    n = cfg.hc_mult
+    streams, fn, base, scale = _inputs(t, n, hd, seed=11, dtype=dtype)
+    _, fn2, base2, scale2 = _inputs(t, n, hd, seed=12)
+    _, post, comb = hc_pre(streams.float(), fn, base, scale, cfg)
+    block_out = torch.randn(t, hd, generator=torch.Generator().manual_seed(2)).to(dtype)
+    args = [a.to(DEV) for a in (streams, block_out, post, comb)]
+    plain, none = hk.hc_post_fused(*args)
+    new, partials = hk.hc_post_fused(*args, next_fn=fn2.to(DEV))
+    assert none is None and partials is not None
+    assert torch.equal(new, plain)
+    alone = hk.hc_pre_fused(new, fn2.to(DEV), base2.to(DEV), scale2.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
+                            cfg.hc_sinkhorn_iters)
+    ahead = hk.hc_pre_fused(new, fn2.to(DEV), base2.to(DEV), scale2.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
+                            cfg.hc_sinkhorn_iters, partials)
+    for a, b, what in zip(ahead, alone, ("block input", "post", "comb"), strict=True):
+        tol = 1e-2 if a.dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=tol, atol=tol, msg=what)
+    with pytest.raises(ValueError, match="partials"):
+        hk.hc_pre_fused(new, fn2.to(DEV)[:3], base2.to(DEV), scale2.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
+                        cfg.hc_sinkhorn_iters, partials)
 
 
 def test_bf16_streams_round_once():

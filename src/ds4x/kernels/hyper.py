@@ -8,7 +8,9 @@ matrices, sigmoids, a softmax, the collapse), which dominates the launch count o
   its block. The RMS factor is applied after the dots (``r * (x @ fn.T)`` instead of ``(r * x) @ fn.T``: the
   same value up to rounding). A decode step has one token: a single program per token was latency bound.
 - ``hc_post_fused``: ``out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]`` in float32, one
-  rounding to the streams' dtype.
+  rounding to the streams' dtype. Given the next block's ``fn`` it also computes that block's mixing dots and
+  sums of squares over its part of the new streams (as stored, after the rounding) and returns them as
+  :class:`MixPartials`, so the next ``hc_pre_fused`` skips its mixing launch.
 
 Both agree with the reference to float32 rounding (the order of the sums differs), not bit for bit; the
 decode step uses them only on CUDA (``DS4X_KERNELS=reference`` keeps the reference). The interpreter
@@ -17,7 +19,7 @@ decode step uses them only on CUDA (``DS4X_KERNELS=reference`` keeps the referen
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,9 +84,13 @@ if HAVE_TRITON:
         tl.store(out + t * H + h, tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _hc_post_kernel(streams, block_out, post, comb, out, H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _hc_post_kernel(streams, block_out, post, comb, out, fn, mix_part, sq_part, H: tl.constexpr, N: tl.constexpr,
+                        BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+        # program (token, block of the hidden size); with MIX also the next block's partial mixing dots and sum of
+        # squares over this block of the new streams (chunk s = the block: _hc_pre_kernel sums them in order)
         t = tl.program_id(0)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hb = tl.program_id(1)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         j = tl.arange(0, N)
         x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
@@ -92,8 +98,16 @@ if HAVE_TRITON:
         c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
         p = tl.load(post + t * N + j)  # [k]
         mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, h] = sum_j comb[j, k] * x[j, h]
-        y = p[:, None] * b[None, :] + mixed
-        tl.store(out + t * N * H + j[:, None] * H + h[None, :], y.to(out.dtype.element_ty), mask=m[None, :])
+        y = (p[:, None] * b[None, :] + mixed).to(out.dtype.element_ty)
+        tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
+        if MIX:
+            yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads them
+            r = tl.arange(0, MP)
+            f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
+                        mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
+            s = tl.num_programs(1)
+            tl.store(mix_part + (t * s + hb) * MP + r, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1))
+            tl.store(sq_part + t * s + hb, tl.sum(tl.sum(yf * yf, axis=1), axis=0))
 
 
 # launch shapes: values of the flattened streams per mixing program, hidden values per collapse program, warps.
@@ -102,6 +116,18 @@ if HAVE_TRITON:
 # warps 4 / 2 / 1: 10.5 / 11.0 / 6.95 at 1 token, 23.2 / 19.8 / 13.9 at 32 tokens (mixing 256 values, 4 warps).
 MIX_CHUNK, MIX_WARPS = 256, 4
 PRE_BLOCK, PRE_WARPS = 256, 1
+# hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing dots (its fn tile
+# is [mixes, n, block] in registers)
+POST_BLOCK, POST_MIX_BLOCK = 256, 64
+MIX_AHEAD = True  # the model's hc_post computes the next block's mixing partials (False: each hc_pre mixes itself)
+
+
+class MixPartials(NamedTuple):
+    """A block's mixing dots and sums of squares over chunks of its input streams, computed ahead (by the
+    previous block's ``hc_post_fused``): mix [T, S, MP], sq [T, S], summed in chunk order by ``hc_pre_fused``."""
+
+    mix: torch.Tensor
+    sq: torch.Tensor
 
 
 def _kernels() -> Any:
@@ -117,24 +143,31 @@ def supported(streams: torch.Tensor, n: int) -> bool:
 
 
 def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
-                 hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 hc_eps: float, iters: int, partials: MixPartials | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32.
 
     Two launches, both spread over the GPU: split-K mixing dots straight from the streams and ``fn`` in their
-    stored dtypes, then the per-token mHC math and the collapse by blocks of the hidden size."""
+    stored dtypes, then the per-token mHC math and the collapse by blocks of the hidden size. ``partials``: the
+    mixing dots already computed for these streams and this ``fn`` (by ``hc_post_fused``): one launch."""
     t, n, hd = streams.shape
     m = fn.shape[0]
     streams = streams.contiguous()
-    k = n * hd
-    ch = MIX_CHUNK
-    s = triton.cdiv(k, ch)
     mp = triton.next_power_of_2(m)
-    dev = streams.device
-    mix_part = torch.empty(t, s, mp, dtype=torch.float32, device=dev)
-    sq_part = torch.empty(t, s, dtype=torch.float32, device=dev)
     kern = _kernels()
-    kern._hc_mix_kernel[(t, s)](streams, fn.contiguous(), mix_part, sq_part, K=k, M=m, MP=mp, CH=ch, S=s,
-                                num_warps=MIX_WARPS)
+    if partials is None:
+        k = n * hd
+        s = triton.cdiv(k, MIX_CHUNK)
+        partials = MixPartials(torch.empty(t, s, mp, dtype=torch.float32, device=streams.device),
+                               torch.empty(t, s, dtype=torch.float32, device=streams.device))
+        kern._hc_mix_kernel[(t, s)](streams, fn.contiguous(), partials.mix, partials.sq, K=k, M=m, MP=mp,
+                                    CH=MIX_CHUNK, S=s, num_warps=MIX_WARPS)
+    mix_part, sq_part = partials
+    s = sq_part.shape[1]
+    if mix_part.shape != (t, s, mp) or sq_part.shape != (t, s):
+        raise ValueError(f"hc_pre_fused: partials {list(mix_part.shape)} / {list(sq_part.shape)} do not fit {t} "
+                         f"tokens and {m} mixes")
+    dev = streams.device
     out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
@@ -144,13 +177,22 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     return out, post, comb
 
 
-def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
-                  comb: torch.Tensor) -> torch.Tensor:
-    """New streams [T, n, H]: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
+def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, MixPartials | None]:
+    """New streams [T, n, H]: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j], and with ``next_fn``
+    (the next block's mixing weights [M, n H]) that block's :class:`MixPartials` over the new streams."""
     t, n, hd = streams.shape
     out = torch.empty_like(streams, memory_format=torch.contiguous_format)
-    block = 256
-    _kernels()._hc_post_kernel[(t, triton.cdiv(hd, block))](
-        streams.contiguous(), block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), out, hd,
-        N=n, BLOCK_H=block)
-    return out
+    block = POST_BLOCK if next_fn is None else POST_MIX_BLOCK
+    s = triton.cdiv(hd, block)
+    m = next_fn.shape[0] if next_fn is not None else 1
+    mp = triton.next_power_of_2(m)
+    partials = None
+    if next_fn is not None:
+        partials = MixPartials(torch.empty(t, s, mp, dtype=torch.float32, device=streams.device),
+                               torch.empty(t, s, dtype=torch.float32, device=streams.device))
+    _kernels()._hc_post_kernel[(t, s)](
+        streams.contiguous(), block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
+        next_fn.contiguous() if next_fn is not None else out, *(partials if partials is not None else (out, out)),
+        hd, N=n, BLOCK_H=block, MIX=next_fn is not None, M=m, MP=mp)
+    return out, partials

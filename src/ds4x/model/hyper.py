@@ -24,11 +24,14 @@ def use_fused(streams: torch.Tensor) -> bool:
 
 
 def hc_pre(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig,
+    partials: fused.MixPartials | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n])."""
+    """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n]). ``partials``: the mixing dots of
+    these streams with ``fn`` that the previous ``hc_post`` computed on the fused path (None: computed here)."""
     if use_fused(streams):
-        return fused.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return fused.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                                  partials)
     n = cfg.hc_mult
     flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
     mixes = linear(flat, fn.float())
@@ -46,12 +49,14 @@ def hc_pre(
     return collapsed, post, comb
 
 
-def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New streams: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]."""
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, fused.MixPartials | None]:
+    """New streams: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]; and on the fused path, given the
+    next block's ``fn``, that block's mixing partials for its ``hc_pre`` (one launch fewer per block), else None."""
     if use_fused(streams):
-        return fused.hc_post_fused(streams, block_out, post, comb)
+        return fused.hc_post_fused(streams, block_out, post, comb, next_fn if fused.MIX_AHEAD else None)
     dt = streams.dtype
-    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
+    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams, None
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -92,20 +92,22 @@ class Transformer:
         streams = x.unsqueeze(1).expand(N, cfg.hc_mult, cfg.hidden_size).contiguous()
         rope_at_positions = {kind: cos_sin(table, positions) for kind, table in self.rope.items()}  # once a pass
         derived = PassPositions(positions)
+        mix = None  # the next block's mixing partials, from the fused hc_post before it
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             block_in, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"],
-                                          w[p + "hc_attn_scale"], cfg)
+                                          w[p + "hc_attn_scale"], cfg, mix)
             h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
             kind = rope_kind(cfg, i)
             out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind], reference,
                             derived)
-            streams = hc_post(streams, out, post, comb)
+            streams, mix = hc_post(streams, out, post, comb, w[p + "hc_ffn_fn"])
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
-                                          w[p + "hc_ffn_scale"], cfg)
+                                          w[p + "hc_ffn_scale"], cfg, mix)
             h = rms_norm(block_in, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
             out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i))
-            streams = hc_post(streams, out, post, comb)
+            last = i + 1 == cfg.num_layers
+            streams, mix = hc_post(streams, out, post, comb, None if last else w[f"layers.{i + 1}.hc_attn_fn"])
         if not all_logits and N > len(segments):  # each cache's last token
             streams = streams[[s.start + s.length - 1 for s in segments]]
         h = hc_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], cfg)
