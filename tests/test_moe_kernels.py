@@ -40,6 +40,13 @@ def test_route_matches_reference(interp, monkeypatch, experts, k, func, hashed):
     want_ids, want_w = moe.route(x, w, "", tokens, cfg, hashed)
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
     assert torch.allclose(weights, want_w, rtol=1e-5, atol=1e-6)
+    # stacked gate / up experts: the same launch also writes the up slots (ids + experts)
+    both, weights2 = fused.route_fused(x @ w["gate.weight"].t(), None if hashed else w["gate.bias"], tokens,
+                                       w["gate.tid2eid"] if hashed else None, k, func, 1.5, stacked=experts)
+    assert both.shape == (t, 2 * k) and torch.equal(both[:, :k], ids) and torch.equal(both[:, k:], ids + experts)
+    assert torch.equal(weights2, weights)
+    want_both, _ = moe.route(x, w, "", tokens, cfg, hashed, stacked=experts)
+    assert torch.equal(both.long(), want_both)
 
 
 def test_swiglu_matches_reference(interp, monkeypatch):

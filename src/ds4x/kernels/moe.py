@@ -24,9 +24,9 @@ SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 if HAVE_TRITON:
 
     @triton.jit
-    def _route_kernel(logits, bias, tokens, tid2eid, ids_out, weights_out, scaling, E: tl.constexpr,
-                      K: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+    def _route_kernel(logits, bias, tokens, tid2eid, ids_out, weights_out, scaling, stacked, E: tl.constexpr,
+                      K: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, STACKED: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         em = e < E
@@ -59,7 +59,11 @@ if HAVE_TRITON:
         hit = (e[None, :] == ids[:, None]) & km[:, None]
         picked = tl.sum(tl.where(hit, s[None, :], 0.0), axis=1)  # [BLOCK_K]
         w = picked / (tl.sum(picked, axis=0) + 1e-20) * scaling
-        tl.store(ids_out + t * K + k, ids, mask=km)
+        if STACKED:  # ids [T, 2K]: the ids, then the ids + stacked (the up halves of stacked gate / up experts)
+            tl.store(ids_out + t * 2 * K + k, ids, mask=km)
+            tl.store(ids_out + t * 2 * K + K + k, ids + stacked, mask=km)
+        else:
+            tl.store(ids_out + t * K + k, ids, mask=km)
         tl.store(weights_out + t * K + k, w.to(weights_out.dtype.element_ty), mask=km)
 
     @triton.jit
@@ -95,19 +99,23 @@ def supported(x: torch.Tensor) -> bool:
 
 
 def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.Tensor | None,
-                tid2eid: torch.Tensor | None, k: int, func: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                tid2eid: torch.Tensor | None, k: int, func: str, scaling: float,
+                stacked: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, k] int32, weights [T, k] in the logits' dtype): top-k of
-    score + bias (or the ids ``tid2eid[tokens]`` of a hash layer), their scores renormalised and scaled."""
+    score + bias (or the ids ``tid2eid[tokens]`` of a hash layer), their scores renormalised and scaled.
+    ``stacked`` > 0: ids [T, 2k], the k ids and then the same plus ``stacked`` (the slots of gate and up experts
+    stacked in one weight, see model/moe.py), written by the same launch."""
     t, n_exp = logits.shape
     hashed = tid2eid is not None
-    ids = torch.empty(t, k, dtype=torch.int32, device=logits.device)  # what the routed kernels index with
+    # int32: what the routed kernels index with
+    ids = torch.empty(t, 2 * k if stacked else k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
     if t:
         lg = logits.contiguous()
         _kernels()._route_kernel[(t,)](
             lg, bias if bias is not None else lg, tokens.contiguous() if hashed else lg,
-            tid2eid.contiguous() if hashed else lg, ids, weights, float(scaling), E=n_exp, K=k,
-            FUNC=SCORE_FUNCS.index(func) if func in SCORE_FUNCS else 2, HASHED=hashed,
+            tid2eid.contiguous() if hashed else lg, ids, weights, float(scaling), stacked, E=n_exp, K=k,
+            FUNC=SCORE_FUNCS.index(func) if func in SCORE_FUNCS else 2, HASHED=hashed, STACKED=stacked > 0,
             BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k))
     return ids, weights
 

@@ -22,6 +22,7 @@ there the caches' stores are read as batches of rings (`ds4x.model.cache.batch_l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -117,6 +118,12 @@ class PassPositions:
         return self._derived["closed", ratio]
 
 
+@lru_cache(maxsize=16)
+def _float32_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a float32 tensor of one element on ``device`` (cached: never built inside a CUDA graph)."""
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
 @dataclass
 class Segment:
     """One cache's share of a batched pass: rows [start, start + length) of the batch, at positions
@@ -192,7 +199,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         ip = p + "indexer."
         index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
         index_q = apply_rope(index_q, cos, sin)
-        index_w = linear(x, w[ip + "weights_proj.weight"]).float() * cfg.index_n_heads**-0.5
+        # times a float32 [1] tensor: the product is promoted to float32 in one launch (.float() then * was two)
+        index_w = linear(x, w[ip + "weights_proj.weight"]) * _float32_scalar(cfg.index_n_heads**-0.5, x.device)
 
     pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
     done: set[int] = set()

@@ -30,13 +30,21 @@ def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
 
 
 def route(
-    x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor, cfg: ModelConfig, hashed: bool
+    x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor, cfg: ModelConfig, hashed: bool,
+    stacked: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert ids [T, k] and their weights [T, k] for block inputs x [T, H]."""
+    """Expert ids [T, k] and their weights [T, k] for block inputs x [T, H]. ``stacked`` > 0: ids [T, 2k], the
+    ids and then the ids + ``stacked`` (the gate and up slots of stacked experts, see experts_by_slot)."""
     if use_triton(x.device) and not rowwise_enabled():  # one launch for the glue after the router product
         return fused.route_fused(linear(x, w[prefix + "gate.weight"]), None if hashed else w[prefix + "gate.bias"],
                                  tokens, w[prefix + "gate.tid2eid"] if hashed else None, cfg.n_experts_per_tok,
-                                 cfg.scoring_func, cfg.routed_scaling_factor)
+                                 cfg.scoring_func, cfg.routed_scaling_factor, stacked)
+    ids, weights = _route_reference(x, w, prefix, tokens, cfg, hashed)
+    return (torch.cat([ids, ids + stacked], dim=1) if stacked else ids), weights
+
+
+def _route_reference(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor,
+                     cfg: ModelConfig, hashed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     scores = _score(linear(x, w[prefix + "gate.weight"]), cfg.scoring_func)
     if hashed:
         ids = w[prefix + "gate.tid2eid"][tokens].long()
@@ -75,14 +83,16 @@ def _gate_up_offsets(n_experts: int, device: torch.device, dtype: torch.dtype) -
 
 
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
-                    limit: float, w13: Weight | None = None) -> torch.Tensor:
+                    limit: float, w13: Weight | None = None, stacked_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
     projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
     dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
-    ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots."""
+    ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots; ``stacked_ids``:
+    its slots [T, 2k] if the router wrote them (else one broadcast add here)."""
     t, k = ids.shape
-    if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]: one broadcast add
-        both = (ids.unsqueeze(1) + _gate_up_offsets(w1.shape[0], ids.device, ids.dtype)).view(t, 2 * k)
+    if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
+        both = stacked_ids if stacked_ids is not None else (
+            ids.unsqueeze(1) + _gate_up_offsets(w1.shape[0], ids.device, ids.dtype)).view(t, 2 * k)
         gu = routed_linear(x, w13, both)  # [T, 2k, I]
         gate, up = gu[:, :k], gu[:, k:]
     else:
@@ -106,14 +116,18 @@ BY_SLOT_MAX_PAIRS = 64
 def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor, cfg: ModelConfig,
         hashed: bool) -> torch.Tensor:
     """x [T, H] -> routed experts (weighted) + shared expert."""
-    ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
+    w13 = w.get(stacked_name((prefix + "experts.w1", prefix + "experts.w3")))
+    w13 = w13 if w13 is not None and has_routed_kernel(w13) else None
+    # with stacked gate / up experts the router also writes their 2k slots
+    ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
+    stacked_ids = None
+    if w13 is not None:
+        stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
     # the quantized routed kernel at any size: no host sync, and the by-expert loop measured 147 ms against 16 ms
     # for a 512-token chunk of Flash (H200); row-wise products (batch invariance) stay on one path too
     s = prefix + "shared_experts."
     shared = linear(swiglu(*project(x, w, (s + "w1.weight", s + "w3.weight")), cfg.swiglu_limit), w[s + "w2.weight"])
     if has_routed_kernel(w1) or (routes_without_sync(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS):
-        w13 = w.get(stacked_name((prefix + "experts.w1", prefix + "experts.w3")))
-        w13 = w13 if w13 is not None and has_routed_kernel(w13) else None
-        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13), weights, shared)
+        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids), weights, shared)
     return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared
