@@ -19,7 +19,7 @@ from ds4x.formats.ggml_tensor import GGMLTensor  # noqa: E402
 from ds4x.kernels import quant_matmul as qm  # noqa: E402
 
 TYPES = [T.Q8_0, T.Q2_K, T.Q4_K, T.IQ2_XXS]
-INT8_TYPES = [T.Q2_K, T.IQ2_XXS]  # types whose matvec has an int8-activation path beside the float one
+INT8_TYPES = [T.Q8_0, T.Q2_K, T.IQ2_XXS]  # types whose matvec has an int8-activation path beside the float one
 MV = (16, 64, 2)  # the interpreter runs every program in numpy: few programs and K steps, each a few ops
 MM = (16, 16, 64, 4)
 INT8_TOL = 2e-2  # int8 activations (16 per scale): measured ~5e-3 relative error on random data
@@ -62,17 +62,19 @@ def test_int8_activations_interpreter(interp, qt):
     y = qm.quant_linear(x, w, config=MV, force="mv", int8=True)
     assert rel(y, x.double() @ w.dequantize().double().T) < INT8_TOL
     assert torch.equal(qm.quant_linear(x[1:], w, config=MV, force="mv", int8=True)[0], y[1])
+    if qt == T.Q8_0:  # the split rows the model runs give the same bits
+        assert torch.equal(qm.quant_linear(x, qm.kernel_layout(w), config=MV, force="mv", int8=True), y)
 
 
 def test_int8_activation_default(monkeypatch):
     assert qm.int8_activations(T.Q2_K) and not qm.int8_activations(T.IQ2_XXS) and not qm.int8_activations(T.Q8_0)
-    assert qm.int8_activations(T.IQ2_XXS, True)
-    assert not qm.int8_activations(T.Q8_0, True)  # Q8_0 / Q4_K have the float matvec only
+    assert qm.int8_activations(T.IQ2_XXS, True) and qm.int8_activations(T.Q8_0, True)
+    assert not qm.int8_activations(T.Q4_K, True)  # Q4_K has the float matvec only
     monkeypatch.setenv("DS4X_QUANT_ACT", "float")
     assert not qm.int8_activations(T.Q2_K) and qm.int8_activations(T.Q2_K, True)
     monkeypatch.setenv("DS4X_QUANT_ACT", "int8")
-    assert qm.int8_activations(T.Q2_K) and qm.int8_activations(T.IQ2_XXS) and not qm.int8_activations(T.Q8_0)
-    assert not qm.int8_activations(T.IQ2_XXS, False)
+    assert qm.int8_activations(T.Q2_K) and qm.int8_activations(T.IQ2_XXS) and qm.int8_activations(T.Q8_0)
+    assert not qm.int8_activations(T.Q4_K) and not qm.int8_activations(T.IQ2_XXS, False)
 
 
 @pytest.mark.parametrize("qt", [T.Q8_0, T.IQ2_XXS], ids=lambda t: t.name)

@@ -33,11 +33,11 @@ Float path (all types; Q8_0 and Q4_K only have this one): weights are decoded ex
 reference's float operations for scales and codes); sums are ``scale * sum(code * x)`` per scale
 group, so only rounding order differs from dequantize-then-matmul (relative error ~1e-7).
 
-Int8-activation path (Q2_K and IQ2_XXS; the default for Q2_K only, see ``INT8_ACTIVATIONS``;
+Int8-activation path (Q8_0, Q2_K and IQ2_XXS; the default for Q2_K only, see ``INT8_ACTIVATIONS``;
 ``int8=`` or DS4X_QUANT_ACT=float / int8 chooses): each program quantizes its x slice to int8, one scale per
-16 values (round to nearest), and multiplies codes with integer dot products (``dp4a``); the Q2_K min
-term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data (tests allow 2e-2).
-The weights are still exact; the CPU reference never quantizes activations.
+16 values (Q8_0: per 8, its unit; round to nearest), and multiplies codes with integer dot products
+(``dp4a``); the Q2_K min term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data
+(tests allow 2e-2). The weights are still exact; the CPU reference never quantizes activations.
 
 Batch invariance: the matvec computes every (row, expert) pair alone with a configuration chosen
 without looking at the number of rows, so a row gets the same bits with 1 to ``MATVEC_MAX_ROWS``
@@ -333,6 +333,25 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
+    def _qword(a, b, c, d, inv, INTERPRET: tl.constexpr):
+        # round(v * inv) of four values as one word of 4 little-endian int8 codes
+        return _pack4(_qbits(a, inv), _qbits(b, inv), _qbits(c, inv), _qbits(d, inv), INTERPRET)
+
+    @triton.jit
+    def _amax4(a, b, c, d):
+        return tl.maximum(tl.maximum(tl.abs(a), tl.abs(b)), tl.maximum(tl.abs(c), tl.abs(d)))
+
+    @triton.jit
+    def _xq8(xp, k, INTERPRET: tl.constexpr):
+        # x[k .. k+7] quantized to int8 for integer dot products (Q8_0's int8-activation path): two words of 4
+        # little-endian codes and the scale (x ~ scale * code)
+        a0, a1, a2, a3 = _x4(xp, k)
+        b0, b1, b2, b3 = _x4(xp, k + 4)
+        amax = tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3))
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        return _qword(a0, a1, a2, a3, inv, INTERPRET), _qword(b0, b1, b2, b3, inv, INTERPRET), amax * (1.0 / 127.0)
+
+    @triton.jit
     def _xq16(xp, k, INTERPRET: tl.constexpr):
         # x[k .. k+15] quantized to int8 for integer dot products (the int8-activation path): four words of
         # 4 little-endian codes, the scale (x ~ scale * code) and the float sum of the 16 values
@@ -340,17 +359,13 @@ if HAVE_TRITON:
         b0, b1, b2, b3 = _x4(xp, k + 4)
         c0, c1, c2, c3 = _x4(xp, k + 8)
         d0, d1, d2, d3 = _x4(xp, k + 12)
-        amax = tl.maximum(tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3))),
-                          tl.maximum(tl.maximum(tl.abs(b0), tl.abs(b1)), tl.maximum(tl.abs(b2), tl.abs(b3))))
-        amax = tl.maximum(amax, tl.maximum(tl.maximum(tl.maximum(tl.abs(c0), tl.abs(c1)),
-                                                      tl.maximum(tl.abs(c2), tl.abs(c3))),
-                                           tl.maximum(tl.maximum(tl.abs(d0), tl.abs(d1)),
-                                                      tl.maximum(tl.abs(d2), tl.abs(d3)))))
+        amax = tl.maximum(tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3)),
+                          tl.maximum(_amax4(c0, c1, c2, c3), _amax4(d0, d1, d2, d3)))
         inv = tl.where(amax > 0, 127.0 / amax, 0.0)
-        w0 = _pack4(_qbits(a0, inv), _qbits(a1, inv), _qbits(a2, inv), _qbits(a3, inv), INTERPRET)
-        w1 = _pack4(_qbits(b0, inv), _qbits(b1, inv), _qbits(b2, inv), _qbits(b3, inv), INTERPRET)
-        w2 = _pack4(_qbits(c0, inv), _qbits(c1, inv), _qbits(c2, inv), _qbits(c3, inv), INTERPRET)
-        w3 = _pack4(_qbits(d0, inv), _qbits(d1, inv), _qbits(d2, inv), _qbits(d3, inv), INTERPRET)
+        w0 = _qword(a0, a1, a2, a3, inv, INTERPRET)
+        w1 = _qword(b0, b1, b2, b3, inv, INTERPRET)
+        w2 = _qword(c0, c1, c2, c3, inv, INTERPRET)
+        w3 = _qword(d0, d1, d2, d3, inv, INTERPRET)
         sx = (((a0 + a1) + (a2 + a3)) + ((b0 + b1) + (b2 + b3))) + (((c0 + c1) + (c2 + c3)) + ((d0 + d1) + (d2 + d3)))
         return w0, w1, w2, w3, amax * (1.0 / 127.0), sx
 
@@ -367,10 +382,11 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _mv_q8_0(rowp, c, xp, kb, SPLIT: tl.constexpr):
+    def _mv_q8_0(rowp, c, xp, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4. File blocks: fp16 d, then 32 int8 at byte 2
         # (the quarter is 4 uint16 words, 2-byte aligned only). Split rows: the quarter is the 8-byte word at
-        # byte 8c (one load), d is at byte kb + 2 (c // 4). Both give the same bits.
+        # byte 8c (one load), d is at byte kb + 2 (c // 4). Both give the same bits. ACT8: the 8 codes are signed
+        # bytes already, so two integer dot products with x quantized per 8 values
         if SPLIT:
             q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
             d = _h2f(_ld16(rowp + kb + 2 * (c // 4)))
@@ -378,6 +394,15 @@ if HAVE_TRITON:
             bp = rowp + (c // 4) * 34
             qp = bp + 2 + (c % 4) * 8
             d = _h2f(_ld16(bp))
+        if ACT8:
+            x0, x1, dx = _xq8(xp, c * 8, INTERPRET)
+            if SPLIT:
+                lo = q.to(tl.int32)
+                hi = (q >> 32).to(tl.int32)
+            else:
+                lo = _ld16(qp) | (_ld16(qp + 2) << 16)
+                hi = _ld16(qp + 4) | (_ld16(qp + 6) << 16)
+            return (dx * _dp4a(hi, x1, _dp4a(lo, x0, tl.zeros_like(lo), INTERPRET), INTERPRET).to(tl.float32)) * d
         s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for half in tl.static_range(2):
             x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
@@ -581,7 +606,7 @@ if HAVE_TRITON:
         if QTYPE == 30 or QTYPE == 1:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
-            out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9)
+            out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9, ACT8, INTERPRET)
         elif QTYPE == 10:
             out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
         elif QTYPE == 12:
@@ -782,7 +807,7 @@ def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None)
     """Whether the matvec for ``qtype`` quantizes activations to int8: ``requested`` if given, else the
     type's default (``INT8_ACTIVATIONS``), unless DS4X_QUANT_ACT is ``float`` (never) or ``int8`` (wherever the
     type has the path)."""
-    has_path = qtype in (T.Q2_K, T.IQ2_XXS)
+    has_path = qtype in (T.Q8_0, T.Q2_K, T.IQ2_XXS)
     if requested is not None:
         return requested and has_path
     choice = os.environ.get("DS4X_QUANT_ACT", "").lower()
@@ -1131,7 +1156,7 @@ def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # prag
         # (label, config, int8, split): the default config in float (and int8 where the type has it), the extra
         # ones in the default mode; Q8_0 in the file's blocks and in split rows (kernel_layout)
         out = [("int8" if int8 else "f32", matvec_config(qt, n, k, pairs), int8, False)
-               for int8 in ((False, True) if qt in (T.Q2_K, T.IQ2_XXS) else (False,))]
+               for int8 in ((False, True) if int8_activations(qt, True) else (False,))]
         label = "int8" if int8_activations(qt) else "f32"
         out += [(label, cfg, int8_activations(qt), False) for cfg in extra if cfg != matvec_config(qt, n, k, pairs)]
         return out + [(f"{lab} split", cfg, i8, True) for lab, cfg, i8, _ in out] if qt == T.Q8_0 else out
