@@ -1,7 +1,7 @@
 """Triton quantized products vs dequantize-then-matmul in float64.
 
-On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by a fixture so it does
-not leak into other modules; quant_matmul loads a private interpreter copy of itself when the mode
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set per test by a fixture so it does
+not leak into other tests; quant_matmul loads a private interpreter copy of itself when the mode
 differs from the one it was imported under). ``gpu`` tests run the compiled kernels at real shapes.
 """
 
@@ -25,12 +25,14 @@ MM = (16, 16, 64, 4)
 INT8_TOL = 2e-2  # int8 activations (16 per scale): measured ~5e-3 relative error on random data
 
 
-@pytest.fixture(scope="module")
-def interp():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_INTERPRET", "1")
-    yield
-    mp.undo()
+@pytest.fixture
+def interp(monkeypatch):
+    """The interpreter, per test (a module-wide TRITON_INTERPRET would also send this file's GPU tests to it). On a
+    CUDA machine Triton has loaded in compiled mode and its interpreter cannot run these kernels' nested helpers
+    (see tests/conftest.py): those cases are skipped there; the ``gpu`` tests cover the compiled kernels."""
+    if torch.cuda.is_available():
+        pytest.skip("interpreter case: Triton is loaded in compiled mode on a CUDA machine")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
