@@ -13,8 +13,9 @@ their own kernels here, so the model layer never touches a weight's storage dire
 
 Inside ``rowwise_products()`` every product computes each row on its own (batch invariance): a matmul
 library picks its kernel, and so its reduction order, by the number of rows, so a row's result otherwise
-depends on how many other rows share the call. Row by row, a batched step gives each row exactly what a
-batch of one gives it (the server's decode steps use this on the CPU; it reads the weight once per row).
+depends on how many other rows share the call. Row by row (the same call a batch of one makes, once per row), a
+batched step gives each row exactly what a batch of one gives it (the server's decode steps use this on the CPU;
+it reads the weight once per row).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def rowwise_enabled() -> bool:
     return _ROWWISE.get()
 
 
-def _by_row(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ wt [in, out], one [1, in] x [in, out] product per row (one batched call; the expanded
-    weight is a view, not a copy)."""
-    rows = x.reshape(-1, 1, x.shape[-1])
-    return torch.bmm(rows, wt.expand(rows.shape[0], *wt.shape)).view(*x.shape[:-1], wt.shape[-1])
+def _each_row(product, x: torch.Tensor) -> torch.Tensor:
+    """``product`` applied to each row x[i : i + 1] alone, concatenated: the very call a batch of one makes, so the
+    bits cannot depend on how a library picks kernels by row count (a batched call, even one that multiplies each
+    row on its own, gave other last bits on some CPUs)."""
+    if x.shape[0] <= 1:
+        return product(x)
+    return torch.cat([product(x[i : i + 1]) for i in range(x.shape[0])])
 
 
 def _product_kernels(w: Weight):  # -> module or None
@@ -107,17 +110,13 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, GGMLTensor):
         qm = _quant_kernels(weight)
         if qm is not None:
-            if rowwise:
-                rows = x.reshape(-1, x.shape[-1])
-                out = torch.cat([qm.quant_linear(rows[i : i + 1], weight) for i in range(rows.shape[0])])
-                return out.view(*x.shape[:-1], -1)
-            return qm.quant_linear(x, weight)
+            return _each_row(lambda r: qm.quant_linear(r, weight), x) if rowwise else qm.quant_linear(x, weight)
         dense = weight.dequantize(x.dtype)
     elif (qm := _dense_kernels(x, weight, rowwise)) is not None:
         return qm.dense_linear(x, weight)
     else:
         dense = weight.to(x.dtype) if weight.dtype != x.dtype else weight
-    return _by_row(x, dense.t()) if rowwise else F.linear(x, dense)
+    return _each_row(lambda r: F.linear(r, dense), x) if rowwise else F.linear(x, dense)
 
 
 def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor:
@@ -126,13 +125,13 @@ def grouped_linear(x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor
         qm = _quant_kernels(weight)
         if qm is not None:
             if _ROWWISE.get():
-                return torch.cat([qm.quant_grouped_linear(x[i : i + 1], weight, groups) for i in range(x.shape[0])])
+                return _each_row(lambda r: qm.quant_grouped_linear(r, weight, groups), x)
             return qm.quant_grouped_linear(x, weight, groups)
         w = weight.dequantize(x.dtype).view(groups, -1, weight.shape[-1])
     else:
         w = weight.view(groups, -1, weight.shape[-1]).to(x.dtype)
     if _ROWWISE.get():
-        return torch.stack([_by_row(x[:, g], w[g].t()) for g in range(groups)], dim=1)
+        return _each_row(lambda r: torch.einsum("tgi,goi->tgo", r, w), x)
     return torch.einsum("tgi,goi->tgo", x, w)
 
 
