@@ -51,8 +51,8 @@ def rowwise_enabled() -> bool:
 
 def _each_row(product, x: torch.Tensor) -> torch.Tensor:
     """``product`` applied to each row x[i : i + 1] alone, concatenated: the very call a batch of one makes, so the
-    bits cannot depend on how a library picks kernels by row count (a batched call, even one that multiplies each
-    row on its own, gave other last bits on some CPUs)."""
+    bits cannot depend on how a library picks kernels by row count (with one bmm over the rows instead, the row-wise
+    bit-identity tests of tests/test_batch.py failed on one machine's CPU)."""
     if x.shape[0] <= 1:
         return product(x)
     return torch.cat([product(x[i : i + 1]) for i in range(x.shape[0])])
