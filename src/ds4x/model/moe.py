@@ -40,7 +40,7 @@ def route(
                                  tokens, w[prefix + "gate.tid2eid"] if hashed else None, cfg.n_experts_per_tok,
                                  cfg.scoring_func, cfg.routed_scaling_factor, stacked)
     ids, weights = _route_reference(x, w, prefix, tokens, cfg, hashed)
-    return (torch.cat([ids, ids + stacked], dim=1) if stacked else ids), weights
+    return (stacked_slots(ids, stacked) if stacked else ids), weights
 
 
 def _route_reference(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, tokens: torch.Tensor,
@@ -82,17 +82,23 @@ def _gate_up_offsets(n_experts: int, device: torch.device, dtype: torch.dtype) -
     return torch.tensor([0, n_experts], device=device, dtype=dtype).view(1, 2, 1)
 
 
+def stacked_slots(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Expert ids [T, k] -> the slots [T, 2k] of stacked gate / up experts (w13 = [w1; w3]): the ids, then the ids
+    + ``n_experts``, by one broadcast add (the fused router writes the same itself)."""
+    t, k = ids.shape
+    return (ids.unsqueeze(1) + _gate_up_offsets(n_experts, ids.device, ids.dtype)).view(t, 2 * k)
+
+
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
                     limit: float, w13: Weight | None = None, stacked_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
     projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
     dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
     ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots; ``stacked_ids``:
-    its slots [T, 2k] if the router wrote them (else one broadcast add here)."""
+    its slots [T, 2k] if the router wrote them (else `stacked_slots` here)."""
     t, k = ids.shape
     if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
-        both = stacked_ids if stacked_ids is not None else (
-            ids.unsqueeze(1) + _gate_up_offsets(w1.shape[0], ids.device, ids.dtype)).view(t, 2 * k)
+        both = stacked_ids if stacked_ids is not None else stacked_slots(ids, w1.shape[0])
         gu = routed_linear(x, w13, both)  # [T, 2k, I]
         gate, up = gu[:, :k], gu[:, k:]
     else:
