@@ -69,18 +69,23 @@ def codes_fp16_ptx(words, sc_bits):
 
 
 @triton.jit
-def score_tile(tile, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N: tl.constexpr,
-               PTX: tl.constexpr):
+def load_tile(tile, rows_ptr, n_rows, BLOCK_N: tl.constexpr):
+    """A tile's 16 code words and its scale word per row (rows past ``n_rows`` read as zero codes)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = offs_n < n_rows
-    offs_w = tl.arange(0, 16)
     base = rows_ptr + offs_n.to(tl.int64)[:, None] * 17
-    words = tl.load(base + offs_w[None, :], mask=ok[:, None], other=0)
+    words = tl.load(base + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)
     sw = tl.load(base + 16, mask=ok[:, None], other=0x7F7F7F7F)  # [BLOCK_N, 1]: the four scale bytes
+    return words, sw
+
+
+@triton.jit
+def score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N: tl.constexpr,
+               PTX: tl.constexpr):
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     s0, s1, s2, s3 = sw & 255, (sw >> 8) & 255, (sw >> 16) & 255, (sw >> 24) & 255
     smax = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
-    blk = offs_w[None, :] // 4
-    s_b = tl.where(blk == 0, s0, tl.where(blk == 1, s1, tl.where(blk == 2, s2, s3)))
+    s_b = (sw >> (8 * (tl.arange(0, 16)[None, :] // 4))) & 255  # each word's block scale
     sc16 = exp2_f16(15 - (smax - s_b))  # [BLOCK_N, 16]: each word's block scale relative to the row's
     if PTX:
         k0, k1, k2, k3, k4, k5, k6, k7 = codes_fp16_ptx(words, sc16.to(tl.int16, bitcast=True).to(tl.int32))
@@ -93,24 +98,20 @@ def score_tile(tile, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, 
         k5 = codes_fp16(words, 5, sc16)
         k6 = codes_fp16(words, 6, sc16)
         k7 = codes_fp16(words, 7, sc16)
-    acc = tl.dot(k0, q0)
-    acc = tl.dot(k1, q1, acc)
-    acc = tl.dot(k2, q2, acc)
-    acc = tl.dot(k3, q3, acc)
-    acc = tl.dot(k4, q4, acc)
-    acc = tl.dot(k5, q5, acc)
-    acc = tl.dot(k6, q6, acc)
-    acc = tl.dot(k7, q7, acc)
+    acc = tl.dot(interleave8(k0, k1, k2, k3, k4, k5, k6, k7), q_op)
     # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
     score = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * exp2_f32(tl.reshape(smax, [BLOCK_N]) - 128)
-    tl.store(out_ptr + offs_n, score, mask=ok)
+    tl.store(out_ptr + offs_n, score, mask=offs_n < n_rows)
 
 
 @triton.jit
-def q_tile(q_ptr, j: tl.constexpr, offs_h, h_ok, q_scale):
-    """q_j[w, h] = q[h, 8w + j] in fp16 (exact for MXFP4 values once scaled per head)."""
-    q = tl.load(q_ptr + offs_h[None, :] * 128 + 8 * tl.arange(0, 16)[:, None] + j, mask=h_ok[None, :], other=0.0)
-    return (q * q_scale[None, :]).to(tl.float16)
+def interleave8(t0, t1, t2, t3, t4, t5, t6, t7):
+    """[M, 16] x 8 -> [M, 128]: the eight tiles side by side in each thread's registers, column 8w + p holding
+    column w of tile rev3(p) (three joins put bit 0 of the tile number highest; the query operand is loaded in
+    that order). Each thread's 8 values are contiguous, so the move to the tensor cores' layout stores 16 bytes at
+    a time instead of one 2-byte value per tile."""
+    return tl.reshape(tl.join(tl.join(tl.join(t0, t1), tl.join(t2, t3)), tl.join(tl.join(t4, t5), tl.join(t6, t7))),
+                      [t0.shape[0], 128])
 
 
 # Row and tile counts change from call to call (prefill chunks): not specialized, so a count that happens to be a
@@ -136,21 +137,24 @@ def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr
     e_h = tl.minimum(tl.maximum(e_h, -110), 127)
     wq = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0) * scale * exp2_f32(e_h - 14)
     q_scale = exp2_f32(14 - e_h)
-    q0 = q_tile(q_ptr, 0, offs_h, h_ok, q_scale)
-    q1 = q_tile(q_ptr, 1, offs_h, h_ok, q_scale)
-    q2 = q_tile(q_ptr, 2, offs_h, h_ok, q_scale)
-    q3 = q_tile(q_ptr, 3, offs_h, h_ok, q_scale)
-    q4 = q_tile(q_ptr, 4, offs_h, h_ok, q_scale)
-    q5 = q_tile(q_ptr, 5, offs_h, h_ok, q_scale)
-    q6 = q_tile(q_ptr, 6, offs_h, h_ok, q_scale)
-    q7 = q_tile(q_ptr, 7, offs_h, h_ok, q_scale)
+    # the query operand [128, H] in the key tiles' column order (see interleave8): column 8w + p is element
+    # 8w + rev3(p); fp16 is exact for MXFP4 values once scaled per head
+    p = tl.arange(0, 128)
+    e = (p & ~7) | ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1)
+    q_op = tl.load(q_ptr + offs_h[None, :] * 128 + e[:, None], mask=h_ok[None, :], other=0.0)
+    q_op = (q_op * q_scale[None, :]).to(tl.float16)
     if PERSISTENT:  # grid-stride over row tiles, queries prepared once (the interpreter cannot loop to a runtime bound)
+        # the next tile's words are loaded before this one is scored, so a program always has a load in flight
+        words, sw = load_tile(pid, rows_ptr, n_rows, BLOCK_N)
         for it in range(0, n_iter):
             tile = pid + it * n_prog
+            next_words, next_sw = load_tile(tile + n_prog, rows_ptr, n_rows, BLOCK_N)
             if tile * BLOCK_N < n_rows:
-                score_tile(tile, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N, PTX)
+                score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
+            words, sw = next_words, next_sw
     else:
-        score_tile(pid, rows_ptr, out_ptr, n_rows, q0, q1, q2, q3, q4, q5, q6, q7, wq, BLOCK_N, PTX)
+        words, sw = load_tile(pid, rows_ptr, n_rows, BLOCK_N)
+        score_tile(pid, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
 
 
 @triton.jit
@@ -168,19 +172,31 @@ def grid_sync(ws_ptr, target):
 
 
 @triton.jit
-def threshold(ws_ptr, level: tl.constexpr, NB: tl.constexpr, need):
-    """Highest bin whose suffix count reaches ``need`` and the count strictly above it."""
-    b = tl.arange(0, NB)
-    h = tl.load(ws_ptr + 64 + level * 2048 + b, cache_modifier=".cg")
+def digit_threshold(ws_ptr, level, need):
+    """Highest digit of level ``level`` whose suffix count reaches ``need``, and the count strictly above it."""
+    b = tl.arange(0, 256)
+    h = tl.load(ws_ptr + 64 + level * 256 + b, cache_modifier=".cg")
     suffix = tl.cumsum(h, 0, reverse=True)
     t = tl.max(tl.where(suffix >= need, b, -1), 0)
     return t, tl.sum(tl.where(b > t, h, 0), 0)
 
 
 @triton.jit
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, nprog, SYNC: tl.constexpr):
+    """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's."""
+    h = tl.histogram(digit, 256, mask=mask)
+    tl.atomic_add(ws_ptr + 64 + level * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    if SYNC:
+        if nprog > 1:
+            grid_sync(ws_ptr, (level + 1) * nprog)
+        else:
+            tl.debug_barrier()
+
+
+@triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr):
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
     scores_ptr += r * n
@@ -196,62 +212,68 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0 (they compare equal)
     bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     u = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)  # order-preserving code
-    b1 = (u >> 21).to(tl.int32)
-    b2 = ((u >> 10) & 2047).to(tl.int32)
-    b3 = (u & 1023).to(tl.int32)
+    d0 = (u >> 24).to(tl.int32)
+    d1 = ((u >> 16) & 255).to(tl.int32)
+    d2 = ((u >> 8) & 255).to(tl.int32)
+    d3 = (u & 255).to(tl.int32)
+    # phases 0-3: the histogram of one more digit among the rows that match the k-th code's digits so far
     if FIRST == 0:
-        h = tl.histogram(b1, 2048, mask=vis)
-        tl.atomic_add(ws_ptr + 64 + tl.arange(0, 2048), h, mask=h > 0, sem="relaxed")
-        if LAST > 0:
-            grid_sync(ws_ptr, nprog)
+        digit_histogram(ws_ptr, 0, d0, vis, nprog, LAST > 0)
     if LAST >= 1:
-        t1, above1 = threshold(ws_ptr, 0, 2048, need)
-        m1 = vis & (b1 == t1)
+        t0, a0 = digit_threshold(ws_ptr, 0, need)
+        m1 = vis & (d0 == t0)
         if FIRST <= 1:
-            h = tl.histogram(b2, 2048, mask=m1)
-            tl.atomic_add(ws_ptr + 64 + 2048 + tl.arange(0, 2048), h, mask=h > 0, sem="relaxed")
-            if LAST > 1:
-                grid_sync(ws_ptr, 2 * nprog)
+            digit_histogram(ws_ptr, 1, d1, m1, nprog, LAST > 1)
     if LAST >= 2:
-        t2, above2 = threshold(ws_ptr, 1, 2048, need - above1)
-        m2 = m1 & (b2 == t2)
+        t1, a1 = digit_threshold(ws_ptr, 1, need - a0)
+        m2 = m1 & (d1 == t1)
         if FIRST <= 2:
-            h = tl.histogram(b3, 1024, mask=m2)
-            tl.atomic_add(ws_ptr + 64 + 4096 + tl.arange(0, 1024), h, mask=h > 0, sem="relaxed")
-            if LAST > 2:
-                grid_sync(ws_ptr, 3 * nprog)
+            digit_histogram(ws_ptr, 2, d2, m2, nprog, LAST > 2)
     if LAST >= 3:
-        t3, above3 = threshold(ws_ptr, 2, 1024, need - above1 - above2)
-        kth = (t1.to(tl.int64) << 21) | (t2.to(tl.int64) << 10) | t3.to(tl.int64)
-        ties_taken = need - above1 - above2 - above3  # rows equal to the k-th score that are selected
+        t2, a2 = digit_threshold(ws_ptr, 2, need - a0 - a1)
+        m3 = m2 & (d2 == t2)
+        if FIRST <= 3:
+            digit_histogram(ws_ptr, 3, d3, m3, nprog, LAST > 3)
+    # phase 4: the k-th code; each program counts its rows above it and equal to it
+    if LAST >= 4:
+        t3, a3 = digit_threshold(ws_ptr, 3, need - a0 - a1 - a2)
+        kth = (t0.to(tl.int64) << 24) | (t1.to(tl.int64) << 16) | (t2.to(tl.int64) << 8) | t3.to(tl.int64)
+        ties_taken = need - a0 - a1 - a2 - a3  # rows equal to the k-th code that are selected
         gt = vis & (u > kth)
         eq = vis & (u == kth)
-        if FIRST <= 3:
-            tl.store(ws_ptr + 64 + 5120 + pid, tl.sum(gt.to(tl.int32), 0))
-            tl.store(ws_ptr + 64 + 5120 + 1024 + pid, tl.sum(eq.to(tl.int32), 0))
-            if LAST > 3:
-                grid_sync(ws_ptr, 4 * nprog)
-    if LAST == 4:
-        p = tl.arange(0, 1024)
+        both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
+        if FIRST <= 4:
+            total = tl.sum(both, 0)
+            tl.store(ws_ptr + 64 + 1024 + pid, total & 0xFFFF)
+            tl.store(ws_ptr + 64 + 1024 + MAX_PROGRAMS + pid, total >> 16)
+            if LAST > 4:
+                if nprog > 1:
+                    grid_sync(ws_ptr, 5 * nprog)
+                else:
+                    tl.debug_barrier()
+    # phase 5: the selected rows in ascending row order (programs in order, rows in order within a program)
+    if LAST == 5:
+        p = tl.arange(0, MAX_PROGRAMS)
         before = p < pid
-        gt_before = tl.sum(tl.load(ws_ptr + 64 + 5120 + p, mask=before, other=0, cache_modifier=".cg"), 0)
-        eq_before = tl.sum(tl.load(ws_ptr + 64 + 6144 + p, mask=before, other=0, cache_modifier=".cg"), 0)
-        eq_i = eq.to(tl.int32)
-        tie_rank = eq_before + tl.cumsum(eq_i, 0) - eq_i
-        sel = gt | (eq & (tie_rank < ties_taken))
-        sel_i = sel.to(tl.int32)
-        slot = gt_before + tl.minimum(eq_before, ties_taken) + tl.cumsum(sel_i, 0) - sel_i
-        tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
-        tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
+        gt_before = tl.sum(tl.load(ws_ptr + 64 + 1024 + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        eq_before = tl.sum(tl.load(ws_ptr + 64 + 1024 + MAX_PROGRAMS + p, mask=before, other=0,
+                                   cache_modifier=".cg"), 0)
+        mine = tl.load(ws_ptr + 64 + 1024 + pid, cache_modifier=".cg")
+        mine_eq = tl.load(ws_ptr + 64 + 1024 + MAX_PROGRAMS + pid, cache_modifier=".cg")
+        if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
+            excl = tl.cumsum(both, 0) - both
+            tie_rank = eq_before + (excl >> 16)
+            sel = gt | (eq & (tie_rank < ties_taken))
+            slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
+            tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+            tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
         if pid == 0:  # slots no visible row fills: index `pad`, not valid
             rest = need + tl.arange(0, KP)
             tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
             tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
-        # the last program to finish leaves the workspace zeroed for the next call
+        # the last program to finish leaves the histograms zeroed for the next call
         if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            z = tl.arange(0, 1024)
-            for i in tl.static_range(5):
-                tl.store(ws_ptr + 64 + i * 1024 + z, tl.zeros([1024], tl.int32))
+            tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
             tl.atomic_xchg(ws_ptr, 0)
             tl.atomic_xchg(ws_ptr + 1, 0)
 

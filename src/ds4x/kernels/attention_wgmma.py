@@ -1,0 +1,226 @@
+"""Decode attention over packed rows on Hopper tensor cores (Gluon, sm_90): all heads of a query per program.
+
+The same partial pass as `ds4x.kernels.triton_attention.partial_kernel` (one launch per layer over the window and
+the compressed rows, a program per split of consecutive row blocks, online softmax, `combine_kernel` merges the
+splits with the sink), shaped for many rows: a program takes all (up to 64) heads, so each row is loaded and
+decoded once per layer instead of once per group of heads, and both products run as ``wgmma`` with M = 64 heads.
+
+Per program the query is split once into bf16 high and low parts (about 16 bits together) in shared memory,
+[64, 512] each. Per block of ``BLOCK`` rows the threads decode the packed rows into a bf16 key tile [BLOCK, 512]
+in shared memory: E4M3 codes times their power-of-two scale (exact in bf16) in columns 0-447, and the FP16 RoPE
+values as a bf16 high part there (columns 448-511) plus a low part in a second tile that is zero elsewhere
+(high + low is the FP16 value exactly). Then
+
+    S = (q_hi + q_lo) K^T + (q_hi + q_lo)[:, 448:] K_lo[:, 448:]^T          [64, BLOCK]
+    O = O e^(m_old - m_new) + (P_hi + P_lo) (K + K_lo)                        [64, 512]
+
+with float32 accumulation. The results differ from the Triton kernel's in rounding (relative ~1e-5, like that
+kernel's against float32); packed and native rows run the same code here too. The next block's bytes are loaded
+into registers before the current block is multiplied.
+
+Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
+
+try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    HAVE_GLUON = HAVE_TRITON
+except Exception:  # pragma: no cover - depends on the Triton build
+    HAVE_GLUON = False
+
+HEADS = 64  # the M of every product (fewer heads are padded)
+WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: gl.constexpr):
+        # the stored row of each slot (-1: none); see kernels/attention.Slots and triton_attention._slot_rows
+        if MODE == 0:
+            idx = gl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1).to(gl.int64)
+        elif MODE == 1:
+            p = gl.load(pos_ptr).to(gl.int64) - (n - 1) + offs
+            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1)
+        else:
+            idx = gl.where((offs < gl.minimum((gl.load(pos_ptr).to(gl.int64) + 1) // ring, n)) & live,
+                           offs.to(gl.int64), -1)
+        return idx
+
+    @gluon.jit
+    def _fetch(rows_ptr, idx, stride, LB: gl.constexpr, NOPE: gl.constexpr, D: gl.constexpr):
+        # the raw bytes of rows ``idx`` [BLOCK] (-1: none, read as zero codes with scale byte 127): the E4M3 codes
+        # of the 7 non-RoPE chunks [BLOCK, 64] each, their 7 scale bytes [BLOCK], the RoPE FP16 low / high bytes
+        ok = idx >= 0
+        row = rows_ptr + gl.where(ok, idx, 0) * stride  # [BLOCK]
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))[None, :]
+        r2 = row[:, None]
+        m2 = ok[:, None] & (c64 >= 0)
+        sc = row + NOPE + 2 * (D - NOPE)
+        return (gl.load(r2 + c64, mask=m2, other=0), gl.load(r2 + 64 + c64, mask=m2, other=0),
+                gl.load(r2 + 128 + c64, mask=m2, other=0), gl.load(r2 + 192 + c64, mask=m2, other=0),
+                gl.load(r2 + 256 + c64, mask=m2, other=0), gl.load(r2 + 320 + c64, mask=m2, other=0),
+                gl.load(r2 + 384 + c64, mask=m2, other=0),
+                gl.load(sc, mask=ok, other=127), gl.load(sc + 1, mask=ok, other=127),
+                gl.load(sc + 2, mask=ok, other=127), gl.load(sc + 3, mask=ok, other=127),
+                gl.load(sc + 4, mask=ok, other=127), gl.load(sc + 5, mask=ok, other=127),
+                gl.load(sc + 6, mask=ok, other=127),
+                gl.load(r2 + NOPE + 2 * c64, mask=m2, other=0), gl.load(r2 + NOPE + 1 + 2 * c64, mask=m2, other=0))
+
+    @gluon.jit
+    def _e4m3_bf16(codes, sbyte):
+        # E4M3 codes [BLOCK, 64] times 2^(sbyte - 127) (255: NaN), exactly as the Triton kernel: float32, then bf16
+        sb = sbyte.to(gl.int32)[:, None]
+        sc = gl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(gl.float32, bitcast=True))
+        sc = gl.where(sb == 255, float("nan"), sc)
+        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        return (v * sc).to(gl.bfloat16)
+
+    @gluon.jit
+    def _store_keys(raw, k_smem, klo_smem):
+        # one block's key tiles into shared memory (see the module doc)
+        k_smem.slice(0, 64, dim=1).store(_e4m3_bf16(raw[0], raw[7]))
+        k_smem.slice(64, 64, dim=1).store(_e4m3_bf16(raw[1], raw[8]))
+        k_smem.slice(128, 64, dim=1).store(_e4m3_bf16(raw[2], raw[9]))
+        k_smem.slice(192, 64, dim=1).store(_e4m3_bf16(raw[3], raw[10]))
+        k_smem.slice(256, 64, dim=1).store(_e4m3_bf16(raw[4], raw[11]))
+        k_smem.slice(320, 64, dim=1).store(_e4m3_bf16(raw[5], raw[12]))
+        k_smem.slice(384, 64, dim=1).store(_e4m3_bf16(raw[6], raw[13]))
+        rope = (raw[14].to(gl.int32) | (raw[15].to(gl.int32) << 8)).to(gl.int16).to(gl.float16, bitcast=True)
+        rope = rope.to(gl.float32)
+        hi = rope.to(gl.bfloat16)
+        k_smem.slice(448, 64, dim=1).store(hi)
+        klo_smem.slice(448, 64, dim=1).store((rope - hi.to(gl.float32)).to(gl.bfloat16))
+
+    @gluon.jit
+    def _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, block0, n_blocks,
+                      scale, HALF: gl.constexpr, BLOCK: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr,
+                      MODE: gl.constexpr,
+                      LB: gl.constexpr, S_ACC: gl.constexpr, O_ACC: gl.constexpr, P_OP: gl.constexpr):
+        # online softmax of all heads over n_blocks blocks of BLOCK slots from block0 of one source -> (m, l, o):
+        # o is this program's half of the output columns
+        HP: gl.constexpr = 64
+        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_ACC))
+        l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_ACC))
+        o = gl.zeros([HP, D // 2], gl.float32, O_ACC)
+        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LB))
+        idx = _slot_rows(idx_ptr, pos_ptr, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE)
+        raw = _fetch(rows_ptr, idx, stride, LB, NOPE, D)
+        for i in range(n_blocks):
+            ok = gl.convert_layout(idx, gl.SliceLayout(0, S_ACC)) >= 0
+            gl.thread_barrier()  # both warpgroups are past the products that read the previous tiles
+            _store_keys(raw, k_smem, klo_smem)
+            idx = _slot_rows(idx_ptr, pos_ptr, n, ring, (block0 + i + 1) * BLOCK + slots, i + 1 < n_blocks, MODE)
+            raw = _fetch(rows_ptr, idx, stride, LB, NOPE, D)  # in flight while this block is multiplied
+            fence_async_shared()
+            gl.thread_barrier()
+            s = gl.zeros([HP, BLOCK], gl.float32, S_ACC)
+            s = warpgroup_mma(q_hi, k_smem.permute((1, 0)), s)
+            s = warpgroup_mma(q_lo, k_smem.permute((1, 0)), s)
+            s = warpgroup_mma(q_hi.slice(NOPE, D - NOPE, dim=1), klo_smem.slice(NOPE, D - NOPE, dim=1).permute((1, 0)),
+                              s)
+            s = warpgroup_mma(q_lo.slice(NOPE, D - NOPE, dim=1), klo_smem.slice(NOPE, D - NOPE, dim=1).permute((1, 0)),
+                              s)
+            s = gl.where(ok[None, :], s * scale, float("-inf"))
+            m_new = gl.maximum(m, gl.max(s, axis=1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp(m - m_safe)
+            p = gl.exp(s - m_safe[:, None])
+            l = l * alpha + gl.sum(p, axis=1)
+            p_hi = p.to(gl.bfloat16)
+            p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
+            a_hi = gl.convert_layout(p_hi, P_OP)
+            a_lo = gl.convert_layout(p_lo, P_OP)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))[:, None]
+            v = k_smem.slice(HALF * (D // 2), D // 2, dim=1)
+            o = warpgroup_mma(a_hi, v, o)
+            o = warpgroup_mma(a_lo, v, o)
+            if HALF == 1:  # the RoPE columns' low parts
+                v_lo = klo_smem.slice(D // 2, D // 2, dim=1)
+                o = warpgroup_mma(a_hi, v_lo, o)
+                o = warpgroup_mma(a_lo, v_lo, o)
+            m = m_new
+        return m, l, o
+
+    @gluon.jit
+    def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
+                              rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
+                              store_a, store_b, index_a, index_b, n_split,
+                              H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
+                              MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr):
+        """Program (split, half, query): the softmax state of all heads over one split of the two row sources (as
+        triton_attention.partial_kernel, with one group of 64 heads), the output's columns ``half`` x 256 on (two
+        programs per split: the whole accumulator would take every register). Both halves compute the same scores
+        and store the same m and l."""
+        HP: gl.constexpr = 64
+        WG: gl.constexpr = num_warps // 4
+        LB: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [BLOCK, 64] and [64, 64]
+        S_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                         instr_shape=[16, BLOCK // WG, 16])
+        O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                         instr_shape=[16, D // 2 // WG, 16])
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_ACC, k_width=2)
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+        split = gl.program_id(0)
+        half = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        q_ptr += b * H * D
+        m_ptr += b * n_split * HP
+        l_ptr += b * n_split * HP
+        acc_ptr += b * n_split * HP * D
+
+        q_hi = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH)
+        q_lo = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+        klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LB))[:, None]
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))[None, :]
+        for c in gl.static_range(D // 64):
+            qc = gl.load(q_ptr + h * D + c * 64 + c64, mask=(h < H) & (c64 >= 0), other=0.0).to(gl.float32)
+            hi = qc.to(gl.bfloat16)
+            q_hi.slice(c * 64, 64, dim=1).store(hi)
+            q_lo.slice(c * 64, 64, dim=1).store((qc - hi.to(gl.float32)).to(gl.bfloat16))
+        zero = gl.zeros([BLOCK, 64], gl.bfloat16, LB)  # the low key tile is zero outside the RoPE columns
+        for c in gl.static_range(NOPE // 64):
+            klo_smem.slice(c * 64, 64, dim=1).store(zero)
+
+        if split < splits_a:
+            if half == 0:
+                m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_a + b * store_a, idx_a + b * index_a,
+                                        pos_a + b, n_a, ring_a, stride_a, split * blocks_a, blocks_a, scale, 0, BLOCK,
+                                        D, NOPE, MODE_A, LB, S_ACC, O_ACC, P_OP)
+            else:
+                m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_a + b * store_a, idx_a + b * index_a,
+                                        pos_a + b, n_a, ring_a, stride_a, split * blocks_a, blocks_a, scale, 1, BLOCK,
+                                        D, NOPE, MODE_A, LB, S_ACC, O_ACC, P_OP)
+        else:
+            if half == 0:
+                m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_b + b * store_b, idx_b + b * index_b,
+                                        pos_b + b, n_b, ring_b, stride_b, (split - splits_a) * blocks_b, blocks_b,
+                                        scale, 0, BLOCK, D, NOPE, MODE_B, LB, S_ACC, O_ACC, P_OP)
+            else:
+                m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_b + b * store_b, idx_b + b * index_b,
+                                        pos_b + b, n_b, ring_b, stride_b, (split - splits_a) * blocks_b, blocks_b,
+                                        scale, 1, BLOCK, D, NOPE, MODE_B, LB, S_ACC, O_ACC, P_OP)
+        hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_ACC))
+        gl.store(m_ptr + split * HP + hs, m)
+        gl.store(l_ptr + split * HP + hs, l)
+        ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
+        do = half * (D // 2) + gl.arange(0, D // 2, layout=gl.SliceLayout(0, O_ACC))[None, :]
+        gl.store(acc_ptr + split * HP * D + ho * D + do, o)
+
+
+def available(q: torch.Tensor, heads: int, dim: int, nope: int) -> bool:
+    """Whether the kernel serves this query: a CUDA query on an sm_90 GPU with Gluon (not the interpreter), at most
+    64 heads, rows of 512 values of which 448 non-RoPE."""
+    return (HAVE_GLUON and not interpret_mode() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and heads <= HEADS and dim == 512 and nope == 448)
