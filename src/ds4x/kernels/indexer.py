@@ -24,6 +24,8 @@ import functools
 import torch
 
 TILE_ROWS = 8192
+# On Hopper the Gluon kernel (`ds4x.kernels.indexer_wgmma`) scores; WGMMA=False keeps the Triton kernel
+WGMMA = True
 ROW_WORDS = 17  # 68-byte row as int32 words: 16 of codes, 1 of scales
 
 
@@ -57,7 +59,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     context). ``n_rows`` may be an integer tensor on the device, one count or one per query (a CUDA graph
     replays with whatever count it then holds; a prefill query sees only the rows closed by its position):
     scores then have ``cap`` columns and those from a query's count on are not written.
-    ``ptx`` picks the inline-PTX code decode (default: on the GPU).
+    ``ptx`` picks the Triton kernel with (True) or without (False) the inline-PTX code decode; by default the Gluon
+    kernel on Hopper GPUs (`ds4x.kernels.indexer_wgmma`), else the Triton kernel with PTX on the GPU.
     """
     single = q.dim() == 2
     qs, ws = (q[None], weights[None]) if single else (q, weights)
@@ -83,6 +86,17 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             raise ValueError(f"packed indexer rows must be contiguous uint8 [(T,) cap, 68]; got {rows.dtype} "
                              f"{tuple(rows.shape)}")
         words = rows.view(torch.int32)
+        from ds4x.kernels import indexer_wgmma
+
+        if WGMMA and ptx is None and indexer_wgmma.available(q, H):
+            n_tiles = -(-n_rows // indexer_wgmma.BLOCK_N)
+            n_prog = min(n_tiles, max(1, indexer_wgmma.PROGRAMS_PER_SM * num_sms(q.device) // T))
+            indexer_wgmma.score_kernel[(n_prog, T)](
+                qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
+                n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
+                -(-n_tiles // n_prog), n_prog, D**-0.5, H=H, DEVICE_COUNT=count is not None,
+                num_warps=indexer_wgmma.WARPS)
+            return out[0] if single else out
         n_tiles = -(-n_rows // block_n)
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once: about two programs per
