@@ -288,10 +288,12 @@ def test_flash_shapes_at_1m_on_gpu():
 
     n = 262_144
     rows, q, w = _indexer_case(n, 64, 5, "cuda")
-    scores = indexer_scores_triton(q, w, rows, n, packed=True)
-    assert torch.equal(scores, indexer_scores_triton(q, w, rows, n, packed=True, ptx=False))  # PTX == arithmetic
+    scores = indexer_scores_triton(q, w, rows, n, packed=True)  # the Gluon kernel on Hopper
+    triton_ptx = indexer_scores_triton(q, w, rows, n, packed=True, ptx=True)
+    assert torch.equal(triton_ptx, indexer_scores_triton(q, w, rows, n, packed=True, ptx=False))  # PTX == arithmetic
     ref = _reference_scores(q, w, rows, n)
-    assert float((scores - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+    for s in (scores, triton_ptx):
+        assert float((s - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
     b = selection_mask(*select_topk(scores[None], torch.ones(1, n, dtype=torch.bool, device="cuda"), 512), n)
     for _ in range(3):  # the fused kernel leaves its workspace clean for the next call
         for fused in (True, False):
@@ -352,6 +354,38 @@ def test_attention_over_hca_sized_rows_on_gpu():
     probs = torch.cat([q64 @ k64.T * 512**-0.5, sinks.double()[:, None]], dim=1).softmax(-1)
     ref = probs[:, :-1] @ k64
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+@pytest.mark.gpu
+def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch):
+    """The Gluon all-heads kernel against the Triton kernel: window + explicit picks with holes, window + closed
+    compressed rows, a batch of 3 queries (each query's bits alone)."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention_wgmma import available
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,))
+    if not available(q, 64, 512, 448):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    rows = torch.stack([pack_kv_rows(torch.randn(3000, 512, generator=g, device="cuda") * 2) for _ in range(3)])
+    sinks = torch.randn(64, generator=g, device="cuda")
+    pos = torch.tensor([2999, 1500, 40], device="cuda")
+    picks = torch.randint(0, 700, (3, 512), generator=g, device="cuda")
+    picks[:, ::7] = -1
+    cases = [[(rows, Slots(128, position=pos, ring=3000)), (rows, picks)],
+             [(rows, Slots(128, position=pos, ring=3000)), (rows, Slots(700, position=pos, ratio=4))]]
+    for sources in cases:
+        monkeypatch.setattr(A, "WGMMA", False)
+        ref = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        monkeypatch.setattr(A, "WGMMA", True)
+        out = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+        for b in range(3):
+            alone = [(r[b], s if isinstance(s, torch.Tensor) and s.dim() == 1 else
+                      s[b] if isinstance(s, torch.Tensor) else Slots(s.n, position=pos[b : b + 1], ring=s.ring,
+                                                                      ratio=s.ratio)) for r, s in sources]
+            assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 512**-0.5, 448, True))
 
 
 @pytest.mark.gpu

@@ -64,6 +64,11 @@ class Slots:
 # earlier kernel, 2026-12-01), so a program takes at most 32 heads.
 DECODE_CONFIG = (16, 16, 8, 64)
 MAX_HEADS_PER_PROGRAM = 32
+# The Hopper kernel (`ds4x.kernels.attention_wgmma`, all heads per program) for queries of up to 64 heads at the
+# model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source); WGMMA=False keeps the
+# Triton kernel.
+WGMMA = True
+WGMMA_CONFIG = (32, 64)
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -107,9 +112,15 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                       else src[idx.clamp(min=0)])
             rows_of[i] = pack(picked, validate=False, rope_dim=D - nope)
             slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
-    hp = max(16, 1 << (H - 1).bit_length())
-    block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
-    hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
+    from ds4x.kernels import attention_wgmma
+
+    wide = config is None and WGMMA and attention_wgmma.available(q, H, D, nope)
+    hp = attention_wgmma.HEADS if wide else max(16, 1 << (H - 1).bit_length())
+    if wide:
+        (block, max_splits), hb, warps = WGMMA_CONFIG, hp, attention_wgmma.WARPS
+    else:
+        block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
+        hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
     per_split, splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))
@@ -133,11 +144,17 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb,
-                                           sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a, index_b,
-                                           n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
-                                           NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
-                                           MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
+    if wide:
+        attention_wgmma.partial_kernel[(n_split, 2, B)](
+            qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc, scale,
+            store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
+            MODE_B=slots[1].mode, num_warps=warps)
+    else:
+        partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb,
+                                               gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
+                                               index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
+                                               NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
+                                               MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
     out = torch.empty(B, H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
     combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4)

@@ -56,70 +56,59 @@ if HAVE_GLUON:
         return idx
 
     @gluon.jit
-    def _fetch(rows_ptr, idx, stride, LB: gl.constexpr, NOPE: gl.constexpr, D: gl.constexpr):
-        # the raw bytes of rows ``idx`` [BLOCK] (-1: none, read as zero codes with scale byte 127): the E4M3 codes
-        # of the 7 non-RoPE chunks [BLOCK, 64] each, their 7 scale bytes [BLOCK], the RoPE FP16 low / high bytes
-        ok = idx >= 0
-        row = rows_ptr + gl.where(ok, idx, 0) * stride  # [BLOCK]
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))[None, :]
-        r2 = row[:, None]
-        m2 = ok[:, None] & (c64 >= 0)
-        sc = row + NOPE + 2 * (D - NOPE)
-        return (gl.load(r2 + c64, mask=m2, other=0), gl.load(r2 + 64 + c64, mask=m2, other=0),
-                gl.load(r2 + 128 + c64, mask=m2, other=0), gl.load(r2 + 192 + c64, mask=m2, other=0),
-                gl.load(r2 + 256 + c64, mask=m2, other=0), gl.load(r2 + 320 + c64, mask=m2, other=0),
-                gl.load(r2 + 384 + c64, mask=m2, other=0),
-                gl.load(sc, mask=ok, other=127), gl.load(sc + 1, mask=ok, other=127),
-                gl.load(sc + 2, mask=ok, other=127), gl.load(sc + 3, mask=ok, other=127),
-                gl.load(sc + 4, mask=ok, other=127), gl.load(sc + 5, mask=ok, other=127),
-                gl.load(sc + 6, mask=ok, other=127),
-                gl.load(r2 + NOPE + 2 * c64, mask=m2, other=0), gl.load(r2 + NOPE + 1 + 2 * c64, mask=m2, other=0))
+    def _fetch(rows_ptr, idx, stride, L3: gl.constexpr, NOPE: gl.constexpr, D: gl.constexpr):
+        # the raw bytes of rows ``idx`` [BLOCK] (-1: none, read as zero codes with scale byte 127): E4M3 codes by
+        # 64-value chunk [BLOCK, 8, 64] (chunk 7, the RoPE values' place, not read), the chunks' scale bytes
+        # [BLOCK, 8, 1], and the RoPE FP16 low / high bytes [BLOCK, 1, 64]
+        ok = (idx >= 0)[:, None, None]
+        row = (rows_ptr + gl.where(idx >= 0, idx, 0) * stride)[:, None, None]
+        chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        nope = ok & (chunk < NOPE // 64)
+        codes = gl.load(row + chunk * 64 + col, mask=nope & (col >= 0), other=0)
+        scales = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127)
+        rope = row + NOPE + 2 * col
+        return codes, scales, gl.load(rope, mask=ok & (col >= 0), other=0), gl.load(rope + 1, mask=ok & (col >= 0),
+                                                                                      other=0)
 
     @gluon.jit
-    def _e4m3_bf16(codes, sbyte):
-        # E4M3 codes [BLOCK, 64] times 2^(sbyte - 127) (255: NaN), exactly as the Triton kernel: float32, then bf16
-        sb = sbyte.to(gl.int32)[:, None]
+    def _store_keys(raw, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr, D: gl.constexpr,
+                    L3: gl.constexpr):
+        # one block's key tiles into shared memory, each with one store (see the module doc): E4M3 codes times
+        # 2^(scale - 127) (255: NaN) computed in float32 and rounded to bf16 (exact), as the Triton kernel does
+        codes, sbyte, lo, hi = raw
+        sb = sbyte.to(gl.int32)
         sc = gl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(gl.float32, bitcast=True))
         sc = gl.where(sb == 255, float("nan"), sc)
-        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        return (v * sc).to(gl.bfloat16)
-
-    @gluon.jit
-    def _store_keys(raw, k_smem, klo_smem):
-        # one block's key tiles into shared memory (see the module doc)
-        k_smem.slice(0, 64, dim=1).store(_e4m3_bf16(raw[0], raw[7]))
-        k_smem.slice(64, 64, dim=1).store(_e4m3_bf16(raw[1], raw[8]))
-        k_smem.slice(128, 64, dim=1).store(_e4m3_bf16(raw[2], raw[9]))
-        k_smem.slice(192, 64, dim=1).store(_e4m3_bf16(raw[3], raw[10]))
-        k_smem.slice(256, 64, dim=1).store(_e4m3_bf16(raw[4], raw[11]))
-        k_smem.slice(320, 64, dim=1).store(_e4m3_bf16(raw[5], raw[12]))
-        k_smem.slice(384, 64, dim=1).store(_e4m3_bf16(raw[6], raw[13]))
-        rope = (raw[14].to(gl.int32) | (raw[15].to(gl.int32) << 8)).to(gl.int16).to(gl.float16, bitcast=True)
-        rope = rope.to(gl.float32)
-        hi = rope.to(gl.bfloat16)
-        k_smem.slice(448, 64, dim=1).store(hi)
-        klo_smem.slice(448, 64, dim=1).store((rope - hi.to(gl.float32)).to(gl.bfloat16))
+        nope = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc
+        rope = (lo.to(gl.int32) | (hi.to(gl.int32) << 8)).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        rope_hi = rope.to(gl.bfloat16)
+        chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+        keys = gl.where(chunk < NOPE // 64, nope.to(gl.bfloat16), rope_hi)  # [BLOCK, 8, 64]
+        k_smem.store(gl.reshape(keys, [BLOCK, D]))
+        klo_smem.slice(NOPE, D - NOPE, dim=1).store(
+            gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
 
     @gluon.jit
     def _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, block0, n_blocks,
                       scale, HALF: gl.constexpr, BLOCK: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr,
                       MODE: gl.constexpr,
-                      LB: gl.constexpr, S_ACC: gl.constexpr, O_ACC: gl.constexpr, P_OP: gl.constexpr):
+                      L3: gl.constexpr, S_ACC: gl.constexpr, O_ACC: gl.constexpr, P_OP: gl.constexpr):
         # online softmax of all heads over n_blocks blocks of BLOCK slots from block0 of one source -> (m, l, o):
         # o is this program's half of the output columns
         HP: gl.constexpr = 64
         m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_ACC))
         l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_ACC))
         o = gl.zeros([HP, D // 2], gl.float32, O_ACC)
-        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, LB))
+        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         idx = _slot_rows(idx_ptr, pos_ptr, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE)
-        raw = _fetch(rows_ptr, idx, stride, LB, NOPE, D)
+        raw = _fetch(rows_ptr, idx, stride, L3, NOPE, D)
         for i in range(n_blocks):
             ok = gl.convert_layout(idx, gl.SliceLayout(0, S_ACC)) >= 0
             gl.thread_barrier()  # both warpgroups are past the products that read the previous tiles
-            _store_keys(raw, k_smem, klo_smem)
+            _store_keys(raw, k_smem, klo_smem, BLOCK, NOPE, D, L3)
             idx = _slot_rows(idx_ptr, pos_ptr, n, ring, (block0 + i + 1) * BLOCK + slots, i + 1 < n_blocks, MODE)
-            raw = _fetch(rows_ptr, idx, stride, LB, NOPE, D)  # in flight while this block is multiplied
+            raw = _fetch(rows_ptr, idx, stride, L3, NOPE, D)  # in flight while this block is multiplied
             fence_async_shared()
             gl.thread_barrier()
             s = gl.zeros([HP, BLOCK], gl.float32, S_ACC)
@@ -162,7 +151,8 @@ if HAVE_GLUON:
         and store the same m and l."""
         HP: gl.constexpr = 64
         WG: gl.constexpr = num_warps // 4
-        LB: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [BLOCK, 64] and [64, 64]
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
+        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [64, 512]
         S_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                          instr_shape=[16, BLOCK // WG, 16])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
@@ -182,35 +172,33 @@ if HAVE_GLUON:
         q_lo = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
         klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
-        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LB))[:, None]
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))[None, :]
-        for c in gl.static_range(D // 64):
-            qc = gl.load(q_ptr + h * D + c * 64 + c64, mask=(h < H) & (c64 >= 0), other=0.0).to(gl.float32)
-            hi = qc.to(gl.bfloat16)
-            q_hi.slice(c * 64, 64, dim=1).store(hi)
-            q_lo.slice(c * 64, 64, dim=1).store((qc - hi.to(gl.float32)).to(gl.bfloat16))
-        zero = gl.zeros([BLOCK, 64], gl.bfloat16, LB)  # the low key tile is zero outside the RoPE columns
-        for c in gl.static_range(NOPE // 64):
-            klo_smem.slice(c * 64, 64, dim=1).store(zero)
+        # the query in one load (all of it in flight at once), split, and stored with one store per part
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+        q = gl.load(q_ptr + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.float32)
+        hi = q.to(gl.bfloat16)
+        q_hi.store(hi)
+        q_lo.store((q - hi.to(gl.float32)).to(gl.bfloat16))
+        klo_smem.store(gl.zeros([BLOCK, D], gl.bfloat16, LQ))  # the low key tile is zero outside the RoPE columns
 
         if split < splits_a:
             if half == 0:
                 m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_a + b * store_a, idx_a + b * index_a,
                                         pos_a + b, n_a, ring_a, stride_a, split * blocks_a, blocks_a, scale, 0, BLOCK,
-                                        D, NOPE, MODE_A, LB, S_ACC, O_ACC, P_OP)
+                                        D, NOPE, MODE_A, L3, S_ACC, O_ACC, P_OP)
             else:
                 m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_a + b * store_a, idx_a + b * index_a,
                                         pos_a + b, n_a, ring_a, stride_a, split * blocks_a, blocks_a, scale, 1, BLOCK,
-                                        D, NOPE, MODE_A, LB, S_ACC, O_ACC, P_OP)
+                                        D, NOPE, MODE_A, L3, S_ACC, O_ACC, P_OP)
         else:
             if half == 0:
                 m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_b + b * store_b, idx_b + b * index_b,
                                         pos_b + b, n_b, ring_b, stride_b, (split - splits_a) * blocks_b, blocks_b,
-                                        scale, 0, BLOCK, D, NOPE, MODE_B, LB, S_ACC, O_ACC, P_OP)
+                                        scale, 0, BLOCK, D, NOPE, MODE_B, L3, S_ACC, O_ACC, P_OP)
             else:
                 m, l, o = _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_b + b * store_b, idx_b + b * index_b,
                                         pos_b + b, n_b, ring_b, stride_b, (split - splits_a) * blocks_b, blocks_b,
-                                        scale, 1, BLOCK, D, NOPE, MODE_B, LB, S_ACC, O_ACC, P_OP)
+                                        scale, 1, BLOCK, D, NOPE, MODE_B, L3, S_ACC, O_ACC, P_OP)
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_ACC))
         gl.store(m_ptr + split * HP + hs, m)
         gl.store(l_ptr + split * HP + hs, l)
