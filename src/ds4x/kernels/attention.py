@@ -65,10 +65,15 @@ class Slots:
 DECODE_CONFIG = (16, 16, 8, 64)
 MAX_HEADS_PER_PROGRAM = 32
 # The Hopper kernel (`ds4x.kernels.attention_wgmma`, all heads per program) for queries of up to 64 heads at the
-# model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source); WGMMA=False keeps the
-# Triton kernel.
+# model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source), the second config when a
+# source offers more than WGMMA_LONG slots; WGMMA=False keeps the Triton kernel. Measured (H200, 1efc93d,
+# devrun micro-benchmark like scripts/attention_sweep.py, us; Triton kernel at DECODE_CONFIG in brackets):
+# window 128: (16, 64) 11.4, (32, 64) 13.6 [11.6]; CSA top-512 at 1M: 12.7 / 14.3 [16.2]; HCA 34 rows at 4K:
+# 11.7 / 14.0 [12.8]; HCA 8,194 rows at 1M: 57.1 / 51.4 [85.4] ((16, 128) 69.3, (32, 128) 67.1).
 WGMMA = True
-WGMMA_CONFIG = (32, 64)
+WGMMA_CONFIG = (16, 64)
+WGMMA_CONFIG_LONG = (32, 64)
+WGMMA_LONG = 2048
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -117,7 +122,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     wide = config is None and WGMMA and attention_wgmma.available(q, H, D, nope)
     hp = attention_wgmma.HEADS if wide else max(16, 1 << (H - 1).bit_length())
     if wide:
-        (block, max_splits), hb, warps = WGMMA_CONFIG, hp, attention_wgmma.WARPS
+        long = max(s.n for s in slots) > WGMMA_LONG
+        (block, max_splits), hb, warps = WGMMA_CONFIG_LONG if long else WGMMA_CONFIG, hp, attention_wgmma.WARPS
     else:
         block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))

@@ -162,11 +162,11 @@ def radix_barrier_timeouts(device: torch.device) -> int:
 
 # Rows of up to SMALL_ROWS scores (SMALL_ROWS_BATCHED when a step selects for 8 or more rows) are selected by one
 # program each (`radix_small_kernel`: SMALL_BITS bits of the k-th code per step, SMALL_WARPS warps, else 8 up to
-# 2,048 scores and 16 above); more by the multi-program radix_kernel, whose grid barriers cost ~25 us whatever
-# the size. H200, top-512, us one-program (2 bits, 8 warps) / multi-program: 1,042 scores 11.3 / 24.8 (1 row),
-# 11.3 / 50.0 (32 rows); 2,050 scores 17.1 / 24.9, 17.2 / 52.3; 4,160 scores (16 warps) 28.2 / 24.2, 28.5 / 63.8;
-# 8,192 scores (16 warps) 28.7 / 24.3, 29.0 / 50.4. A 4K decode step: 9.59 ms against 9.86 with the multi-program
-# select only (d07e15a + 8 warps).
+# 2,048 scores and 16 above); more by the multi-program radix_kernel (RADIX_WARPS warps). H200, top-512, graph-
+# replayed, us one-program / multi-program (87fe9ab's kernel, 4 warps): 1,024 scores 8.4 / 11.9 (1 row), 8.4 / 12.4
+# (32 rows); 4,160 scores 28.2 / 12.5 (1 row); multi-program only: 32,768 scores 13.5 (1 row), 19.7 (8 rows);
+# 262,144 scores 21.4 (19.7 with 8 warps). Rows of 2,049 to 8,192 scores in steps of 8 or more sessions were
+# measured only with the earlier multi-program kernel (then slower); not re-measured.
 SMALL_ROWS = 2048
 SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
