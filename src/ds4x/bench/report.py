@@ -110,10 +110,10 @@ def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, A
     kernels = [r for r in rows if r.get("bench") == "kernel"]
     if kernels:
         lines += ["## Kernel comparisons (one-off A/B runs, `do_bench` median; the command is in each row's flags)", "",
-                  "| date | commit | GPU | what | shape | variant | ms | note |", "|---|---|---|---|---|---|---|---|"]
+                  "| date | commit | GPU | what | shape | variant | us | note |", "|---|---|---|---|---|---|---|---|"]
         for r in kernels:
             lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['what']} | {r['shape']} "
-                         f"| {r['variant']} | {r['ms']:.3f} | {r.get('note', '')} |")
+                         f"| {r['variant']} | {1000 * r['ms']:.1f} | {r.get('note', '')} |")
         lines.append("")
     quant = [r for r in rows if r.get("bench") == "quant_matmul"]
     if quant:

@@ -29,8 +29,14 @@ def use_triton(device: torch.device) -> bool:
 def describe(device: torch.device, cache_mode: str) -> str:
     """One line naming the kernel of each hot op on ``device`` for a cache in ``cache_mode``."""
     fast = use_triton(device) and cache_mode in ("native", "packed")
-    decode = ("triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)" if fast
-              else "torch reference")
+    decode = "torch reference"
+    if fast:
+        from ds4x.kernels import routed_wgmma
+
+        decode = "triton, rows read in place (flash-decoding attention; indexer on fp16 tensor cores)"
+        if routed_wgmma.hopper(device):
+            decode += ("; on this Hopper GPU gluon wgmma kernels instead (attention: all heads per program for up to "
+                       "64 heads of 512-value rows; indexer: up to 64 heads)")
     prefill = "triton (TF32; torch in reference mode)" if fast and cache_mode == "packed" else "torch reference"
     routed = "torch reference"
     if use_triton(device):
