@@ -49,6 +49,7 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 
 if HAVE_GLUON:
+    from ds4x.kernels.triton_attention import online_softmax_step  # a Triton helper the Gluon code may call
 
     @gluon.jit
     def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: gl.constexpr):
@@ -127,11 +128,7 @@ if HAVE_GLUON:
             s = warpgroup_mma(q_lo.slice(NOPE, D - NOPE, dim=1), klo_smem.slice(NOPE, D - NOPE, dim=1).permute((1, 0)),
                               s)
             s = gl.where(ok[None, :], s * scale, float("-inf"))
-            m_new = gl.maximum(m, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp(m - m_safe)
-            p = gl.exp(s - m_safe[:, None])
-            l = l * alpha + gl.sum(p, axis=1)
+            m_new, alpha, p, l = online_softmax_step(m, l, s)
             p_hi = p.to(gl.bfloat16)
             p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
             a_hi = gl.convert_layout(p_hi, P_OP)

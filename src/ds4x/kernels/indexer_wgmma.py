@@ -32,14 +32,9 @@ PROGRAMS_PER_SM = 2
 
 
 if HAVE_GLUON:
-    _BLOCK_N = gl.constexpr(BLOCK_N)
+    from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
 
-    @gluon.jit
-    def _exp2_f32(e):
-        # exact 2^e as float32 for integer e in [-149, 127]
-        normal = ((e + 127) << 23).to(gl.float32, bitcast=True)
-        sub = (1 << gl.minimum(gl.maximum(e + 149, 0), 30)).to(gl.float32, bitcast=True)
-        return gl.where(e >= -126, normal, sub)
+    _BLOCK_N = gl.constexpr(BLOCK_N)
 
     @gluon.jit
     def _scale_pair(e):
@@ -114,10 +109,10 @@ if HAVE_GLUON:
         e_h = gl.where(qmax > 0, ((qmax.to(gl.int32, bitcast=True) >> 23) & 255) - 127, 0)
         e_h = gl.minimum(gl.maximum(e_h, -110), 127)
         q_smem = gl.allocate_shared_memory(gl.float16, [HP, 128], SH16)
-        q_smem.store((q * _exp2_f32(14 - e_h)[:, None]).to(gl.float16))
+        q_smem.store((q * exp2_f32(14 - e_h)[:, None]).to(gl.float16))
         hw = gl.arange(0, HP, layout=gl.SliceLayout(0, ACC))
         e_w = gl.convert_layout(e_h, gl.SliceLayout(0, ACC))
-        wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * _exp2_f32(e_w - 14)
+        wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * exp2_f32(e_w - 14)
         k_smem = gl.allocate_shared_memory(gl.float16, [_BLOCK_N, 128], SH16)
         k_words = k_smem._reinterpret(gl.int32, [_BLOCK_N, 64], SH32)
         blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
@@ -139,7 +134,7 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([_BLOCK_N, HP], gl.float32, ACC))
                 # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
-                row_scale = gl.convert_layout(_exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
+                row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
                 score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
                 r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
                 gl.store(out_ptr + r, score, mask=r < n_rows)

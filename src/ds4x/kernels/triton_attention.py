@@ -89,6 +89,17 @@ def _dot_parts(a, k, acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(m, l, s):
+    """One block of scores s [heads, rows] (-inf: no row) into the running max m and sum l -> (new max, the factor
+    alpha for the old state, the block's probabilities, new sum). A Triton helper the Gluon kernel calls too."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_split(q_nope, q_rope, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, block0, n_blocks, scale,
                   HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, NC: tl.constexpr, BLOCK: tl.constexpr,
                   SPLIT: tl.constexpr, MODE: tl.constexpr):
@@ -118,11 +129,7 @@ def _attend_split(q_nope, q_rope, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, b
         s = tl.sum(_dot_parts(q_nope, tl.trans(k_nope, 0, 2, 1), tl.zeros([NC, HB, BLOCK], tl.float32), SPLIT), 0)
         s = _dot_parts(q_rope, tl.trans(k_rope), s, SPLIT)
         s = tl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l = online_softmax_step(m, l, s)
         acc_n = _dot_parts(tl.broadcast_to(p[None, :, :], (NC, HB, BLOCK)), k_nope, acc_n * alpha[None, :, None],
                            SPLIT)
         acc_r = _dot_parts(p, k_rope, acc_r * alpha[:, None], SPLIT)
