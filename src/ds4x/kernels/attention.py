@@ -88,9 +88,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
     give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
-    ``config``: (rows per block, heads per program, warps, most splits per source) instead of ``DECODE_CONFIG``
-    (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile). Packed and native
-    rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
+    Without ``config``, Hopper GPUs run `ds4x.kernels.attention_wgmma` where it applies (see ``WGMMA_CONFIG``).
+    ``config`` (the Triton kernel): (rows per block, heads per program, warps, most splits per source) instead of
+    ``DECODE_CONFIG`` (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile).
+    Packed and native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 

@@ -24,9 +24,9 @@ import functools
 import torch
 
 TILE_ROWS = 8192
+ROW_WORDS = 17  # 68-byte row as int32 words: 16 of codes, 1 of scales
 # On Hopper the Gluon kernel (`ds4x.kernels.indexer_wgmma`) scores; WGMMA=False keeps the Triton kernel
 WGMMA = True
-ROW_WORDS = 17  # 68-byte row as int32 words: 16 of codes, 1 of scales
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, read_rows, n_rows: int) -> torch.Tensor:
