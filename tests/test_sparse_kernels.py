@@ -118,6 +118,27 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
 
 
+def test_radix_select_when_the_kth_score_shares_its_high_digits():
+    """The k-th score found digit by digit (8 bits a level): scores whose order-preserving codes agree in the top
+    one, two or three bytes and differ below, exact ties at the k-th, negative scores and -0.0 / +0.0."""
+    g = torch.Generator().manual_seed(6)
+    base = torch.tensor(1.5).view(torch.int32)
+    for low_bits in (8, 16, 24):  # codes differ only in their low 8 / 16 / 24 bits
+        offsets = torch.randint(0, 1 << low_bits, (3000,), generator=g, dtype=torch.int32)
+        scores = (base + offsets).view(torch.float32)
+        scores[::9] = scores.sort(descending=True).values[450]  # exact ties across rank 512
+        scores[1::11] = -scores[1::11]
+        scores[2::13] = -0.0
+        scores[3::13] = 0.0
+        scores = scores.to(_device())
+        for n_vis, k in [(3000, 512), (2999, 64), (700, 512)]:
+            ref = selection_mask(*select_topk(scores[None], (torch.arange(3000) < n_vis).to(_device())[None], k),
+                                 3000)
+            for small in (True, False):
+                index, valid = select_topk_radix(scores, n_vis, k, small=small)
+                assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["one-program", "multi-program"])
 def test_radix_select_lists_the_selection_in_row_order(small):
     g = torch.Generator().manual_seed(4)
