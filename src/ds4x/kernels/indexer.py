@@ -88,24 +88,20 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         words = rows.view(torch.int32)
         from ds4x.kernels import indexer_wgmma
 
-        if WGMMA and ptx is None and indexer_wgmma.available(q, H):
-            n_tiles = -(-n_rows // indexer_wgmma.BLOCK_N)
-            n_prog = min(n_tiles, max(1, indexer_wgmma.PROGRAMS_PER_SM * num_sms(q.device) // T))
-            indexer_wgmma.score_kernel[(n_prog, T)](
-                qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
-                n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
-                -(-n_tiles // n_prog), n_prog, D**-0.5, H=H, DEVICE_COUNT=count is not None,
-                num_warps=indexer_wgmma.WARPS)
-            return out[0] if single else out
-        n_tiles = -(-n_rows // block_n)
+        wide = WGMMA and ptx is None and indexer_wgmma.available(q, H)
+        n_tiles = -(-n_rows // (indexer_wgmma.BLOCK_N if wide else block_n))
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once: about two programs per
         # SM in all (decode: all of them on the one query)
         n_prog = min(n_tiles, max(1, 2 * num_sms(q.device) // T)) if persistent else n_tiles
-        hp = max(16, 1 << (H - 1).bit_length())
-        score_kernel[(n_prog, T)](qs.contiguous().float(), ws.contiguous().float(), words,
-                                  words.stride(0) if per_query else 0, out, n_rows, out if count is None else count,
-                                  0 if count is None or count.numel() == 1 else 1, -(-n_tiles // n_prog), n_prog,
-                                  D**-0.5, H=H, HP=hp, BLOCK_N=block_n, PTX=q.is_cuda if ptx is None else ptx,
-                                  PERSISTENT=persistent, DEVICE_COUNT=count is not None, num_warps=4)
+        args = (qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
+                n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
+                -(-n_tiles // n_prog), n_prog, D**-0.5)
+        if wide:
+            indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None,
+                                                    num_warps=indexer_wgmma.WARPS)
+        else:
+            score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
+                                      PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,
+                                      DEVICE_COUNT=count is not None, num_warps=4)
     return out[0] if single else out

@@ -28,7 +28,6 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 BLOCK_N = 128  # rows per tile
 WARPS = 4
-PROGRAMS_PER_SM = 2
 
 
 if HAVE_GLUON:

@@ -158,17 +158,21 @@ def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr
 
 
 @triton.jit
-def grid_sync(ws_ptr, target):
+def grid_sync(ws_ptr, phase, nprog):
+    """Waits until all ``nprog`` programs of the row have finished phase ``phase`` (1, 2, ...); one program needs
+    only its own barrier."""
     tl.debug_barrier()  # this program's phase is complete
-    tl.atomic_add(ws_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
-    spins = tl.full([], 0, tl.int32)
-    while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
+    if nprog > 1:
+        target = phase * nprog
+        tl.atomic_add(ws_ptr, 1, sem="release", scope="gpu")
         seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    if seen < target:
-        tl.atomic_add(ws_ptr + 2, 1)
-    tl.debug_barrier()
+        spins = tl.full([], 0, tl.int32)
+        while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
+            seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_add(ws_ptr + 2, 1)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -187,10 +191,7 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, nprog, SYNC: tl.co
     h = tl.histogram(digit, 256, mask=mask)
     tl.atomic_add(ws_ptr + 64 + level * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     if SYNC:
-        if nprog > 1:
-            grid_sync(ws_ptr, (level + 1) * nprog)
-        else:
-            tl.debug_barrier()
+        grid_sync(ws_ptr, level + 1, nprog)
 
 
 @triton.jit
@@ -203,6 +204,8 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     ws_ptr += r * WS  # each row its own workspace: its barriers count its own programs
     index_ptr += r * kk
     valid_ptr += r * kk
+    gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
+    eq_counts = gt_counts + MAX_PROGRAMS
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
@@ -244,22 +247,18 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
         if FIRST <= 4:
             total = tl.sum(both, 0)
-            tl.store(ws_ptr + 64 + 1024 + pid, total & 0xFFFF)
-            tl.store(ws_ptr + 64 + 1024 + MAX_PROGRAMS + pid, total >> 16)
+            tl.store(gt_counts + pid, total & 0xFFFF)
+            tl.store(eq_counts + pid, total >> 16)
             if LAST > 4:
-                if nprog > 1:
-                    grid_sync(ws_ptr, 5 * nprog)
-                else:
-                    tl.debug_barrier()
+                grid_sync(ws_ptr, 5, nprog)
     # phase 5: the selected rows in ascending row order (programs in order, rows in order within a program)
     if LAST == 5:
         p = tl.arange(0, MAX_PROGRAMS)
         before = p < pid
-        gt_before = tl.sum(tl.load(ws_ptr + 64 + 1024 + p, mask=before, other=0, cache_modifier=".cg"), 0)
-        eq_before = tl.sum(tl.load(ws_ptr + 64 + 1024 + MAX_PROGRAMS + p, mask=before, other=0,
-                                   cache_modifier=".cg"), 0)
-        mine = tl.load(ws_ptr + 64 + 1024 + pid, cache_modifier=".cg")
-        mine_eq = tl.load(ws_ptr + 64 + 1024 + MAX_PROGRAMS + pid, cache_modifier=".cg")
+        gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        mine = tl.load(gt_counts + pid, cache_modifier=".cg")
+        mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
         if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
             excl = tl.cumsum(both, 0) - both
             tie_rank = eq_before + (excl >> 16)
