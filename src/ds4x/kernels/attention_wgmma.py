@@ -49,7 +49,8 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 
 if HAVE_GLUON:
-    from ds4x.kernels.triton_attention import online_softmax_step  # a Triton helper the Gluon code may call
+    # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
+    from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
 
     @gluon.jit
     def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: gl.constexpr):
@@ -83,14 +84,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_keys(raw, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr, D: gl.constexpr,
                     L3: gl.constexpr):
-        # one block's key tiles into shared memory, each with one store (see the module doc): E4M3 codes times
-        # 2^(scale - 127) (255: NaN) computed in float32 and rounded to bf16 (exact), as the Triton kernel does
+        # one block's key tiles into shared memory, each with one store (see the module doc): the Triton kernel's
+        # exact E4M3 x scale decode in float32 (the hardware conversion), rounded to bf16 (exact)
         codes, sbyte, lo, hi = raw
-        sb = sbyte.to(gl.int32)
-        sc = gl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(gl.float32, bitcast=True))
-        sc = gl.where(sb == 255, float("nan"), sc)
-        nope = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc
-        rope = (lo.to(gl.int32) | (hi.to(gl.int32) << 8)).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        nope = _e4m3_scaled(codes, sbyte.to(gl.int32), True)
+        rope = _fp16_bytes(lo.to(gl.int32), hi.to(gl.int32)).to(gl.float32)
         rope_hi = rope.to(gl.bfloat16)
         chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         keys = gl.where(chunk < NOPE // 64, nope.to(gl.bfloat16), rope_hi)  # [BLOCK, 8, 64]
@@ -101,8 +99,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _attend_split(q_hi, q_lo, k_smem, klo_smem, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, block0, n_blocks,
                       scale, HALF: gl.constexpr, BLOCK: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr,
-                      MODE: gl.constexpr,
-                      L3: gl.constexpr, S_ACC: gl.constexpr, O_ACC: gl.constexpr, P_OP: gl.constexpr):
+                      MODE: gl.constexpr, L3: gl.constexpr, S_ACC: gl.constexpr, O_ACC: gl.constexpr,
+                      P_OP: gl.constexpr):
         # online softmax of all heads over n_blocks blocks of BLOCK slots from block0 of one source -> (m, l, o):
         # o is this program's half of the output columns
         HP: gl.constexpr = 64
@@ -146,10 +144,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
-                              rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
-                              store_a, store_b, index_a, index_b, n_split,
-                              H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                              MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr):
+                       rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
+                       store_a, store_b, index_a, index_b, n_split,
+                       H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr):
         """Program (split, half, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel, with one group of 64 heads), the output's columns ``half`` x 256 on (two
         programs per split: the whole accumulator would take every register). Both halves compute the same scores
@@ -157,7 +155,7 @@ if HAVE_GLUON:
         HP: gl.constexpr = 64
         WG: gl.constexpr = num_warps // 4
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
-        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [64, 512]
+        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
         S_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
                                                          instr_shape=[16, BLOCK // WG, 16])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
