@@ -23,7 +23,7 @@ import torch
 
 from ds4x.config import CSA, HCA, PRESETS, SLIDING
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
-from ds4x.kernels.attention import attention_decode_triton
+from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
 from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_radix, select_topk_threshold
 from ds4x.model.cache import ModelCache, RowStore
@@ -94,7 +94,8 @@ def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator)
     dev, L = cache.device, cache.length
     q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
     sinks = torch.randn(cfg.num_heads, generator=g, device=dev)
-    window = torch.arange(L - cfg.sliding_window + 1, L + 1, device=dev) % st.raw.capacity
+    position = torch.tensor([L], device=dev)  # the decoded token's position; slots as the model offers them
+    window = Slots(cfg.sliding_window, position=position, ring=st.raw.capacity)
     scale, nope = cfg.head_dim**-0.5, cfg.nope_head_dim
     n_rows = L // cfg.compress_ratios[layer] if cfg.compress_ratios[layer] else 0
     out: dict[str, Any] = {"n_rows": n_rows}
@@ -114,7 +115,7 @@ def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator)
         out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, picked)],
                                                            sinks, scale, nope, True)
     elif kind == HCA:
-        rows = torch.arange(n_rows, device=dev)
+        rows = Slots(st.comp_rows.capacity, position=position, ratio=cfg.compress_ratios[layer])
         out["attention"] = lambda: attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, rows)],
                                                            sinks, scale, nope, True)
     else:
@@ -133,17 +134,22 @@ def _compressed_sequence(cache: ModelCache, topk: str, g: torch.Generator):
     wi = torch.randn(cfg.index_n_heads, generator=g, device=dev)
     scale, nope, select = cfg.head_dim**-0.5, cfg.nope_head_dim, TOPK_VARIANTS[topk]
     layers = []
+    position = torch.tensor([L], device=dev)  # the decoded token's position, as the model passes it
     for st, kind, ratio in zip(cache.layers, cfg.attn_kinds, cfg.compress_ratios, strict=True):
         if kind in (CSA, HCA):
-            window = torch.arange(L - cfg.sliding_window + 1, L + 1, device=dev) % st.raw.capacity
-            layers.append((kind, st, window, L // ratio, torch.arange(L // ratio, device=dev)))
+            window = Slots(cfg.sliding_window, position=position, ring=st.raw.capacity)
+            layers.append((kind, st, window, L // ratio, Slots(st.comp_rows.capacity, position=position, ratio=ratio)))
 
     def run() -> None:
+        # the model's decode calls (`ds4x.model.attention`): HCA offers all compressed slots, CSA its top-k
         for kind, st, window, n_rows, all_rows in layers:
             if kind == CSA:
                 scores = indexer_scores_triton(qi, wi, st.idx_rows.data, n_rows, True)
-                index, valid = select(scores, n_rows, cfg.index_topk)
-                rows = torch.where(valid, index, -1)
+                if select is select_topk_radix:
+                    rows, _ = select(scores, n_rows, cfg.index_topk, pad=-1)
+                else:
+                    index, valid = select(scores, n_rows, cfg.index_topk)
+                    rows = torch.where(valid, index, -1)
             else:
                 rows = all_rows
             attention_decode_triton(q, [(st.raw.data, window), (st.comp_rows.data, rows)], sinks, scale, nope, True)
