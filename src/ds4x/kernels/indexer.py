@@ -27,6 +27,9 @@ TILE_ROWS = 8192
 ROW_WORDS = 17  # 68-byte row as int32 words: 16 of codes, 1 of scales
 # On Hopper the Gluon kernel (`ds4x.kernels.indexer_wgmma`) scores; WGMMA=False keeps the Triton kernel
 WGMMA = True
+# Persistent programs per SM (all of them on one decode query): each keeps one row tile's loads in flight. H200,
+# Gluon kernel, 262,144 rows (17.8 MB): 1 23.3 us, 2 18.6, 3 17.7, 4 18.7, 6 19.5 (devrun, 2026-12-03)
+PROGRAMS_PER_SM = 3
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, read_rows, n_rows: int) -> torch.Tensor:
@@ -91,9 +94,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         wide = WGMMA and ptx is None and indexer_wgmma.available(q, H)
         n_tiles = -(-n_rows // (indexer_wgmma.BLOCK_N if wide else block_n))
         persistent = q.is_cuda
-        # persistent programs walk a query's row tiles with its query tiles prepared once: about two programs per
-        # SM in all (decode: all of them on the one query)
-        n_prog = min(n_tiles, max(1, 2 * num_sms(q.device) // T)) if persistent else n_tiles
+        # persistent programs walk a query's row tiles with its query tiles prepared once (PROGRAMS_PER_SM)
+        n_prog = min(n_tiles, max(1, PROGRAMS_PER_SM * num_sms(q.device) // T)) if persistent else n_tiles
         args = (qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
                 n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
                 -(-n_tiles // n_prog), n_prog, D**-0.5)
