@@ -64,16 +64,15 @@ class Slots:
 # earlier kernel, 2026-12-01), so a program takes at most 32 heads.
 DECODE_CONFIG = (16, 16, 8, 64)
 MAX_HEADS_PER_PROGRAM = 32
-# The Hopper kernel (`ds4x.kernels.attention_wgmma`, all heads per program) for queries of up to 64 heads at the
-# model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source), the second config when a
-# source offers more than WGMMA_LONG slots; WGMMA=False keeps the Triton kernel. Measured (H200, 1efc93d,
-# devrun micro-benchmark like scripts/attention_sweep.py, us; Triton kernel at DECODE_CONFIG in brackets):
-# window 128: (16, 64) 11.4, (32, 64) 13.6 [11.6]; CSA top-512 at 1M: 12.7 / 14.3 [16.2]; HCA 34 rows at 4K:
-# 11.7 / 14.0 [12.8]; HCA 8,194 rows at 1M: 57.1 / 51.4 [85.4] ((16, 128) 69.3, (32, 128) 67.1).
+# The Hopper kernel (`ds4x.kernels.attention_wgmma`, all heads and all 512 output columns per program) for queries
+# of up to 64 heads at the model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source);
+# WGMMA=False keeps the Triton kernel. Measured (H200, devrun sweep like scripts/compressed_kernels_ab.py, us;
+# window 128 / CSA window + top-512 at 1M / HCA 34 rows at 4K / HCA 8,194 rows at 1M, each with the window):
+# (16, 128) 13.8 / 15.0 / 13.9 / 37.2, (16, 64) 13.8 / 15.1 / 14.0 / 46.8, (32, 128) 16.6 / 16.9 / 16.3 / 37.8
+# (32 rows spill); the Triton kernel at DECODE_CONFIG 12.1 / 15.9 / 12.4 / 84.7. The earlier Gluon kernel (two
+# programs per split, each half of the columns, 1efc93d) 11.1 / 12.3 / 11.2 / 49.4.
 WGMMA = True
-WGMMA_CONFIG = (16, 64)
-WGMMA_CONFIG_LONG = (32, 64)
-WGMMA_LONG = 2048
+WGMMA_CONFIG = (16, 128)
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -123,8 +122,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     wide = config is None and WGMMA and attention_wgmma.available(q, H, D, nope)
     hp = attention_wgmma.HEADS if wide else max(16, 1 << (H - 1).bit_length())
     if wide:
-        long = max(s.n for s in slots) > WGMMA_LONG
-        (block, max_splits), hb, warps = WGMMA_CONFIG_LONG if long else WGMMA_CONFIG, hp, attention_wgmma.WARPS
+        (block, max_splits), hb, warps = WGMMA_CONFIG, hp, attention_wgmma.WARPS
     else:
         block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
@@ -152,7 +150,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
     if wide:
-        attention_wgmma.partial_kernel[(n_split, 2, B)](
+        attention_wgmma.partial_kernel[(n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc, scale,
             store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
             MODE_B=slots[1].mode, num_warps=warps)
