@@ -172,6 +172,9 @@ SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
 SMALL_WARPS: int | None = None
 RADIX_WARPS = 4
+# Bits of the k-th code the multi-program select settles per histogram level (4 bits: 8 levels of 16 bins; 8: 4 of
+# 256). Triton's histogram costs about linearly in bins (see docs/PROFILE.md), each level one grid barrier.
+RADIX_BITS = 8
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
@@ -181,8 +184,9 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
     device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (see
     there; or with ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the
-    six phases of the multi-program select in one launch with grid barriers, or one launch per phase. Slots no
-    visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no masking after)."""
+    phases of the multi-program select (``RADIX_BITS``) in one launch with grid barriers, or one launch per
+    phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
+    masking after)."""
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
@@ -215,14 +219,17 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
-    phases = [(0, 5)] if fused else [(i, i) for i in range(6)]
+    if 32 % RADIX_BITS or (32 // RADIX_BITS) << RADIX_BITS > 1024:
+        raise ValueError(f"RADIX_BITS must divide 32 with at most 1,024 histogram bins in all, got {RADIX_BITS}")
+    listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
+    phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
     for r0 in range(0, B, per_launch):
         r1 = min(B, r0 + per_launch)
         counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count
         args = (flat[r0:r1], n, n if count is not None else min(n_visible, n), counts, kk, n_prog, ws[r0:r1],
                 index[r0:r1], valid[r0:r1].view(torch.int8), pad)
         for first, last in phases:
-            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, FIRST=first, LAST=last,
+            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS)
     return (index, valid) if batched else (index[0], valid[0])

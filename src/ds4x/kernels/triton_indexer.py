@@ -176,28 +176,34 @@ def grid_sync(ws_ptr, phase, nprog):
 
 
 @triton.jit
-def digit_threshold(ws_ptr, level, need):
+def digit_threshold(ws_ptr, level, need, BINS: tl.constexpr):
     """Highest digit of level ``level`` whose suffix count reaches ``need``, and the count strictly above it."""
-    b = tl.arange(0, 256)
-    h = tl.load(ws_ptr + 64 + level * 256 + b, cache_modifier=".cg")
+    b = tl.arange(0, BINS)
+    h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
     suffix = tl.cumsum(h, 0, reverse=True)
     t = tl.max(tl.where(suffix >= need, b, -1), 0)
     return t, tl.sum(tl.where(b > t, h, 0), 0)
 
 
 @triton.jit
-def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, nprog, SYNC: tl.constexpr):
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, nprog, SYNC: tl.constexpr, BINS: tl.constexpr):
     """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's."""
-    h = tl.histogram(digit, 256, mask=mask)
-    tl.atomic_add(ws_ptr + 64 + level * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    h = tl.histogram(digit, BINS, mask=mask)
+    tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
     if SYNC:
         grid_sync(ws_ptr, level + 1, nprog)
 
 
 @triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
-                 TILE: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+    """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
+    the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
+    code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
+    selection. The phases of one launch meet at grid barriers."""
+    LEVELS: tl.constexpr = 32 // BITS
+    BINS: tl.constexpr = 1 << BITS
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
     scores_ptr += r * n
@@ -215,44 +221,37 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0 (they compare equal)
     bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     u = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)  # order-preserving code
-    d0 = (u >> 24).to(tl.int32)
-    d1 = ((u >> 16) & 255).to(tl.int32)
-    d2 = ((u >> 8) & 255).to(tl.int32)
-    d3 = (u & 255).to(tl.int32)
-    # phases 0-3: the histogram of one more digit among the rows that match the k-th code's digits so far
-    if FIRST == 0:
-        digit_histogram(ws_ptr, 0, d0, vis, nprog, LAST > 0)
-    if LAST >= 1:
-        t0, a0 = digit_threshold(ws_ptr, 0, need)
-        m1 = vis & (d0 == t0)
-        if FIRST <= 1:
-            digit_histogram(ws_ptr, 1, d1, m1, nprog, LAST > 1)
-    if LAST >= 2:
-        t1, a1 = digit_threshold(ws_ptr, 1, need - a0)
-        m2 = m1 & (d1 == t1)
-        if FIRST <= 2:
-            digit_histogram(ws_ptr, 2, d2, m2, nprog, LAST > 2)
-    if LAST >= 3:
-        t2, a2 = digit_threshold(ws_ptr, 2, need - a0 - a1)
-        m3 = m2 & (d2 == t2)
-        if FIRST <= 3:
-            digit_histogram(ws_ptr, 3, d3, m3, nprog, LAST > 3)
-    # phase 4: the k-th code; each program counts its rows above it and equal to it
-    if LAST >= 4:
-        t3, a3 = digit_threshold(ws_ptr, 3, need - a0 - a1 - a2)
-        kth = (t0.to(tl.int64) << 24) | (t1.to(tl.int64) << 16) | (t2.to(tl.int64) << 8) | t3.to(tl.int64)
-        ties_taken = need - a0 - a1 - a2 - a3  # rows equal to the k-th code that are selected
+    # phases 0 .. LEVELS - 1: the histogram of one more digit among the rows that match the k-th code's digits so
+    # far (a later launch re-derives the earlier digits from the histograms in the workspace)
+    match = vis
+    kth = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
+    for level in tl.static_range(LEVELS):
+        if LAST >= level:
+            if level > 0:
+                t, a = digit_threshold(ws_ptr, level - 1, need - above, BINS)
+                kth = kth | (t.to(tl.int64) << (32 - BITS * level))
+                above += a
+                match = match & (digit == t)  # noqa: F821 - the previous level's digit
+            digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
+            if FIRST <= level:
+                digit_histogram(ws_ptr, level, digit, match, nprog, LAST > level, BINS)
+    # phase LEVELS: the k-th code; each program counts its rows above it and equal to it
+    if LAST >= LEVELS:
+        t, a = digit_threshold(ws_ptr, LEVELS - 1, need - above, BINS)
+        kth = kth | t.to(tl.int64)
+        ties_taken = need - above - a  # rows equal to the k-th code that are selected
         gt = vis & (u > kth)
         eq = vis & (u == kth)
         both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
-        if FIRST <= 4:
+        if FIRST <= LEVELS:
             total = tl.sum(both, 0)
             tl.store(gt_counts + pid, total & 0xFFFF)
             tl.store(eq_counts + pid, total >> 16)
-            if LAST > 4:
-                grid_sync(ws_ptr, 5, nprog)
-    # phase 5: the selected rows in ascending row order (programs in order, rows in order within a program)
-    if LAST == 5:
+            if LAST > LEVELS:
+                grid_sync(ws_ptr, LEVELS + 1, nprog)
+    # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
+    if LAST == LEVELS + 1:
         p = tl.arange(0, MAX_PROGRAMS)
         before = p < pid
         gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
