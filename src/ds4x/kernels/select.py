@@ -124,18 +124,18 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 
 
 # ---- one query, many rows: radix select on the GPU ------------------------------------------------
-# The k-th largest score is found exactly by four histogram levels over the 8-bit digits of the scores'
+# The k-th largest score is found exactly by histogram levels over the RADIX_BITS-bit digits of the scores'
 # order-preserving 32-bit code (a level counts only the rows whose higher digits match the k-th code's so far);
 # every row above it is selected, then the lowest-index rows equal to it until k are taken. The output lists the
 # selected rows in ascending index order (a prefix count over the programs places each row), so it is
-# deterministic. Six phases: on the GPU one launch whose programs (at most one per multiprocessor, so all
-# resident) meet at grid barriers; in the CPU interpreter, which runs programs one after another, one launch per
-# phase. 256-bin levels, because Triton's histogram costs about linearly in bins (a ballot per bit of the bin
-# number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
-# 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier ~0.7 us.
+# deterministic. 32 / RADIX_BITS + 2 phases: on the GPU one launch whose programs (at most one per multiprocessor,
+# so all resident) meet at grid barriers; in the CPU interpreter, which runs programs one after another, one launch
+# per phase. Few bins per level, because Triton's histogram costs about linearly in bins (a ballot per bit of the
+# bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
+# 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
 
 # workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
-# the four histograms (4 x 256 bins); from 1088 per program the rows above / equal to the k-th score
+# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
 _WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
@@ -172,8 +172,8 @@ SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
 SMALL_WARPS: int | None = None
 RADIX_WARPS = 4
-# Bits of the k-th code the multi-program select settles per histogram level (4 bits: 8 levels of 16 bins; 8: 4 of
-# 256). Triton's histogram costs about linearly in bins (see docs/PROFILE.md), each level one grid barrier.
+# Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of 256;
+# only 8 timed so far)
 RADIX_BITS = 8
 
 
