@@ -42,7 +42,7 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -119,8 +119,8 @@ if HAVE_GLUON:
         # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
         S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                           instr_shape=[16, BLOCK, 16])
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                       instr_shape=[16, BLOCK // (num_warps // 4), 16])
+        # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
+        S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                          instr_shape=[16, D // (num_warps // 4), 16])
         R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
@@ -174,8 +174,10 @@ if HAVE_GLUON:
             _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
             fence_async_shared()
             gl.thread_barrier()
-            s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC))
-            s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2)
+            s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
+                               is_async=True)
+            s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
+            s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
             s_smem.store(s2)
             gl.thread_barrier()
             s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
@@ -183,12 +185,16 @@ if HAVE_GLUON:
             m_new, alpha, p, l = online_softmax_step(m, l, s)
             p_hi = p.to(gl.bfloat16)
             p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
-            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))[:, None]
+            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
+            o = o * alpha[:, None]
             o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
-            o = warpgroup_mma(gl.convert_layout(p_hi, P_OP), k_smem, o)
-            o = warpgroup_mma(gl.convert_layout(p_lo, P_OP), k_smem, o)
-            o_r = warpgroup_mma(gl.convert_layout(p_hi, PR_OP), klo_smem, o_r)
-            o_r = warpgroup_mma(gl.convert_layout(p_lo, PR_OP), klo_smem, o_r)
+            a_hi = gl.convert_layout(p_hi, P_OP)
+            a_lo = gl.convert_layout(p_lo, P_OP)
+            o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
+            o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
+            o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
+            o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
+            o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
             m = m_new
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         base = b * n_split * HP + split * HP
