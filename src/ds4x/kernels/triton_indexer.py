@@ -177,21 +177,23 @@ def grid_sync(ws_ptr, phase, nprog):
 
 @triton.jit
 def digit_threshold(ws_ptr, level, need, BINS: tl.constexpr):
-    """Highest digit of level ``level`` whose suffix count reaches ``need``, and the count strictly above it."""
+    """Highest digit of level ``level`` whose suffix count reaches ``need``, the count strictly above it, and its
+    own count."""
     b = tl.arange(0, BINS)
     h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
     suffix = tl.cumsum(h, 0, reverse=True)
     t = tl.max(tl.where(suffix >= need, b, -1), 0)
-    return t, tl.sum(tl.where(b > t, h, 0), 0)
+    return t, tl.sum(tl.where(b > t, h, 0), 0), tl.sum(tl.where(b == t, h, 0), 0)
 
 
 @triton.jit
-def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, nprog, SYNC: tl.constexpr, BINS: tl.constexpr):
-    """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's."""
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr):
+    """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's at grid
+    barrier ``phase``."""
     h = tl.histogram(digit, BINS, mask=mask)
     tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
     if SYNC:
-        grid_sync(ws_ptr, level + 1, nprog)
+        grid_sync(ws_ptr, phase, nprog)
 
 
 @triton.jit
@@ -201,7 +203,8 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
-    selection. The phases of one launch meet at grid barriers."""
+    selection. The phases of one launch meet at grid barriers. Once the rows matching the digits so far are exactly
+    the ones still needed, the remaining digit levels are skipped (all of those rows are selected)."""
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
     pid = tl.program_id(0)
@@ -226,30 +229,42 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     match = vis
     kth = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
+    known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
+    done = known != 0  # the rows matching the settled bits are exactly the ones still needed
+    barriers = tl.zeros([], tl.int32)  # grid barriers passed
     for level in tl.static_range(LEVELS):
         if LAST >= level:
             if level > 0:
-                t, a = digit_threshold(ws_ptr, level - 1, need - above, BINS)
-                kth = kth | (t.to(tl.int64) << (32 - BITS * level))
-                above += a
-                match = match & (digit == t)  # noqa: F821 - the previous level's digit
+                if not done:
+                    t, a, c = digit_threshold(ws_ptr, level - 1, need - above, BINS)
+                    kth = kth | (t.to(tl.int64) << (32 - BITS * level))
+                    above += a
+                    known = BITS * level
+                    match = match & (digit == t)  # noqa: F821 - the previous level's digit
+                    done = c == need - above
             digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
-                digit_histogram(ws_ptr, level, digit, match, nprog, LAST > level, BINS)
-    # phase LEVELS: the k-th code; each program counts its rows above it and equal to it
+                if not done:
+                    digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS)
+                    barriers += 1
+    # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
-        t, a = digit_threshold(ws_ptr, LEVELS - 1, need - above, BINS)
-        kth = kth | t.to(tl.int64)
-        ties_taken = need - above - a  # rows equal to the k-th code that are selected
-        gt = vis & (u > kth)
-        eq = vis & (u == kth)
+        if not done:
+            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, BINS)
+            kth = kth | t.to(tl.int64)
+            above += a
+            known = 32
+        ties_taken = need - above  # rows equal to the k-th code (in its settled bits) that are selected
+        low = 32 - known
+        gt = vis & ((u >> low) > (kth >> low))
+        eq = vis & ((u >> low) == (kth >> low))
         both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
         if FIRST <= LEVELS:
             total = tl.sum(both, 0)
             tl.store(gt_counts + pid, total & 0xFFFF)
             tl.store(eq_counts + pid, total >> 16)
             if LAST > LEVELS:
-                grid_sync(ws_ptr, LEVELS + 1, nprog)
+                grid_sync(ws_ptr, barriers + 1, nprog)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
     if LAST == LEVELS + 1:
         p = tl.arange(0, MAX_PROGRAMS)
