@@ -54,6 +54,7 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
+    from ds4x.kernels.pdl import wait_upstream
     from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
 
     @gluon.jit
@@ -108,9 +109,10 @@ if HAVE_GLUON:
                        rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
                        store_a, store_b, index_a, index_b, n_split,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr):
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512]."""
+        wait_upstream(PDL)
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes

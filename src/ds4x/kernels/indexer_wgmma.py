@@ -31,6 +31,7 @@ WARPS = 4
 
 
 if HAVE_GLUON:
+    from ds4x.kernels.pdl import wait_upstream
     from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
 
     _BLOCK_N = gl.constexpr(BLOCK_N)
@@ -81,8 +82,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
-                     scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr):
+                     scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
+                     PDL: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT."""
+        wait_upstream(PDL)
         HP: gl.constexpr = 64
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])  # [rows, 4, 4] words
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]

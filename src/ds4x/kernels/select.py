@@ -219,6 +219,9 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
+    from ds4x.kernels.pdl import launch_kwargs
+
+    pdl = launch_kwargs(scores.device)
     if 32 % RADIX_BITS or (32 // RADIX_BITS) << RADIX_BITS > 1024:
         raise ValueError(f"RADIX_BITS must divide 32 with at most 1,024 histogram bins in all, got {RADIX_BITS}")
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
@@ -231,5 +234,5 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         for first, last in phases:
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
-                                            MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS)
+                                            MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS, PDL=bool(pdl), **pdl)
     return (index, valid) if batched else (index[0], valid[0])

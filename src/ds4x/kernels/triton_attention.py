@@ -18,6 +18,8 @@ unpacked (native) rows are packed by the caller, so both storages run the same c
 import triton
 import triton.language as tl
 
+from ds4x.kernels.pdl import wait_upstream
+
 
 @triton.jit
 def _e4m3_scaled(b, sb, HW: tl.constexpr = False):
@@ -189,9 +191,10 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.constexpr, D: tl.constexpr,
-                   SB: tl.constexpr, N_ITER: tl.constexpr):
+                   SB: tl.constexpr, N_ITER: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head, 64-value chunk, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink -
     top))."""
+    wait_upstream(PDL)
     h = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

@@ -6,6 +6,8 @@ packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact rad
 import triton
 import triton.language as tl
 
+from ds4x.kernels.pdl import wait_upstream
+
 
 @triton.jit
 def exp2_f32(e):
@@ -199,12 +201,13 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
 @triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr):
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
     selection. The phases of one launch meet at grid barriers. Once the rows matching the digits so far are exactly
     the ones still needed, the remaining digit levels are skipped (all of those rows are selected)."""
+    wait_upstream(PDL)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
     pid = tl.program_id(0)
