@@ -71,6 +71,8 @@ MAX_HEADS_PER_PROGRAM = 32
 # (16, 128) 13.8 / 15.0 / 13.9 / 37.2, (16, 64) 13.8 / 15.1 / 14.0 / 46.8, (32, 128) 16.6 / 16.9 / 16.3 / 37.8
 # (32 rows spill); the Triton kernel at DECODE_CONFIG 12.1 / 15.9 / 12.4 / 84.7. The earlier Gluon kernel (two
 # programs per split, each half of the columns, 1efc93d) 11.1 / 12.3 / 11.2 / 49.4.
+# Since (16, 128) with the warp-local softmax, asynchronous products and PDL (c53a198): 12.3 / 13.5 / 13.0 / 32.3;
+# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
 

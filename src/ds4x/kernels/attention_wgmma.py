@@ -20,15 +20,17 @@ The results differ from the Triton kernel's in rounding (5e-6 relative to float6
 packed and native rows run the same code here too. While a block is multiplied, its successor's rows are on their
 way to L2 (one bulk prefetch per row).
 
-Where it stands (H200, 2026-12-03, see `ds4x.kernels.attention.WGMMA_CONFIG`): an HCA layer at 1M (8,194 rows +
-the window) 37 us (the earlier kernel, two programs per split each computing all scores for half the columns, 49;
-the Triton kernel 85); the window alone 13.7, a CSA layer's 640 rows 14.9 (earlier 11.1 and 12.3: each program now
-writes a whole [64, 512] partial state). Still ~10x what the bytes take at copy bandwidth, and the decode and the
-products are not what costs most: leaving out the row decode took HCA at 1M from 37.3 to 31.7 us, the score
-product to 31.1, the output product to 34.7, all three to 25.3 (window alone 13.7 -> 12.2). The rest is the
-per-split fixed cost (the query's split, writing and merging a 128 KB partial state per split: 105 splits of 5
-blocks at 1M) and the per-block softmax bookkeeping (the [64, 512] rescale, layout moves, barriers). A pipelined
-variant (two key tiles, asynchronous score product overlapping the next decode) measured the same (36.6 us).
+Where it stands (H200, 2026-12-03, graph-replayed, see `ds4x.kernels.attention.WGMMA_CONFIG`): an HCA layer at
+1M (8,194 rows + the window) 32-35 us (the first kernel of this kind, two programs per split each computing all
+scores for half the columns, 49; the Triton kernel 85); a CSA layer's 640 rows 13.5, the window alone 12.3 (the
+Triton kernel 16.1 and 11.7). Still ~10x what the bytes take at copy bandwidth. ncu at HCA 1M (111 programs, one
+per multiprocessor, ~4.7 blocks each) puts 19% of the warp samples before the block loop (the query's load, split
+and shared-memory store: 128 KB per program), 62% in it and 19% after it (the 128 KB partial state's stores, which
+wait on the memory pipeline's queue, and their drain); in the loop no one stall dominates (long scoreboard on the
+row bytes, barriers, wgmma waits, issue). Leaving parts out (an earlier version): without the row decode 37.3 ->
+31.7 us, without the score product 31.1, without the output product 34.7, without all three 25.3. So each
+program's fixed cost and its serial chain of per-block steps are what cost; writing the partial state through
+shared memory with 16-byte stores did not help (window 12.3 -> 13.2 us, HCA 1M unchanged).
 
 Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
 """
