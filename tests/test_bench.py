@@ -5,12 +5,14 @@ import json
 from ds4x.bench import ledger
 from ds4x.bench.frontier import FrontierConfig, run_frontier
 from ds4x.bench.report import write_report
+from ds4x.kernels.quant_matmul import int8_activation_types
 
 
 def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
     rows = run_frontier(FrontierConfig(contexts=(300,), steps=1, preset="tiny", device="cpu", ab=("keys",)),
                         log=lambda m: None)
     assert [r["flags"]["topk"] for r in rows] == ["radix", "keys"]
+    assert all(r["flags"]["int8_activations"] == int8_activation_types() for r in rows)
     assert all(r["compressed_eager_ms"] > 0 and r["compressed_graph_ms"] is None for r in rows)
     assert all(r["decode_ms"] > 0 and r["csa_indexer_us"] > 0 for r in rows)
     path = tmp_path / "ledger.jsonl"
@@ -19,6 +21,14 @@ def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
     assert {"commit", "date", "gpu", "torch", "triton", "model", "flags", "context", "decode_ms"} <= set(stored[0])
     write_report(path, tmp_path / "B.md")
     assert "| 300 |" in (tmp_path / "B.md").read_text()
+
+
+def test_ledger_commit_named_by_the_caller(monkeypatch):
+    # an exported tree's git metadata may belong to another checkout: DS4X_COMMIT names what was measured
+    monkeypatch.setenv("DS4X_COMMIT", "feedbee")
+    assert ledger.environment()["commit"] == "feedbee"
+    monkeypatch.delenv("DS4X_COMMIT")
+    assert ledger.provenance()["commit"] != "feedbee"
 
 
 def test_cache_comparison_native_equals_packed():

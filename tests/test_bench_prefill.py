@@ -5,6 +5,7 @@ import json
 
 from ds4x.bench.prefill import FIXTURE_SHA256, PrefillBenchConfig, fixture_ids, fixture_text, run_prefill_bench
 from ds4x.bench.profile import OTHER, format_profile, kernel_group
+from ds4x.kernels.quant_matmul import int8_activation_types
 from ds4x.runtime.engine import Engine
 
 
@@ -28,7 +29,8 @@ def test_rows_carry_the_floor_and_flags():
         assert abs(r["decode_tok_s"] * r["decode_ms"] - 1000) < 1e-6
         assert 0 < r["floor_fraction"] < 1 and r["bytes_per_token"] > 0
         assert r["flags"] == {"cache": "packed", "chunk": 16, "mode": "default", "decode_tokens": 3,
-                              "dtype": "float32", "fixture": FIXTURE_SHA256[:16]}
+                              "dtype": "float32", "fixture": FIXTURE_SHA256[:16],
+                              "int8_activations": int8_activation_types()}
         json.dumps(r)
 
 

@@ -26,6 +26,7 @@ from ds4x.config import CSA, HCA, PRESETS, SLIDING
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
 from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
+from ds4x.kernels.quant_matmul import int8_activation_types
 from ds4x.kernels.select import select_topk_blocked, select_topk_keys, select_topk_radix, select_topk_threshold
 from ds4x.model.cache import ModelCache, RowStore
 from ds4x.model.transformer import Transformer
@@ -263,7 +264,7 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
                 "bench": "frontier", "context": L,
                 "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
                           "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
-                          else "eager"},
+                          else "eager", "int8_activations": int8_activation_types()},
                 "model": label,
                 "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
                 "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,

@@ -30,8 +30,9 @@ def git_commit(directory: Path | None = None) -> str | None:
 def provenance() -> dict[str, Any]:
     """Commit and date for a ledger row (a row measured against another machine, e.g. a server over HTTP, adds
     that machine's description itself)."""
-    # a copy without git metadata (e.g. the GPU machine): the caller names the commit
-    commit = git_commit() or os.environ.get("DS4X_COMMIT", "unknown")
+    # DS4X_COMMIT names the measured tree where git cannot: a copy without git metadata, or one whose git
+    # metadata belongs to another checkout (a tree exported into a work directory, as on the GPU machine)
+    commit = os.environ.get("DS4X_COMMIT") or git_commit() or "unknown"
     return {"commit": commit, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ds4x.bench.frontier import COPY_BANDWIDTH
+from ds4x.kernels.quant_matmul import int8_activation_types
 from ds4x.runtime.engine import Engine
 from ds4x.weights.synthetic_gguf import active_weight_bytes, weight_bytes
 
@@ -108,7 +109,8 @@ def run_prefill_bench(engine: Engine, bc: PrefillBenchConfig, model_label: str,
         row = {
             "bench": "prefill", "context": n, "model": model_label,
             "flags": {"cache": bc.cache, "chunk": bc.chunk, "mode": bc.mode, "decode_tokens": bc.decode,
-                      "dtype": str(engine.model.dtype).removeprefix("torch."), "fixture": FIXTURE_SHA256[:16]},
+                      "dtype": str(engine.model.dtype).removeprefix("torch."), "fixture": FIXTURE_SHA256[:16],
+                      "int8_activations": int8_activation_types()},
             "prefill_tok_s": n / t_prefill, "prefill_s": t_prefill,
             "decode_ms": 1000 * step_s, "decode_tok_s": 1 / step_s,
             "bytes_per_token": active, "floor_fraction": active / COPY_BANDWIDTH / step_s,

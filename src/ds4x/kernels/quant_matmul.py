@@ -805,6 +805,11 @@ def _fit_units(units: int, u: int) -> int:
     return u
 
 
+def int8_activation_types() -> list[str]:
+    """The types whose matvec quantizes activations to int8 as things stand (for benchmark records)."""
+    return [t.name for t in (T.Q8_0, T.Q2_K, T.IQ2_XXS) if int8_activations(t)]
+
+
 def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None) -> bool:
     """Whether the matvec for ``qtype`` quantizes activations to int8: ``requested`` if given, else the
     type's default (``INT8_ACTIVATIONS``), unless DS4X_QUANT_ACT is ``float`` (never) or ``int8`` (wherever the
