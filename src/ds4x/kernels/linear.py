@@ -89,8 +89,9 @@ def quant_kernel_name(w: Weight) -> str:
     """Which kernel serves products with ``w`` (for the startup log)."""
     if not isinstance(w, GGMLTensor):
         return "torch dense"
-    if _quant_kernels(w) is not None:
-        return f"triton quant_matmul ({w.qtype.name}{', split rows' if w.layout == 'split' else ''})"
+    if (qm := _quant_kernels(w)) is not None:
+        act = ", int8 activations in the matvec" if qm.int8_activations(w.qtype) else ""
+        return f"triton quant_matmul ({w.qtype.name}{', split rows' if w.layout == 'split' else ''}{act})"
     return f"torch dequantize+matmul ({w.qtype.name})"
 
 

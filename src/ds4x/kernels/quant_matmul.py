@@ -33,7 +33,7 @@ Float path (all types; Q8_0 and Q4_K only have this one): weights are decoded ex
 reference's float operations for scales and codes); sums are ``scale * sum(code * x)`` per scale
 group, so only rounding order differs from dequantize-then-matmul (relative error ~1e-7).
 
-Int8-activation path (Q8_0, Q2_K and IQ2_XXS; the default for Q2_K only, see ``INT8_ACTIVATIONS``;
+Int8-activation path (Q8_0, Q2_K and IQ2_XXS, the default for all three, see ``INT8_ACTIVATIONS``;
 ``int8=`` or DS4X_QUANT_ACT=float / int8 chooses): each program quantizes its x slice to int8, one scale per
 16 values (Q8_0: per 8, its unit; round to nearest), and multiplies codes with integer dot products
 (``dp4a``); the Q2_K min term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data
@@ -106,13 +106,14 @@ DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense
 # 2048 tokens (3 / 6 / 12 / 48 pairs per expert) 2.56 / 3.91, 5.10 / 4.07, 10.18 / 4.36, 40.7 / 6.17; Q2_K down
 # 2048->4096 at 512 / 2048 tokens 3.21 / 6.95, 13.28 / 9.92
 ROUTED_MATVEC_MAX_ROWS = {T.IQ2_XXS: 4, T.Q2_K: 32}
-# Types whose matvec quantizes the activations to int8 (per 16 values) for integer dot products unless told
-# otherwise (DS4X_QUANT_ACT=float turns it off everywhere, =int8 on wherever a type has it). IQ2_XXS has the path
-# too but stays exact by default: since its signs come from a table, int8 is no faster (H200, cd8ee19: 12 routed
-# slots 35.5 us int8 against 35.2 float, one expert 6.5 against 5.8). Q8_0 has it too (x per 8 values), also off
-# by default: H200, 9f98fd8, split rows, share of copy bandwidth float / int8: wo_b 58.1 / 63.6%, wq_b 48.1 / 48.6%,
-# wo_a 55.1 / 53.4%; a 4K decode step of Flash q2 8.88 -> 8.60 ms (8.44 with IQ2_XXS on int8 as well).
-INT8_ACTIVATIONS = frozenset({T.Q2_K})
+# Types whose matvec quantizes the activations to int8 unless told otherwise (DS4X_QUANT_ACT=float turns it off
+# everywhere). A whole decode step measures the gain (H200, full Flash q2 mix, seed 0, f5a3847, back to back): 4K
+# 8.99 -> 8.55 ms, 1M 10.17 -> 9.76 (in isolation the IQ2_XXS kernel was no faster, cd8ee19: 12 routed slots 35.5
+# us int8 against 35.2; Q8_0 wo_b 58.1 -> 63.6% of copy bandwidth, the others within 2%). What it costs the
+# trained tiny model (scripts/act_quant_quality.py, emulated on the CPU with Q8_0 weights, 512 held-out tokens):
+# activations per 8 values move the logits by 1.2% RMS, per 16 by 1.7%, against 1.5% for Q8_0 weights instead of
+# float32 ones; the mean log-likelihood within 0.001 nats of float activations either way.
+INT8_ACTIVATIONS = frozenset({T.Q2_K, T.Q8_0, T.IQ2_XXS})
 # Past the routed matvec's range, bf16 activations outside a CUDA-graph capture take the grouped path: decode the
 # experts to bf16 (dequantize_gpu) a slice at a time, then one torch._grouped_mm per slice. H200, Flash shapes, 2,048
 # tokens x 6 of 256 experts, ms grouped / best skinny config / default skinny config: IQ2_XXS gate 3.64 / 4.58 / 6.17,
