@@ -23,7 +23,9 @@ def _frontier_model(r: dict[str, Any]) -> str:
     """Which model a frontier row measured and how its step ran (rows before these flags: shrunk MoE, eager)."""
     flags = r["flags"]
     weights = "full q2" if flags.get("weights") == "q2" else f"bf16, {flags.get('experts', '?')} experts"
-    return f"{weights}, {flags.get('decode', 'eager')}"
+    acts = flags.get("int8_activations")  # rows before this flag: not recorded
+    int8 = "" if acts is None or flags.get("weights") != "q2" else f", int8 activations: {'/'.join(acts) or 'none'}"
+    return f"{weights}, {flags.get('decode', 'eager')}{int8}"
 
 
 def _frontier_table(rows: list[dict[str, Any]]) -> list[str]:
