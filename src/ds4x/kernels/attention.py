@@ -151,14 +151,14 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    from ds4x.kernels.pdl import launch_kwargs
+    from ds4x.kernels.pdl import launch_options
 
-    pdl = launch_kwargs(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
+    pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
         attention_wgmma.partial_kernel[(n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc, scale,
             store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
-            MODE_B=slots[1].mode, num_warps=warps, PDL=bool(pdl), **pdl)
+            MODE_B=slots[1].mode, num_warps=warps, **pdl)
     else:
         partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb,
                                                gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
@@ -168,7 +168,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     out = torch.empty(B, H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
     combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4,
-                                    PDL=bool(pdl), **pdl)
+                                    **pdl)
     return out if batched else out[0]
 
 

@@ -10,6 +10,8 @@ exit. A trigger at each kernel's start measured slower on the long attention pas
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -20,16 +22,22 @@ from ds4x.formats.triton_mode import interpret_mode
 ENABLED = True
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """The launch options of a kernel that calls `wait_upstream` (with ``PDL`` = whether they are set)."""
-    if ENABLED and device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device)[0] >= 9:
-        return {"launch_pdl": True}
-    return {}
+@cache
+def _supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for launching, on ``device``, a kernel that takes ``PDL: tl.constexpr`` and calls
+    `wait_upstream(PDL)` first: ``PDL`` and, where it applies, the launch attribute."""
+    if ENABLED and not interpret_mode() and _supported(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit
 def wait_upstream(PDL: tl.constexpr):
-    """The first statement of a kernel launched with `launch_kwargs`: nothing before it may read or write memory
+    """The first statement of a kernel launched with `launch_options`: nothing before it may read or write memory
     that earlier kernels touch."""
     if PDL:
         gdc_wait()
