@@ -110,7 +110,11 @@ def test_split_layout_keeps_the_weights():
     tokens = torch.tensor([4, 0, 4])
     assert torch.equal(s[2].dequantize_rows(tokens), w[2].dequantize_rows(tokens))
     assert "split" in repr(s) and s.to("cpu") is s
-    with pytest.raises(ValueError, match="split layout is for Q8_0"):
+    iq = GGMLTensor(random_blocks(T.IQ2_XXS, (2, 1024), g), T.IQ2_XXS, (2, 1024))
+    iqs = iq.split()
+    assert torch.equal(iqs.raw[:, :256], iq.raw.view(2, 4, 66)[..., 2:].flatten(-2))  # 64 code bytes a block
+    assert torch.equal(iqs.blocks().raw, iq.raw) and torch.equal(iqs.dequantize(), iq.dequantize())
+    with pytest.raises(ValueError, match="split layout is for Q8_0 and IQ2_XXS"):
         GGMLTensor(random_blocks(T.Q4_K, (2, 256), g), T.Q4_K, (2, 256)).split()
     with pytest.raises(ValueError, match="unknown GGMLTensor layout"):
         GGMLTensor(w.raw, T.Q8_0, (3, 5, 256), "rows")

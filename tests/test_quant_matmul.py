@@ -139,26 +139,29 @@ def test_dequantize_gpu_interpreter(interp, qt):
     assert torch.equal(qm.dequantize_gpu(w[2], torch.float32), w.dequantize()[2])
 
 
-def test_split_q8_0_interpreter(interp):
-    # Q8_0 rows split into codes and scales (the layout kernel_layout picks): every kernel gives the bits of the
-    # file's block layout, which decodes the same values in the same order
-    w = weight(T.Q8_0, (9, 768), seed=61)
+@pytest.mark.parametrize("qt", [T.Q8_0, T.IQ2_XXS])
+def test_split_rows_interpreter(interp, qt):
+    # rows split into codes and scales (the layout kernel_layout picks): every kernel gives the bits of the
+    # file's block layout, which decodes the same values in the same order, in float and int8 activations
+    k = 768 if qt == T.Q8_0 else 1024  # split rows stay 8-byte aligned
+    w = weight(qt, (9, k), seed=61)
     s = qm.kernel_layout(w)
     assert s.layout == "split" and qm.supports(s)
     assert qm.kernel_layout(weight(T.Q8_0, (4, 320), seed=1)).layout == "blocks"  # codes not 8-byte aligned
     assert qm.kernel_layout(weight(T.Q4_K, (4, 256), seed=1)).layout == "blocks"
-    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(62))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(62))
     for m, force, cfg in ((1, "mv", MV), (2, "mv", (4, 32, 1)), (5, "mm", MM)):
-        assert torch.equal(qm.quant_linear(x[:m], s, config=cfg, force=force),
-                           qm.quant_linear(x[:m], w, config=cfg, force=force)), (m, force)
+        for int8 in (False, True):
+            assert torch.equal(qm.quant_linear(x[:m], s, config=cfg, force=force, int8=int8),
+                               qm.quant_linear(x[:m], w, config=cfg, force=force, int8=int8)), (m, force)
     assert torch.equal(qm.dequantize_gpu(s, torch.float32), w.dequantize())
-    e = weight(T.Q8_0, (5, 12, 512), seed=63)
+    e = weight(qt, (5, 12, 512), seed=63)
     ids = torch.tensor([[0, 4, 2], [3, 3, 1]])
     for force, cfg in (("mv", MV), ("mm", MM)):
         assert torch.equal(qm.quant_matmul_routed(x[:2, :512], e.split(), ids, config=cfg, force=force),
                            qm.quant_matmul_routed(x[:2, :512], e, ids, config=cfg, force=force))
     assert torch.equal(qm.dequantize_gpu(e.split(), torch.float32, slice(1, 3)), e.dequantize()[1:3])
-    gw = weight(T.Q8_0, (16, 256), seed=64)
+    gw = weight(qt, (16, 256), seed=64)
     xg = torch.randn(2, 4, 256, generator=torch.Generator().manual_seed(65))
     assert torch.equal(qm.quant_grouped_linear(xg, gw.split(), 4, config=MV, force="mv"),
                        qm.quant_grouped_linear(xg, gw, 4, config=MV, force="mv"))

@@ -6,11 +6,11 @@ file is not copied) plus its GGML type and its logical torch shape: ``[out, in]`
 ``[*shape[:-1], row_bytes]``: every row of ``in`` weights is a whole number of blocks, so indexing
 the leading dimensions is a plain view of the bytes and ``w[e]`` (one expert) copies nothing.
 
-Q8_0 rows have a second byte layout, ``"split"``: the same bytes of each row re-laid as its 32 * nb int8
-codes followed by its nb fp16 scales (a row is still ``row_bytes`` long, so views and row strides are
-unchanged). The CUDA matvec reads it with 8-byte loads, where the 34-byte blocks of the file only allow
-2-byte ones; everything that needs the file's bytes (decoding on the CPU, writing a GGUF, fingerprints)
-goes through :meth:`GGMLTensor.blocks`.
+Q8_0 and IQ2_XXS rows have a second byte layout, ``"split"``: the same bytes of each row re-laid as the
+codes of its nb blocks (32 bytes each for Q8_0, 64 for IQ2_XXS) followed by its nb fp16 scales (a row is still
+``row_bytes`` long, so views and row strides are unchanged). The CUDA matvec reads it with 8-byte loads, where
+the 34- and 66-byte blocks of the file only allow 2-byte ones; everything that needs the file's bytes (decoding
+on the CPU, writing a GGUF, fingerprints) goes through :meth:`GGMLTensor.blocks`.
 
 The model never reads a GGMLTensor's storage itself: ``ds4x.kernels.linear`` multiplies by it (on
 the CPU by dequantizing with the bit-exact decoders of :mod:`ds4x.formats.ggml`, on CUDA with the
@@ -28,6 +28,8 @@ from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize, qua
 __all__ = ["LAYOUTS", "GGMLTensor"]
 
 LAYOUTS = ("blocks", "split")
+# types with a split layout: block bytes; each block is a 2-byte fp16 scale, then its codes
+SPLIT_BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.IQ2_XXS: 66}
 
 
 class GGMLTensor:
@@ -61,8 +63,8 @@ class GGMLTensor:
             self.raw = self.raw.contiguous()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown GGMLTensor layout {layout!r} (have {', '.join(LAYOUTS)})")
-        if layout == "split" and qt != GGMLQuantizationType.Q8_0:
-            raise ValueError(f"the split layout is for Q8_0 rows, not {qt.name}")
+        if layout == "split" and qt not in SPLIT_BLOCK_BYTES:
+            raise ValueError(f"the split layout is for Q8_0 and IQ2_XXS rows, not {qt.name}")
         self.qtype = qt
         self._shape = torch.Size(shape)
         self.layout = layout
@@ -134,12 +136,13 @@ class GGMLTensor:
 
     # ---- layouts ------------------------------------------------------------------------------
     def split(self) -> GGMLTensor:
-        """The same Q8_0 weights with every row re-laid as its codes, then its scales (self if already so)."""
+        """The same Q8_0 / IQ2_XXS weights with every row re-laid as its codes, then its scales (self if already
+        so)."""
         if self.layout == "split":
             return self
-        if self.qtype != GGMLQuantizationType.Q8_0:
-            raise ValueError(f"the split layout is for Q8_0 rows, not {self.qtype.name}")
-        blocks = self.raw.view(*self.raw.shape[:-1], -1, 34)
+        if self.qtype not in SPLIT_BLOCK_BYTES:
+            raise ValueError(f"the split layout is for Q8_0 and IQ2_XXS rows, not {self.qtype.name}")
+        blocks = self.raw.view(*self.raw.shape[:-1], -1, SPLIT_BLOCK_BYTES[self.qtype])
         raw = torch.cat((blocks[..., 2:].flatten(-2), blocks[..., :2].flatten(-2)), dim=-1)
         return GGMLTensor(raw, self.qtype, tuple(self._shape), "split")
 
@@ -147,7 +150,7 @@ class GGMLTensor:
         """The same weights with the file's block layout (self if already so)."""
         if self.layout == "blocks":
             return self
-        return GGMLTensor(_rows_as_blocks(self.raw), self.qtype, tuple(self._shape))
+        return GGMLTensor(_rows_as_blocks(self.raw, SPLIT_BLOCK_BYTES[self.qtype]), self.qtype, tuple(self._shape))
 
     # ---- decoding -----------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -163,15 +166,15 @@ class GGMLTensor:
         idx = rows.reshape(-1).to(device=self.raw.device, dtype=torch.long)
         picked = self.raw.index_select(0, idx)
         if self.layout == "split":
-            picked = _rows_as_blocks(picked)
+            picked = _rows_as_blocks(picked, SPLIT_BLOCK_BYTES[self.qtype])
         out = dequantize(picked, self.qtype, (idx.numel(), self._shape[1]))
         out = out if out.dtype == dtype else out.to(dtype)
         return out.reshape(*rows.shape, self._shape[1])
 
 
-def _rows_as_blocks(raw: torch.Tensor) -> torch.Tensor:
-    """Split-layout Q8_0 rows ``[..., row_bytes]`` back in the file's 34-byte blocks."""
-    nb = raw.shape[-1] // 34
-    codes = raw[..., : 32 * nb].unflatten(-1, (nb, 32))
-    scales = raw[..., 32 * nb :].unflatten(-1, (nb, 2))
+def _rows_as_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """Split-layout rows ``[..., row_bytes]`` back in the file's blocks of ``block_bytes``."""
+    nb = raw.shape[-1] // block_bytes
+    codes = raw[..., : (block_bytes - 2) * nb].unflatten(-1, (nb, block_bytes - 2))
+    scales = raw[..., (block_bytes - 2) * nb :].unflatten(-1, (nb, 2))
     return torch.cat((scales, codes), dim=-1).flatten(-2)

@@ -65,6 +65,12 @@ weight with no layout conversion in its loop. With more rows
 the matvec re-reads W per row but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 23.4 / 39.1 /
 72.5 / 139 us against 234 / 233 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts
 for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
+
+2026-12-04 (H200, int8 activations, the configurations of `matvec_config`): IQ2_XXS routed gate / up, 12 slots,
+in split rows 22.8 us (26.8%); the 12 slots' instructions, not their table reads, bound it: keeping the grid and
+sign tables in shared memory instead of reading them through L1 changed nothing with int8 activations. Q2_K
+routed down 11.9 us (32.6%). Q8_0 split rows: wq_b 69%, wo_b 69%, output head 97%, shared gate / up 56%, shared
+down 39%, wq_a 21%.
 """
 
 from __future__ import annotations
@@ -239,14 +245,19 @@ if HAVE_TRITON:
         return dl * q - ml
 
     @triton.jit
-    def _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr):
+    def _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr, SPLIT: tl.constexpr):
         # [BN, G, 8, 4]: G groups of 32 = 4 grid entries of 8 (t = 2 * entry + half: 4 weights);
-        # signs: a 7-bit index + an even-parity 8th bit; magnitudes from the grid as int32 words
+        # signs: a 7-bit index + an even-parity 8th bit; magnitudes from the grid as int32 words. SPLIT rows: a
+        # group's 8 bytes at 8 * group, the block scales after the K / 4 code bytes
         grp = k0 // 32 + tl.arange(0, G)[None, :, None, None]
         m = rmask & (grp * 32 < K)
-        boff = rowoff + (grp // 8).to(tl.int64) * 66
-        d = _f16(wp, boff, m)
-        gb = boff + 2 + 8 * (grp % 8)
+        if SPLIT:
+            d = _f16(wp, rowoff + K // 4 + 2 * (grp // 8), m)
+            gb = rowoff + 8 * grp
+        else:
+            boff = rowoff + (grp // 8).to(tl.int64) * 66
+            d = _f16(wp, boff, m)
+            gb = boff + 2 + 8 * (grp % 8)
         lo = tl.load((wp + gb + 4).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
         hi = tl.load((wp + gb + 6).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
         aux = lo | (hi << 16)
@@ -277,7 +288,7 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _tile_q4_k(wp, rowoff, rmask, k0, K, G)
         else:
-            out = _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G)
+            out = _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G, QTYPE == 17)
         return out
 
     # ---- matvec units ------------------------------------------------------------------------------
@@ -523,20 +534,52 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _mv_iq2_xxs(rowp, c, xp, gridp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+    def _selectors(g01, g23, aux, tables):
+        # the permute selectors of a unit's 4 grid entries, grid nibbles | sign bits: the 8 table entries in one
+        # tl.gather from the register copy of the tables, which goes through shared memory (measured against
+        # 8 gathers from global memory, H200, routed gate / up at one token: the same with int8 activations,
+        # float activations 30.6 against 31.7 us in the file's blocks, 28.4 against 39.9 in split rows)
+        i0 = tl.join(g01 & 255, 256 + (aux & 127))
+        i1 = tl.join(g01 >> 8, 256 + ((aux >> 7) & 127))
+        i2 = tl.join(g23 & 255, 256 + ((aux >> 14) & 127))
+        i3 = tl.join(g23 >> 8, 256 + ((aux >> 21) & 127))
+        idx = tl.join(tl.join(i0, i1), tl.join(i2, i3))
+        n: tl.constexpr = g01.shape[0] * g01.shape[1] * 8
+        v = tl.reshape(tl.gather(tables, tl.reshape(idx, (n,)), 0), idx.shape)
+        a, b = tl.split(v)
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        g0, s0 = tl.split(a0)
+        g1, s1 = tl.split(a1)
+        g2, s2 = tl.split(b0)
+        g3, s3 = tl.split(b1)
+        return g0 | s0, g1 | s1, g2 | s2, g3 | s3
+
+    @triton.jit
+    def _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                    INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
-        # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads).
-        # gridp (see _iq2_xxs_tables): grid entry g's 8 level indices as nibbles, and for each 7-bit sign index
-        # the sign of each of the 8 weights (the 8th: the parity of the 7) as bit 2 of that weight's nibble, so
-        # that one byte permute per 4 weights picks signed magnitudes from two words of levels: signed int8 for
-        # the integer dot products, else 64 + the signed magnitude, which one more permute per weight turns into
-        # the float 2^23 + 64 + signed magnitude
-        bp = rowp + (c // 8) * 66
-        gp = bp + 2 + 8 * (c % 8)
-        g01 = _ld16(gp)
-        g23 = _ld16(gp + 2)
-        aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
-        db = _h2f(_ld16(bp)) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
+        # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads; in
+        # split rows one 8-byte load). The tables (see _iq2_xxs_tables): grid entry g's 8 level indices as
+        # nibbles, and for each 7-bit sign index the sign of each of the 8 weights (the 8th: the parity of the
+        # 7) as bit 2 of that weight's nibble, so that one byte permute per 4 weights picks signed magnitudes
+        # from two words of levels: signed int8 for the integer dot products, else 64 + the signed magnitude,
+        # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude
+        if SPLIT:  # the unit's 8 bytes at 8c (one load), the block's scale at kb + 2 (c // 8)
+            q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
+            lo = q.to(tl.int32)
+            g01 = lo & 0xFFFF
+            g23 = (lo >> 16) & 0xFFFF
+            aux = (q >> 32).to(tl.int32)
+            d = _ld16(rowp + kb + 2 * (c // 8))
+        else:
+            bp = rowp + (c // 8) * 66
+            gp = bp + 2 + 8 * (c % 8)
+            g01 = _ld16(gp)
+            g23 = _ld16(gp + 2)
+            aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
+            d = _ld16(bp)
+        db = _h2f(d) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
         out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         if ACT8:
             pos_levels = tl.load(gridp + 385)
@@ -545,6 +588,7 @@ if HAVE_TRITON:
             pos_levels = tl.load(gridp + 387)
             neg_levels = tl.load(gridp + 388)
             magic = tl.load(gridp + 384)
+        sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
             if ACT8:
                 x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
@@ -554,10 +598,9 @@ if HAVE_TRITON:
             for e in tl.static_range(2):
                 j = 2 * half + e
                 if half == 0:
-                    gi = (g01 >> (8 * e)) & 255
+                    sel = sel0 if e == 0 else sel1
                 else:
-                    gi = (g23 >> (8 * e)) & 255
-                sel = tl.load(gridp + gi) | tl.load(gridp + 256 + ((aux >> (7 * j)) & 127))
+                    sel = sel2 if e == 0 else sel3
                 w_lo = _permute(pos_levels, sel, neg_levels, INTERPRET)
                 w_hi = _permute(pos_levels, sel >> 16, neg_levels, INTERPRET)
                 if ACT8:
@@ -603,9 +646,9 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, kb,
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, tables, kb,
                  INTERPRET: tl.constexpr):
-        # kb: bytes of codes per row (the split Q8_0 layout's scale offset)
+        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers
         if QTYPE == 30 or QTYPE == 1:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
@@ -615,7 +658,7 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
-            out = _mv_iq2_xxs(rowp, c, xp, gridp, ACT8, INTERPRET)
+            out = _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, QTYPE == 17, ACT8, INTERPRET)
         return out
 
     @triton.jit
@@ -633,16 +676,21 @@ if HAVE_TRITON:
         rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
         acc = tl.zeros((U, R), dtype=tl.float32)
-        kb = n_units * 8  # split Q8_0 rows: 8 code bytes per unit
+        kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
+        if QTYPE == 16 or QTYPE == 17:  # IQ2_XXS: the grid and sign tables (_iq2_xxs_tables), for tl.gather
+            t = tl.arange(0, 512)
+            tables = tl.load(grid_ptr + t, mask=t < 384, other=0)
+        else:
+            tables = 0
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
                                   INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, kb,
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
                                   INTERPRET)
         y = tl.sum(acc, axis=0)
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
@@ -734,10 +782,13 @@ def supports(w: GGMLTensor) -> bool:
 
 
 def kernel_layout(w: GGMLTensor) -> GGMLTensor:
-    """``w`` in the layout these kernels read fastest: Q8_0 rows split into codes and scales
-    (:meth:`GGMLTensor.split`) when a row's codes are a multiple of 128 bytes, so every row and its scales
-    start 8-byte aligned; anything else as it is."""
-    if w.qtype == T.Q8_0 and w.shape[-1] % 128 == 0 and w.ndim in (2, 3):
+    """``w`` in the layout these kernels read fastest: Q8_0 and IQ2_XXS rows split into codes and scales
+    (:meth:`GGMLTensor.split`) when every row and its scales then start 8-byte aligned (a row's Q8_0 codes a
+    multiple of 128 bytes, IQ2_XXS rows of a multiple of 4 blocks), so a matvec unit's code bytes are one 8-byte
+    load; anything else as it is. IQ2_XXS split rows: routed gate / up at one token 27.5 -> 25.3 us (H200, 12
+    slots of 4096 -> 2048 experts), the same on the routed tensor-core kernel at 64 and 512 tokens."""
+    if w.ndim in (2, 3) and ((w.qtype == T.Q8_0 and w.shape[-1] % 128 == 0)
+                             or (w.qtype == T.IQ2_XXS and w.shape[-1] % 1024 == 0)):
         return w.split()
     return w
 
@@ -748,8 +799,10 @@ def _fields(qtype: GGMLQuantizationType) -> tuple[int, int, int, int, int]:
 
 
 def _code(w: GGMLTensor) -> int:
-    """The kernels' QTYPE for ``w`` (9: split-layout Q8_0)."""
-    return 9 if w.layout == "split" else _fields(w.qtype)[0]
+    """The kernels' QTYPE for ``w`` (9: split-layout Q8_0, 17: split-layout IQ2_XXS)."""
+    if w.layout == "split":
+        return 9 if w.qtype == T.Q8_0 else 17
+    return _fields(w.qtype)[0]
 
 
 @lru_cache(maxsize=8)
@@ -825,17 +878,23 @@ def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None)
 def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
     """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
     row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
-    on how many rows share the call. 2-bit types: 8 rows per thread. Others: at least ~1,024 programs when the
-    shape allows (H200, Q8_0 split rows, 1 row: wo_b 8192->4096 57.7% of copy bandwidth at R = 4 against 49.1% at
-    8; wq_a 4096->1024 23.1% at R = 2 against 14.8% at 8), each thread holding about 8 (unit, row) pairs per
-    step so that many loads are in flight."""
+    on how many rows share the call. Measured on the H200 (int8 activations, us per call, 2026-12-04 sweep):
+
+    - IQ2_XXS: 16 rows over 2 warps (routed gate / up, 12 slots, split rows: 22.8 against 25.3 at 8 rows over
+      4 warps; one warp per program was twice as slow);
+    - Q2_K: 8 rows, a warp of units (routed down 11.9);
+    - others: 4 rows per thread where that still makes ~1,024 programs, else 2 (Q8_0 split rows: wq_b
+      1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, wo_b
+      and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows 5.1), each thread holding about 8
+      (unit, row) pairs per step so that many loads are in flight."""
     unit = _fields(qtype)[4]
     units = k // unit
-    if unit >= 32:  # 2-bit types: many rows per thread amortize the activation decode (or quantization)
-        r = 8
-        u = _fit_units(units, 128)
+    if qtype == T.IQ2_XXS:
+        r, u = 16, _fit_units(units, 64)
+    elif unit >= 32:  # Q2_K: many rows per thread amortize the activation decode
+        r, u = 8, _fit_units(units, 128)
     else:
-        r = next((r for r in (8, 4) if -(-n // r) * slots >= 1024), 2)
+        r = 4 if -(-n // 4) * slots >= 1024 else 2
         u = _fit_units(units, 1024 // r)
     return r, u, max(1, min(4, u // 32))
 

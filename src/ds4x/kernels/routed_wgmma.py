@@ -84,12 +84,17 @@ if HAVE_GLUON:
         return gl.load(p.to(gl.pointer_type(gl.uint16))).to(gl.int32)
 
     @gluon.jit
-    def _fetch_iq2_xxs(rowp, k0, grp):
+    def _fetch_iq2_xxs(rowp, k0, grp, K, SPLIT: gl.constexpr):
         # the raw fields of the K step at k0 (128 weights = 4 groups of 32): the block scale, and per group the
-        # four grid indices (two uint16) and the sign / scale word (two uint16; blocks are only 2-byte aligned)
-        bp = rowp + (k0 // 256) * 66
-        gp = bp + 2 + 8 * ((k0 % 256) // 32 + grp)  # [BN, 4, 1, 1]
-        return _ld16(bp), _ld16(gp), _ld16(gp + 2), _ld16(gp + 4), _ld16(gp + 6)
+        # four grid indices (two uint16) and the sign / scale word (two uint16; blocks are only 2-byte aligned).
+        # SPLIT rows: a group's 8 bytes at 8 * group, the block scales after the K / 4 code bytes
+        if SPLIT:
+            dp = rowp + K // 4 + 2 * (k0 // 256)
+            gp = rowp + 8 * (k0 // 32 + grp)
+        else:
+            dp = rowp + (k0 // 256) * 66
+            gp = dp + 2 + 8 * ((k0 % 256) // 32 + grp)  # [BN, 4, 1, 1]
+        return _ld16(dp), _ld16(gp), _ld16(gp + 2), _ld16(gp + 4), _ld16(gp + 6)
 
     @gluon.jit
     def _popc(v):
@@ -184,9 +189,9 @@ if HAVE_GLUON:
             n_steps = K // STEP
             # raw fields are fetched two steps ahead and the activations one step ahead (registers), so the
             # DRAM latency overlaps the decode of earlier steps
-            if QTYPE == 16:
-                a0, a1, a2, a3, a4 = _fetch_iq2_xxs(rowp, 0, grp)
-                b0, b1, b2, b3, b4 = _fetch_iq2_xxs(rowp, gl.minimum(STEP, K - STEP), grp)
+            if QTYPE == 16 or QTYPE == 17:
+                a0, a1, a2, a3, a4 = _fetch_iq2_xxs(rowp, 0, grp, K, QTYPE == 17)
+                b0, b1, b2, b3, b4 = _fetch_iq2_xxs(rowp, gl.minimum(STEP, K - STEP), grp, K, QTYPE == 17)
             else:
                 a0, a1, a2, a3, a4 = _fetch_q2_k(rowp, 0, grp)
                 b0, b1, b2, b3, b4 = _fetch_q2_k(rowp, gl.minimum(STEP, K - STEP), grp)
@@ -195,8 +200,8 @@ if HAVE_GLUON:
                 k0 = i * STEP
                 s = i % 2
                 k2 = gl.minimum(k0 + 2 * STEP, K - STEP)  # past the end: fetch the last step again (unused)
-                if QTYPE == 16:
-                    c0, c1, c2, c3, c4 = _fetch_iq2_xxs(rowp, k2, grp)
+                if QTYPE == 16 or QTYPE == 17:
+                    c0, c1, c2, c3, c4 = _fetch_iq2_xxs(rowp, k2, grp, K, QTYPE == 17)
                     words = _words_iq2_xxs(a0, a1, a2, a3, a4, tab_ptr, ent, pw)
                 else:
                     c0, c1, c2, c3, c4 = _fetch_q2_k(rowp, k2, grp)
@@ -239,8 +244,9 @@ def hopper(device: torch.device) -> bool:
 
 def available(x: torch.Tensor, w: GGMLTensor) -> bool:
     """Whether :func:`routed_wgmma` can run this product here."""
-    return (x.dtype == torch.bfloat16 and w.qtype in _CODES and w.ndim == 3 and w.layout != "split"
-            and w.shape[-1] % 256 == 0 and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0
+    return (x.dtype == torch.bfloat16 and w.qtype in _CODES and w.ndim == 3
+            and (w.layout != "split" or w.qtype == T.IQ2_XXS) and w.shape[-1] % 256 == 0
+            and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0
             and w.row_bytes % 4 == 0 and hopper(x.device))
 
 
@@ -292,7 +298,8 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     tab = iq2_xxs_levels(x.device) if w.qtype == T.IQ2_XXS else c_len  # Q2_K reads no table
     grid = (triton.cdiv(n, bn), bound)
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
-                               n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div, QTYPE=_CODES[w.qtype],
+                               n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
+                               QTYPE=_CODES[w.qtype] + (w.layout == "split"),
                                BT=bt, BN=bn, num_warps=nw)
     return y
 
