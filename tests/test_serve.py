@@ -186,6 +186,134 @@ def test_stop_strings(client: TestClient, as_list: bool) -> None:
     assert stop not in "".join(c["choices"][0]["text"] for c in streamed)
 
 
+# ---- logprobs ------------------------------------------------------------------------------------
+
+CHAT = [{"role": "user", "content": "tell me"}]
+
+
+def _chat_logprobs(client: TestClient, **extra) -> tuple[dict, list[dict]]:
+    """A chat answer with logprobs and 3 alternatives: (its body, its logprobs entries)."""
+    req = {"messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True,
+           "top_logprobs": 3, **extra}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body, body["choices"][0]["logprobs"]["content"]
+
+
+def test_chat_logprobs(client: TestClient) -> None:
+    body, entries = _chat_logprobs(client)
+    content = body["choices"][0]["message"]["content"]
+    assert len(entries) == body["usage"]["completion_tokens"] == 12
+    for e in entries:
+        assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert e["logprob"] <= 0
+        top = e["top_logprobs"]
+        assert len(top) == 3 and all(set(t) == {"token", "logprob", "bytes"} for t in top)
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert e["logprob"] == top[0]["logprob"]  # greedy: the chosen token is the most likely one
+        # a token's string is its bytes' text (U+FFFD for part of a character)
+        for t in (e, *top):
+            assert t["token"] == bytes(t["bytes"]).decode("utf-8", errors="replace")
+    # no stop string: the tokens' bytes are the content (its text, where every token is whole characters)
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", errors="replace") == content
+    if all("\ufffd" not in e["token"] for e in entries):
+        assert "".join(e["token"] for e in entries) == content
+
+
+def test_logprobs_are_the_raw_logits_log_softmax(client: TestClient) -> None:
+    """Sampled with temperature, top-p and min-p: the logprobs are still those of the model's raw logits, as a
+    session evaluating the same tokens gives them (the chosen token's and the 3 most likely)."""
+    body, entries = _chat_logprobs(client, temperature=1.7, top_p=0.8, min_p=0.05, seed=3, max_tokens=6,
+                                   return_token_ids=True)
+    engine = client.app.state.server.engine
+    tok = engine.tokenizer
+    session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=256, announce=False)
+    logits = session.prefill(body["prompt_token_ids"])
+    for token, e in zip(body["choices"][0]["token_ids"], entries, strict=True):
+        lp = logits.float().log_softmax(-1)
+        assert e["logprob"] == pytest.approx(lp[token].item(), abs=1e-4)
+        top = lp.topk(3)
+        assert [t["logprob"] for t in e["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert [t["bytes"] for t in e["top_logprobs"]] == [list(tok.token_bytes(i)) for i in top.indices.tolist()]
+        logits = session.step(token)
+
+
+def test_chat_logprobs_streamed(client: TestClient) -> None:
+    """A stream's chunks carry the entries of their tokens: together the non-streamed answer's; with streamed
+    token ids (a chunk per token) each chunk's entries are those of its ids."""
+    _, whole = _chat_logprobs(client)
+    for ids in (False, True):
+        r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 12, "temperature": 0,
+                                                      "ignore_eos": True, "logprobs": True, "top_logprobs": 3,
+                                                      "stream": True, "return_token_ids": ids})
+        chunks = [c["choices"][0] for c in _chunks(r.text)]
+        assert all(c["logprobs"] is not None for c in chunks)
+        assert [e for c in chunks for e in c["logprobs"]["content"]] == whole
+        if ids:
+            assert [len(c["logprobs"]["content"]) for c in chunks] == [len(c["token_ids"]) for c in chunks]
+
+
+def _check_completion_logprobs(lp: dict, text: str, k: int, n: int) -> None:
+    """``n`` tokens' legacy logprobs with ``k`` alternatives, of a greedy completion ``text``."""
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    for tok, chosen, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert chosen <= 0 and isinstance(top, dict)
+        # the k alternatives and the chosen token (the most likely one under greedy decoding)
+        assert 1 <= len(top) <= k + 1 and top[tok] == chosen == max(top.values())
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    # a token after one that left no character unfinished starts at its offset (unless a stop string cut it:
+    # then it is at the end)
+    for i, tok in enumerate(lp["tokens"]):
+        if "\ufffd" not in tok and (i == 0 or "\ufffd" not in lp["tokens"][i - 1]) and offsets[i] < len(text):
+            assert text.startswith(tok, offsets[i]), (i, tok, text)
+
+
+def test_completion_logprobs(client: TestClient) -> None:
+    req = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    body = client.post("/v1/completions", json=req).json()
+    (choice,) = body["choices"]
+    _check_completion_logprobs(choice["logprobs"], choice["text"], 2, body["usage"]["completion_tokens"])
+    # streamed: the chunks' lists joined, the offsets counted on across chunks
+    chunks = [c["choices"][0] for c in _chunks(client.post("/v1/completions", json={**req, "stream": True}).text)]
+    joined = {key: [v for c in chunks for v in c["logprobs"][key]] for key in choice["logprobs"]}
+    assert joined == choice["logprobs"]
+    # no alternatives: the chosen token's logprob alone
+    lp = client.post("/v1/completions", json={**req, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+
+
+def test_completion_logprobs_with_stop_string(client: TestClient) -> None:
+    """A stop string cuts the text, not the entries of the tokens generated (streamed or not)."""
+    req = {"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    full = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    k = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isascii() and full[i:i + 2].isprintable())
+    req["stop"] = full[k:k + 2]
+    body = client.post("/v1/completions", json=req).json()
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "stop" and choice["text"] == full[: full.find(req["stop"])]
+    n = body["usage"]["completion_tokens"]
+    _check_completion_logprobs(choice["logprobs"], choice["text"], 1, n)
+    assert choice["logprobs"]["text_offset"][-1] == len(choice["text"])  # the stop string's last token
+    streamed = _chunks(client.post("/v1/completions", json={**req, "stream": True,
+                                                            "stream_options": {"include_usage": True}}).text)
+    *content, usage = streamed
+    assert usage["usage"]["completion_tokens"] == n
+    assert [t for c in content for t in c["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_logprobs_unless_asked(client: TestClient, stream: bool) -> None:
+    for url, req in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "ab"}),
+                     ("/v1/chat/completions", {"messages": CHAT, "logprobs": False})):
+        r = client.post(url, json={**req, "max_tokens": 3, "temperature": 0, "stream": stream})
+        choices = [c["choices"][0] for c in _chunks(r.text)] if stream else r.json()["choices"]
+        assert choices and all(c["logprobs"] is None for c in choices)
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, None, None),
     ("/v1/completions", b"[1, 2]", 400, None, None),
@@ -214,11 +342,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}, 400, "top_logprobs", None),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * CTX}]}, 400, "prompt",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "x"}, 404, "model", None),
@@ -316,6 +452,17 @@ def test_real_server_subprocess() -> None:
             assert isinstance("".join(parts), str)
             with pytest.raises(openai.NotFoundError):
                 oc.completions.create(model="nope", prompt="def", max_tokens=1)
+            # logprobs as the client library reads them
+            chat = oc.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+            entries = chat.choices[0].logprobs.content
+            assert len(entries) == chat.usage.completion_tokens
+            assert all(len(e.top_logprobs) == 2 and e.logprob == e.top_logprobs[0].logprob for e in entries)
+            legacy = oc.completions.create(model="tiny", prompt="def", max_tokens=4, temperature=0, logprobs=1)
+            lp = legacy.choices[0].logprobs
+            assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == legacy.usage.completion_tokens
+            with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+                oc.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, top_logprobs=2)
         else:
             r = httpx.post(f"{base}/v1/completions", json={"prompt": "def", "max_tokens": 5}, timeout=30)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5

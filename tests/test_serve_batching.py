@@ -319,6 +319,41 @@ def test_prompts_of_several_requests_share_a_prefill_call_without_batch_invarian
             assert [t for piece in got[i] for t in piece.ids] == _expected(engine, PROMPTS[i], 6, "float")
 
 
+def test_logprobs_of_a_batch(engine: Engine) -> None:
+    """Requests decoded together, with and without logprobs and with different numbers of alternatives, each get
+    those of their own tokens: the raw logits' log_softmax of a lone session evaluating the same tokens."""
+    tok = engine.tokenizer
+    ks = [None, 0, 3, 5, 1]
+    params = [SamplingParams(), SamplingParams(temperature=1.2, top_p=0.9, seed=1), SamplingParams(),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=2), SamplingParams(top_k=4, temperature=1.0, seed=3)]
+    prompts = [[tok.bos_id, *tok.encode(p)] for p in PROMPTS[: len(ks)]]
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    got: dict[int, list] = {i: [] for i in range(len(ks))}
+    for i, (p, sp, k) in enumerate(zip(prompts, params, ks, strict=True)):
+        sched.submit(Job(p, 6, sp, [], True, True, logprobs=k), got[i].append)
+    sched.start()
+    try:
+        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
+    finally:
+        sched.stop()
+    assert sched.stats.batch_size.counts[0] < sched.stats.steps  # some steps decoded several requests
+    for i, k in enumerate(ks):
+        ids = [t for piece in got[i] for t in piece.ids]
+        entries = [e for piece in got[i] for e in piece.logprobs]
+        assert len(ids) == 6 and all(len(piece.logprobs) == (0 if k is None else len(piece.ids)) for piece in got[i])
+        if k is None:
+            continue
+        session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
+        logits = session.prefill(prompts[i])
+        for token, e in zip(ids, entries, strict=True):
+            lp = logits.float().log_softmax(-1)
+            assert e.token == token and e.logprob == pytest.approx(lp[token].item(), abs=1e-5)
+            top = lp.topk(k)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+            logits = session.step(token)
+
+
 def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     import ds4x.serve.scheduler as sched_mod
 

@@ -52,6 +52,23 @@ def test_tokenizer_json_round_trip_and_checkpoint_generation(tmp_path, capsys):
     assert out.strip() and "generated 12 tok" in err
 
 
+def test_token_bytes_are_each_tokens_own_bytes(tmp_path):
+    """``token_bytes`` (what logprobs report): the tokens' bytes join to the text's UTF-8, a token holding part
+    of a character included, for the byte tokenizer, a byte-level tokenizer.json and a GGUF vocabulary."""
+    from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
+    from ds4x.weights.gguf_writer import synthetic_vocab
+
+    v = synthetic_vocab(600)
+    toks = [ByteTokenizer(), HFTokenizer(_bpe(tmp_path), bos_id=0, eos_ids=(1,)), GGUFTokenizer(v.tokens, v.merges)]
+    for tok in toks:
+        ids = tok.encode(TEXT)
+        parts = [tok.token_bytes(i) for i in ids]
+        assert b"".join(parts) == TEXT.encode("utf-8"), type(tok).__name__
+        # some token is part of a character only: its text alone is broken, its bytes are not lost
+        assert any("\ufffd" in p.decode("utf-8", errors="replace") for p in parts), type(tok).__name__
+    assert ByteTokenizer().token_bytes(1) == b""  # a special of the byte tokenizer decodes to no text
+
+
 def test_malformed_tokenizer_json_is_a_clear_error(tmp_path, capsys):
     cfg = tiny_config(vocab_size=300)
     save_checkpoint(cfg, synthetic_weights(cfg, seed=4), tmp_path)

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ds4x.runtime.tokenizer import BYTE_OF
 from ds4x.weights.pretokenizers import PRE_TOKENIZERS, normalizer_from_json, pre_tokenizer_from_json
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,6 @@ _CONTROL, _USER_DEFINED = 3, 4  # gguf TokenType values of tokenizer.json's adde
 
 DS4_PRE = "ds4"  # antirez/ds4's hand-written split (ds4_split)
 
-
-def _byte_decoder() -> dict[str, int]:
-    keep = {*range(33, 127), *range(161, 173), *range(174, 256)}
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + n)] = b
-            n += 1
-    return out
-
-
-_BYTE_OF = _byte_decoder()
 
 # ---- ds4's pre-tokenizer split ------------------------------------------------------------------
 
@@ -240,7 +227,7 @@ class GGUFTokenizer:
     def _token_bytes(t: str) -> bytes:
         if _BAR in t:
             return t.encode("utf-8")
-        return bytes(_BYTE_OF[ch] for ch in t if ch in _BYTE_OF)
+        return bytes(BYTE_OF[ch] for ch in t if ch in BYTE_OF)
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> GGUFTokenizer:

@@ -13,10 +13,22 @@ requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
 
 Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
 one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
-or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``n`` (1 only), ``stream`` and
-``stream_options.include_usage``. Extensions: ``ignore_eos`` (keep generating past EOS) and
-``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in
-every streamed chunk: the ids generated since the previous chunk). Unknown fields are ignored.
+or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``n`` (1 only), ``stream``,
+``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
+``ignore_eos`` (keep generating past EOS) and ``return_token_ids`` (``prompt_token_ids`` and per-choice
+``token_ids`` in the response; ``token_ids`` in every streamed chunk: the ids generated since the previous
+chunk). Unknown fields are ignored.
+
+Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions: 0..5
+alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax of
+the model's raw logits, before temperature and the top-k / top-p / min-p filters (as vLLM reports them by
+default; -inf floored at -9999 as there). Each choice, and each streamed chunk's, carries the entries of the
+tokens it carries (chat: ``content`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``; completions:
+``tokens``, ``token_logprobs``, ``top_logprobs`` dicts holding the chosen token too, ``text_offset``: the
+characters of the choice's text completed before the token, counted on across chunks, so that is where its
+text starts unless the token before left a character unfinished); ``null`` when not asked. A token's string
+is its own text, with U+FFFD where it holds part of a character (chat's ``bytes`` are then its raw bytes);
+"" for a model without a tokenizer. Tokens cut off by a stop string keep their entries.
 
 Chat prompts use the DeepSeek-V4 chat encoding (:func:`ds4x.runtime.chat.render_chat`) when the model has
 a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS followed by the message
@@ -50,7 +62,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
 from ds4x.serve.info import server_info
-from ds4x.serve.scheduler import Generation, Job, Piece, Rejected, Scheduler, default_kv_budget, queue_delivery
+from ds4x.serve.scheduler import (
+    Generation,
+    Job,
+    Piece,
+    Rejected,
+    Scheduler,
+    TokenLogprob,
+    default_kv_budget,
+    queue_delivery,
+)
 
 if TYPE_CHECKING:
     from ds4x.runtime.prefix_cache import PrefixCache
@@ -116,6 +137,7 @@ class CompletionRequest(_SamplingRequest):
         | Annotated[list[_TokenIds], Field(min_length=1)]
     echo: bool = False
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # alternatives per token (OpenAI's limit)
 
 
 class ChatMessage(BaseModel):
@@ -128,6 +150,16 @@ class ChatRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
     thinking: bool = False  # extension: DeepSeek-V4 thinking mode (GGUF chat encoding only)
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def alternatives(self) -> int | None:
+        """Alternatives to report per token (None: no logprobs); ``top_logprobs`` needs ``logprobs``."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -257,7 +289,8 @@ class Server:
             return self._encode(text, bos=False, param="messages")  # the rendering starts with BOS
         return self._encode("\n".join(_content_text(m["content"]) for m in messages), param="messages")
 
-    def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None) -> Job:
+    def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
+                 logprobs: int | None) -> Job:
         if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
         if getattr(req, "echo", False):
@@ -284,7 +317,7 @@ class Server:
             raise APIError(400, str(exc)) from None
         # streamed token ids arrive with their token, not when held-back text completes (clients time them)
         return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text,
-                   ids_every_token=bool(req.stream and req.return_token_ids))
+                   ids_every_token=bool(req.stream and req.return_token_ids), logprobs=logprobs)
 
     def submit(self, job: Job) -> tuple[Generation | None, asyncio.Queue]:
         """Hand ``job`` to the scheduler (or raise the APIError of a refusal); its pieces arrive on the queue."""
@@ -330,6 +363,35 @@ class Server:
         finally:
             if not done:
                 self.cancel(handle)
+
+    def _token(self, job: Job, token: int) -> tuple[str, bytes]:
+        """A token's string and bytes for logprobs."""
+        tok = self.engine.tokenizer
+        if not job.text or tok is None:
+            return "", b""
+        data = tok.token_bytes(token)
+        return data.decode("utf-8", errors="replace"), data
+
+    def chat_logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """A chat choice's ``logprobs``: OpenAI's ``content`` list."""
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text, data = self._token(job, token)
+            return {"token": text, "logprob": logprob, "bytes": list(data)}
+
+        return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def completion_logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists."""
+        tokens, tops = [], []
+        for e in entries:
+            tokens.append(self._token(job, e.token)[0])
+            top: dict[str, float] = {}
+            for t, lp in [*e.top, (e.token, e.logprob)]:  # the chosen token too, as OpenAI's
+                top.setdefault(self._token(job, t)[0], lp)  # tokens of the same string: the most likely one
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": [e.offset for e in entries]}
 
     def usage(self, job: Job) -> dict[str, int]:
         p, g = len(job.prompt), job.generated
@@ -455,12 +517,14 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             req = await parse(request, ChatRequest if chat else CompletionRequest)
             server._check_model(req)
             if chat:
+                logprobs = req.alternatives()
                 prompt, text = server.chat_prompt(req), True
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
+                logprobs = req.logprobs
                 prompt, text = server.completion_prompt(req)
                 max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            job = server.make_job(req, prompt, text, max_tokens)
+            job = server.make_job(req, prompt, text, max_tokens, logprobs)
             handle, queue = server.submit(job)
         except APIError as exc:
             return error(exc, endpoint)
@@ -471,14 +535,18 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 "model": model_name}
 
         def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
+            logprobs = None
+            if job.logprobs is not None:
+                render = server.chat_logprobs if chat else server.completion_logprobs
+                logprobs = render(job, piece.logprobs)
             if chat:
                 key = "delta" if req.stream else "message"
                 msg: dict[str, Any] = {"content": piece.text}
                 if first or not req.stream:
                     msg = {"role": "assistant", **msg}
-                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": None, "finish_reason": piece.finish}
+                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": piece.finish}
             else:
-                c = {"index": 0, "text": piece.text, "logprobs": None, "finish_reason": piece.finish}
+                c = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
             if req.return_token_ids:
                 c["token_ids"] = piece.ids
             return c
@@ -520,7 +588,8 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         except Exception as exc:
             return error(APIError(500, str(exc), "server_error"), endpoint)
         finish = parts[-1].finish if parts else None
-        whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish)
+        whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish,
+                      [lp for p in parts for lp in p.logprobs])
         body = {**head, "choices": [choice(whole)], "usage": server.usage(job)}
         if req.return_token_ids:
             body["prompt_token_ids"] = job.prompt

@@ -25,6 +25,10 @@ Prefix reuse (optional ``PrefixCache``): a new request starts from the longest s
 back to a multiple of the prefill chunk so that the rest is evaluated in the very chunks a fresh session
 would use (the reused state is the same too: it was computed in those chunks), hence the same logits; each
 finished request's session is stored.
+
+Logprobs (a job's ``logprobs``): the log_softmax of the model's raw logits, before temperature and the top-k /
+top-p / min-p filters (as vLLM reports them by default), for the drawn token and the most likely alternatives,
+computed on the device and read back with the tokens.
 """
 
 from __future__ import annotations
@@ -79,10 +83,30 @@ class Job:
     ignore_eos: bool
     text: bool  # detokenize (False: a model without a tokenizer; ids only)
     ids_every_token: bool = False  # a piece per token even while its text is held back (streamed token ids)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
     prompt_tokens: int = 0  # evaluated so far (reused prefix tokens are not evaluated)
     reused_tokens: int = 0
     generated: int = 0
     stop_reason: str = ""
+
+
+# a drawn token's logprob and the most likely (id, logprob) pairs, most likely first
+Scores = tuple[float, list[tuple[int, float]]]
+
+# the logprob of a token the model rules out (-inf) is floored as vLLM does: JSON has no -inf
+_LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob, its most likely alternatives, and where in the output it comes."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (id, logprob), most likely first
+    # characters of the output's text completed before this token (its text starts there unless the token
+    # before left a character unfinished)
+    offset: int
 
 
 @dataclass
@@ -90,6 +114,15 @@ class Piece:
     text: str
     ids: list[int]
     finish: str | None = None  # "stop" or "length" on the last piece
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id when the job asked for them
+
+
+def _logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
+    """The logprob of ``token`` [1] under raw ``logits`` [V], then the ``k`` highest logprobs and their ids, as
+    float64 [1 + 2k] on the logits' device (not read back)."""
+    lp = logits.float().log_softmax(-1).clamp_min(_LOGPROB_FLOOR)
+    top = lp.topk(k)
+    return torch.cat([lp[token].double(), top.values.double(), top.indices.double()])
 
 
 def _holdback(text: str, stops: list[str]) -> int:
@@ -111,7 +144,7 @@ def _first_stop(text: str, stops: list[str]) -> int:
 class Output:
     """Token ids -> pieces of text: incomplete UTF-8 characters and possible stop-string prefixes are held back
     (with ``ids_every_token`` the token's piece then carries its id and no text); a stop string ends the output
-    before it."""
+    before it. A piece carries the logprobs of exactly its ids."""
 
     def __init__(self, engine: Engine, job: Job):
         self.job = job
@@ -119,25 +152,31 @@ class Output:
         tok = engine.tokenizer
         self.stream = TextStream(tok) if job.text and tok is not None else None
         self.pending, self.ids = "", []
+        self.logprobs: list[TokenLogprob] = []
+        self.sent = 0  # characters sent in earlier pieces
 
-    def push(self, token: int) -> Piece | None:
-        """The piece to send after ``token`` (None: nothing to show yet); a piece with ``finish`` ends it."""
+    def push(self, token: int, scores: Scores | None = None) -> Piece | None:
+        """The piece to send after ``token`` (None: nothing to show yet); a piece with ``finish`` ends it.
+        ``scores``: the token's logprobs, when the job asked for them."""
         job = self.job
         self.ids.append(token)
+        if scores is not None:
+            self.logprobs.append(TokenLogprob(token, *scores, offset=self.sent + len(self.pending)))
         if self.stream is not None and (job.ignore_eos or token not in self.eos):
             self.pending += self.stream.push(token)
         if job.stops:
             hit = _first_stop(self.pending, job.stops)
             if hit >= 0:
                 job.stop_reason = "stop"
-                return Piece(self.pending[:hit], self.ids, "stop")
+                return self._last(hit, "stop")
             cut = len(self.pending) - _holdback(self.pending, job.stops)
         else:
             cut = len(self.pending)
         if not cut and job.text and not job.ids_every_token:
             return None
-        piece = Piece(self.pending[:cut], self.ids)
-        self.pending, self.ids = self.pending[cut:], []
+        piece = Piece(self.pending[:cut], self.ids, logprobs=self.logprobs)
+        self.pending, self.ids, self.logprobs = self.pending[cut:], [], []
+        self.sent += cut
         return piece
 
     def finish(self) -> Piece:
@@ -147,8 +186,15 @@ class Output:
         finish = "length" if self.job.stop_reason in ("length", "context") else "stop"
         hit = _first_stop(self.pending, self.job.stops) if self.job.stops else -1
         if hit >= 0:
-            self.pending, finish = self.pending[:hit], "stop"
-        return Piece(self.pending, self.ids, finish)
+            return self._last(hit, "stop")
+        return self._last(len(self.pending), finish)
+
+    def _last(self, end: int, finish: str) -> Piece:
+        """The last piece: the pending text up to ``end``. The tokens after a stop string keep their logprobs
+        (OpenAI's too) with their offsets at the end of the text, which they do not reach."""
+        for lp in self.logprobs:
+            lp.offset = min(lp.offset, self.sent + end)
+        return Piece(self.pending[:end], self.ids, finish, self.logprobs)
 
 
 class Generation:
@@ -468,23 +514,37 @@ class Scheduler:
         self.stats.step_sample.observe(time.perf_counter() - t1)
 
     def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation]) -> None:
-        """Draw each request's next token from its logits (one device read for all), then `_take` it."""
+        """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`),
+        then `_take` it. One device read for all: the tokens and the logprobs go back together in one float64
+        tensor (exact for token ids)."""
         drawn: list[tuple[Generation, torch.Tensor]] = []
+        scored: list[torch.Tensor] = []
         for req, row in rows:
             try:
-                drawn.append((req, draw(row, req.job.params, req.generator)))
+                token = draw(row, req.job.params, req.generator)
+                if req.job.logprobs is not None:
+                    scored.append(_logprobs(row, token, req.job.logprobs))
+                drawn.append((req, token))
             except Exception as exc:
                 self._fail([req], exc, finished)
         if not drawn:
             return
-        tokens = torch.cat([t for _, t in drawn]).tolist()
-        for (req, _), token in zip(drawn, tokens, strict=True):
+        tokens = torch.cat([t for _, t in drawn])
+        values = (torch.cat([tokens.double(), *scored]) if scored else tokens).tolist()
+        at = len(drawn)  # the logprobs follow the tokens, row after row
+        for (req, _), token in zip(drawn, values[:at], strict=True):
+            scores: Scores | None = None
+            k = req.job.logprobs
+            if k is not None:
+                lps, ids = values[at + 1 : at + 1 + k], values[at + 1 + k : at + 1 + 2 * k]
+                scores = values[at], [(int(i), lp) for lp, i in zip(lps, ids, strict=True)]
+                at += 1 + 2 * k
             try:
-                self._take(req, token, finished)
+                self._take(req, int(token), scores, finished)
             except Exception as exc:
                 self._fail([req], exc, finished)
 
-    def _take(self, req: Generation, token: int, finished: list[Generation]) -> None:
+    def _take(self, req: Generation, token: int, scores: Scores | None, finished: list[Generation]) -> None:
         """Send what ``token`` shows and decide whether the request goes on (the same order of checks as
         ``Session.generate``)."""
         job, session, out = req.job, req.session, req.output
@@ -497,7 +557,7 @@ class Scheduler:
         req.last_token_at = now
         job.generated += 1
         self.stats.generation_tokens += 1
-        piece = out.push(token)
+        piece = out.push(token, scores)
         if piece is not None and piece.finish is not None:  # a stop string
             self._finish(req, piece, finished)
             return
