@@ -4,10 +4,10 @@
 Workers send, for ``--seconds``:
 
 - valid requests (completions with a text or token-id prompt, chat; greedy, or sampled with a fixed seed;
-  sometimes a stop string): each is sent streamed and non-streamed (in random order), and both answers must
-  agree (text, token ids, finish reason, usage). Half the prompts come from a small pool, so the same
-  request recurs across the run and must give the same answer each time; the others are unique. A token of
-  another stream leaking into a response shows up as a disagreement.
+  sometimes a stop string, sometimes logprobs): each is sent streamed and non-streamed (in random order), and
+  both answers must agree (text, token ids, finish reason, usage, logprobs). Half the prompts come from a small
+  pool, so the same request recurs across the run and must give the same answer each time; the others are
+  unique. A token of another stream leaking into a response shows up as a disagreement.
 - invalid requests (malformed JSON, non-objects, wrong types, unknown model, prompts over the context,
   absurd parameters, non-UTF-8 bytes, streamed invalid requests): each must be answered 4xx with an OpenAI
   error body ``{"error": {"message": ..., "type": ...}}``.
@@ -82,9 +82,14 @@ def valid_body(rng: random.Random, soak: Soak) -> tuple[str, dict[str, Any]]:
         body |= {"temperature": 0.8, "top_p": 0.9, "seed": rng.randint(0, 2**31)}
     if rng.random() < 0.2:
         body["stop"] = rng.choice(["\n", ["(", ":"], " "])
+    logprobs = rng.random() < 0.3
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
+        if logprobs:
+            body |= {"logprobs": True, "top_logprobs": rng.randint(0, 5)}
         return "/v1/chat/completions", body
+    if logprobs:
+        body["logprobs"] = rng.randint(0, 5)
     # token-id prompts: ids below 256 exist in any vocabulary worth serving
     body["prompt"] = [rng.randint(3, 255) for _ in range(rng.randint(1, 24))] if rng.random() < 0.3 else text
     return "/v1/completions", body
@@ -94,12 +99,32 @@ def _content(choice: dict[str, Any], chat: bool, key: str) -> str:
     return (choice.get(key) or {}).get("content") or "" if chat else choice.get("text") or ""
 
 
+def _logprob_entries(choice: dict[str, Any], chat: bool) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """A choice's logprobs as (token, logprob, alternatives) per token, whichever endpoint's format."""
+    lp = choice.get("logprobs")
+    if lp is None:
+        return []
+    if chat:
+        return [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+                for e in lp["content"]]
+    return [(t, v, sorted(top.items())) for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                                              strict=True)]
+
+
+def _same_logprobs(a: list, b: list) -> bool:
+    # floats through JSON both ways: equal up to the last printed digits
+    return len(a) == len(b) and all(
+        ta == tb and abs(va - vb) <= 1e-5 and len(xa) == len(xb)
+        and all(sa == sb and abs(ua - ub) <= 1e-5 for (sa, ua), (sb, ub) in zip(xa, xb, strict=True))
+        for (ta, va, xa), (tb, vb, xb) in zip(a, b, strict=True))
+
+
 async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """Send ``body`` streamed; returns the assembled text, ids, finish reason and usage, or raises
     AssertionError with what was wrong with the stream."""
     chat = url.endswith("chat/completions")
     req = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    text, ids, finish, usage, ids_in_prompt = "", [], None, None, None
+    text, ids, finish, usage, ids_in_prompt, logprobs = "", [], None, None, None, []
     async with client.stream("POST", url, json=req) as r:
         if r.status_code != 200:
             await r.aread()
@@ -119,9 +144,11 @@ async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
             assert finish is None, "a chunk after the finish reason"
             text += _content(c, chat, "delta")
             ids += c.get("token_ids") or []
+            logprobs += _logprob_entries(c, chat)
             finish = c.get("finish_reason")
     assert len(rids) == 1, f"chunks of {len(rids)} different response ids in one stream"
-    return {"text": text, "ids": ids, "finish": finish, "usage": usage, "prompt_ids": ids_in_prompt}
+    return {"text": text, "ids": ids, "finish": finish, "usage": usage, "prompt_ids": ids_in_prompt,
+            "logprobs": logprobs}
 
 
 async def whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +158,7 @@ async def whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> di
     out = r.json()
     (c,) = out["choices"]
     return {"text": _content(c, chat, "message"), "ids": c.get("token_ids"), "finish": c["finish_reason"],
-            "usage": out["usage"], "prompt_ids": out.get("prompt_token_ids")}
+            "usage": out["usage"], "prompt_ids": out.get("prompt_token_ids"), "logprobs": _logprob_entries(c, chat)}
 
 
 async def valid_case(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
@@ -155,6 +182,13 @@ async def valid_case(client: httpx.AsyncClient, soak: Soak, rng: random.Random) 
         problems.append(f"usage says {w['usage']['completion_tokens']} tokens, {len(w['ids'] or [])} ids returned")
     if len(w["ids"] or []) > body["max_tokens"]:
         problems.append(f"{len(w['ids'])} tokens > max_tokens {body['max_tokens']}")
+    if not _same_logprobs(s["logprobs"], w["logprobs"]):
+        problems.append(f"streamed logprobs {s['logprobs']!r:.200} != non-streamed {w['logprobs']!r:.200}")
+    asked = body.get("logprobs") not in (None, False)
+    if asked and len(w["logprobs"]) != len(w["ids"] or []):
+        problems.append(f"{len(w['logprobs'])} logprob entries for {len(w['ids'] or [])} tokens")
+    if not asked and w["logprobs"]:
+        problems.append("logprobs not asked for but returned")
     sent_ids = body["prompt"] if isinstance(body.get("prompt"), list) else None
     if s["prompt_ids"] != w["prompt_ids"] or (sent_ids is not None and w["prompt_ids"] != sent_ids):
         problems.append(f"prompt_token_ids differ: streamed {s['prompt_ids']}, non-streamed {w['prompt_ids']}")
@@ -193,6 +227,11 @@ def invalid_cases(soak: Soak, rng: random.Random) -> list[tuple[str, str, Any]]:
         ("stop_wrong_type", "/v1/completions", {"model": m, "prompt": "x", "stop": 3}),
         ("token_id_out_of_vocab", "/v1/completions", {"model": m, "prompt": [0, 2**30]}),
         ("token_id_negative", "/v1/completions", {"model": m, "prompt": [0, -7]}),
+        ("logprobs_too_many", "/v1/completions", {"model": m, "prompt": "x", "logprobs": 6}),
+        ("top_logprobs_too_many", "/v1/chat/completions", {"model": m, "logprobs": True, "top_logprobs": 21,
+                                                           "messages": [{"role": "user", "content": "x"}]}),
+        ("top_logprobs_without_logprobs", "/v1/chat/completions", {"model": m, "top_logprobs": 2,
+                                                                   "messages": [{"role": "user", "content": "x"}]}),
         ("unknown_model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}),
         ("unknown_model_chat", "/v1/chat/completions", {"model": "no-such-model",
                                                         "messages": [{"role": "user", "content": "x"}]}),
