@@ -69,8 +69,8 @@ for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
 2026-12-04 (H200, int8 activations, the configurations of `matvec_config`): IQ2_XXS routed gate / up, 12 slots,
 in split rows 22.8 us (26.8%); the 12 slots' instructions, not their table reads, bound it: keeping the grid and
 sign tables in shared memory instead of reading them through L1 changed nothing with int8 activations. Q2_K
-routed down 11.9 us (32.6%). Q8_0 split rows: wq_b 69%, wo_b 69%, output head 97%, shared gate / up 56%, shared
-down 39%, wq_a 21%.
+routed down 11.9 us (32.6%). Q8_0 split rows: wq_b 66%, wo_a grouped 66%, wo_b 69%, output head 97%, shared
+gate / up 56%, shared down 39%, wq_a 21%.
 """
 
 from __future__ import annotations
@@ -884,8 +884,8 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
       4 warps; one warp per program was twice as slow);
     - Q2_K: 8 rows, a warp of units (routed down 11.9);
     - others: 4 rows per thread where that still makes ~1,024 programs, else 2 (Q8_0 split rows: wq_b
-      1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, wo_b
-      and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows 5.1), each thread holding about 8
+      1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, the
+      grouped wo_a 12.8 against 15.0, wo_b and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows 5.1), each thread holding about 8
       (unit, row) pairs per step so that many loads are in flight."""
     unit = _fields(qtype)[4]
     units = k // unit
