@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ds4x.runtime.sampling import SamplingParams, sample, sample_rows
+from ds4x.runtime.sampling import SamplingParams, TokenHistory, adjust, sample, sample_rows
 
 
 def test_greedy_takes_lowest_index_among_ties():
@@ -56,3 +56,94 @@ def test_rows_sampled_together_are_the_rows_sampled_alone():
     together = sample_rows(list(logits), params, [torch.Generator().manual_seed(i) for i in range(4)])
     alone = [sample(logits[i], params[i], torch.Generator().manual_seed(i)) for i in range(4)]
     assert together == alone and together[0] == int(logits[0].argmax())
+
+
+# ---- logit bias and penalties --------------------------------------------------------------------
+
+LOGITS = torch.tensor([2.0, -1.0, 0.5, -3.0, 1.0])
+
+
+def _history(params: SamplingParams, prompt: list[int], generated: list[int], vocab: int = 5) -> TokenHistory:
+    h = TokenHistory(params, prompt, vocab, torch.device("cpu"))
+    for t in generated:
+        h.add(torch.tensor([t]))
+    return h
+
+
+@pytest.mark.parametrize(("kw", "prompt", "generated", "expected"), [
+    # counts [2, 0, 1, 0, 0]: 2 - 0.5*2 - 0.25, 0.5 - 0.5*1 - 0.25; the prompt does not count
+    ({"frequency_penalty": 0.5, "presence_penalty": 0.25}, [1, 4], [0, 0, 2], [0.75, -1.0, -0.25, -3.0, 1.0]),
+    ({"frequency_penalty": -1.0}, [], [3, 3], [2.0, -1.0, 0.5, -1.0, 1.0]),
+    # seen {0, 1, 3} (prompt and generated): positive logits divided by 2, negative ones multiplied
+    ({"repetition_penalty": 2.0}, [1], [0, 3], [1.0, -2.0, 0.5, -6.0, 1.0]),
+    ({"repetition_penalty": 0.5}, [0, 1], [], [4.0, -0.5, 0.5, -3.0, 1.0]),
+    ({"logit_bias": ((4, -100.0), (1, 5.0))}, [0], [0], [2.0, 4.0, 0.5, -3.0, -99.0]),
+    # in order: bias 2 - 3 = -1, repetition -1 x 2 = -2, then frequency and presence -2 - 1 - 0.5
+    ({"logit_bias": ((0, -3.0),), "repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 0.5},
+     [0], [0], [-3.5, -1.0, 0.5, -3.0, 1.0]),
+])
+def test_adjust_by_hand(kw: dict, prompt: list[int], generated: list[int], expected: list[float]) -> None:
+    params = SamplingParams(**kw)
+    before = LOGITS.clone()
+    assert adjust(LOGITS, params, _history(params, prompt, generated)).tolist() == expected
+    assert torch.equal(LOGITS, before)  # the model's logits are left as they are (logprobs read them)
+
+
+def test_neutral_values_skip_the_adjustment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds4x.runtime.sampling as sampling
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2)) * 3
+    neutral = SamplingParams(temperature=0.8, seed=1, presence_penalty=0.0, frequency_penalty=0.0,
+                             repetition_penalty=1.0, logit_bias=())
+    assert not neutral.adjusts and SamplingParams(logit_bias=((1, 0.0),)).adjusts
+    expected = [sample(logits, SamplingParams(temperature=0.8), torch.Generator().manual_seed(1)),
+                sample(logits, SamplingParams())]
+
+    def fail(*_: object) -> None:
+        raise AssertionError("adjusted with neutral parameters")
+
+    monkeypatch.setattr(sampling, "adjust", fail)
+    assert [sample(logits, neutral, torch.Generator().manual_seed(1)), sample(logits, SamplingParams())] == expected
+    # an adjustment whose values change nothing leaves the logits bit-identical
+    zero = SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, logit_bias=((3, 0.0),))
+    monkeypatch.undo()
+    assert torch.equal(adjust(logits, zero, _history(zero, [1, 2], [3, 3], vocab=300)), logits)
+
+
+def test_greedy_takes_the_argmax_of_the_adjusted_logits_and_counts_its_tokens() -> None:
+    logits = torch.tensor([1.0, 0.9, 0.0])
+    params = SamplingParams(frequency_penalty=2.0)
+    history = TokenHistory(params, [0, 1], 3, logits.device)  # the prompt does not count for frequency
+    # 0; then 1 - 2 = -1 < 0.9: 1; then 0.0 is the largest; then all three seen once: 0 again
+    assert [sample(logits, params, None, history) for _ in range(4)] == [0, 1, 2, 0]
+    assert history.counts.tolist() == [2.0, 1.0, 1.0]
+    assert sample(LOGITS, SamplingParams(logit_bias=((0, -100.0),)), None,
+                  _history(SamplingParams(logit_bias=((0, -100.0),)), [], [])) == 4
+
+
+def test_penalties_apply_before_temperature_and_filters() -> None:
+    """A seeded draw from penalized logits is the draw from the adjusted logits with neutral parameters."""
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(4)) * 2
+    params = SamplingParams(temperature=0.7, top_k=30, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.7,
+                            logit_bias=((5, 3.0), (9, -2.0)))
+    adjusted = adjust(logits, params, _history(params, [5, 6, 7], [8, 8, 9], vocab=200))
+    plain = SamplingParams(temperature=0.7, top_k=30, top_p=0.9)
+    # a fresh history per draw: each draw adds its token
+    assert [sample(logits, params, torch.Generator().manual_seed(s), _history(params, [5, 6, 7], [8, 8, 9], 200))
+            for s in range(20)] == [sample(adjusted, plain, torch.Generator().manual_seed(s)) for s in range(20)]
+
+
+def test_adjustment_needs_a_history_and_the_bias_ids_in_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match="TokenHistory"):
+        sample(LOGITS, SamplingParams(presence_penalty=1.0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        TokenHistory(SamplingParams(logit_bias=((5, 1.0),)), [], 5, LOGITS.device)
+
+
+@pytest.mark.parametrize("kw", [{"presence_penalty": 2.5}, {"frequency_penalty": -2.01},
+                                {"presence_penalty": float("nan")}, {"repetition_penalty": 0},
+                                {"repetition_penalty": 10.5}, {"logit_bias": ((1, 101.0),)},
+                                {"logit_bias": ((1, 1.0), (1, 2.0))}, {"logit_bias": ((-1, 1.0),)}])
+def test_invalid_adjustments(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
