@@ -16,7 +16,7 @@ from ds4x.kernels.linear import quant_kernel_name
 from ds4x.model.cache import ModelCache, format_plan
 from ds4x.model.transformer import Transformer
 from ds4x.runtime.decode_graph import Decoder, graphs_enabled, make_decoder
-from ds4x.runtime.sampling import SamplingParams, sample
+from ds4x.runtime.sampling import SamplingParams, TokenHistory, sample
 from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from ds4x.weights.checkpoint import load_checkpoint
 from ds4x.weights.synthetic import synthetic_weights
@@ -232,7 +232,9 @@ class Session:
     def generate(self, prompt: list[int], max_new: int, params: SamplingParams | None = None,
                  stop_ids: tuple[int, ...] | None = None, stats: GenerationStats | None = None,
                  ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Prefill ``prompt`` then yield (token, logits it was drawn from) until EOS or ``max_new``."""
+        """Prefill ``prompt`` then yield (token, logits it was drawn from) until EOS or ``max_new``. The yielded
+        logits are the model's, before any logit bias or penalty; ``repetition_penalty`` counts every token the
+        session held before generating (a loaded session's too) as the prompt."""
         if max_new < 0:
             raise ValueError(f"token budget must be >= 0, got {max_new}")
         params = params if params is not None else SamplingParams()
@@ -246,10 +248,12 @@ class Session:
         if logits is None:
             raise ValueError("nothing to continue from: give a prompt")
         stats.prompt_tokens, stats.prefill_s = len(prompt), time.perf_counter() - t0
+        history = (TokenHistory(params, self.tokens, self.engine.cfg.vocab_size, logits.device) if params.adjusts
+                   else None)
         t0 = time.perf_counter()
         stats.stop_reason = "length"
         for i in range(max_new):
-            token = sample(logits, params, gen)
+            token = sample(logits, params, gen, history)
             yield token, logits
             stats.generated = i + 1
             if token in stop:

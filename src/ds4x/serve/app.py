@@ -13,22 +13,27 @@ requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
 
 Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
 one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
-or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``n`` (1 only), ``stream``,
+or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and
+``frequency_penalty`` ([-2, 2], over the tokens generated so far), ``logit_bias`` (an object of at most 300
+token ids, as strings, to a bias in [-100, 100] added to their logits), ``n`` (1 only), ``stream``,
 ``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
-``ignore_eos`` (keep generating past EOS) and ``return_token_ids`` (``prompt_token_ids`` and per-choice
-``token_ids`` in the response; ``token_ids`` in every streamed chunk: the ids generated since the previous
-chunk). Unknown fields are ignored.
+``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
+divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
+(``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the
+ids generated since the previous chunk). Unknown fields are ignored. The bias and penalties apply before
+temperature and the top-k / top-p / min-p filters, and to greedy decoding (:mod:`ds4x.runtime.sampling`).
 
-Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions: 0..5
-alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax of
-the model's raw logits, before temperature and the top-k / top-p / min-p filters (as vLLM reports them by
-default; -inf floored at -9999 as there). Each choice, and each streamed chunk's, carries the entries of the
-tokens it carries (chat: ``content`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``; completions:
-``tokens``, ``token_logprobs``, ``top_logprobs`` dicts holding the chosen token too, ``text_offset``: the
-characters of the choice's text completed before the token, counted on across chunks, so that is where its
-text starts unless the token before left a character unfinished); ``null`` when not asked. A token's string
-is its own text, with U+FFFD where it holds part of a character (chat's ``bytes`` are then its raw bytes);
-"" for a model without a tokenizer. Tokens cut off by a stop string keep their entries.
+Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions:
+0..5 alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax
+of the model's raw logits, before the logit bias, the penalties, temperature and the top-k / top-p / min-p
+filters (as vLLM reports them by default; -inf floored at -9999 as there). Each choice, and each streamed
+chunk's, carries the entries of the tokens it carries (chat: ``content`` of ``token``, ``logprob``, ``bytes``,
+``top_logprobs``; completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` dicts holding the chosen token
+too, ``text_offset``: the characters of the choice's text completed before the token, counted on across
+chunks, so that is where its text starts unless the token before left a character unfinished); ``null`` when
+not asked. A token's string is its own text, with U+FFFD where it holds part of a character (chat's ``bytes``
+are then its raw bytes); "" for a model without a tokenizer. Tokens cut off by a stop string keep their
+entries.
 
 Chat prompts use the DeepSeek-V4 chat encoding (:func:`ds4x.runtime.chat.render_chat`) when the model has
 a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS followed by the message
@@ -110,6 +115,12 @@ class _SamplingRequest(_Base):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=_MAX_INT)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    # token ids are object keys in JSON, hence strings; 300 entries is OpenAI's limit
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -119,7 +130,10 @@ class _SamplingRequest(_Base):
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None else self.top_p,
-                              min_p=self.min_p or 0.0, seed=self.seed)
+                              min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=tuple({int(t): b for t, b in (self.logit_bias or {}).items()}.items()))
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -315,6 +329,10 @@ class Server:
             params = req.sampling()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
         # streamed token ids arrive with their token, not when held-back text completes (clients time them)
         return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text,
                    ids_every_token=bool(req.stream and req.return_token_ids), logprobs=logprobs)

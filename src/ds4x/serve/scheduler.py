@@ -26,9 +26,13 @@ back to a multiple of the prefill chunk so that the rest is evaluated in the ver
 would use (the reused state is the same too: it was computed in those chunks), hence the same logits; each
 finished request's session is stored.
 
-Logprobs (a job's ``logprobs``): the log_softmax of the model's raw logits, before temperature and the top-k /
-top-p / min-p filters (as vLLM reports them by default), for the drawn token and the most likely alternatives,
-computed on the device and read back with the tokens.
+Logit bias and penalties (a job's ``params``, `ds4x.runtime.sampling.adjust`): a request that has any keeps a
+``TokenHistory`` of its prompt and generated tokens on the logits' device, updated with each drawn token before
+the batch's single read; the others skip the adjustment.
+
+Logprobs (a job's ``logprobs``): the log_softmax of the model's raw logits, before the logit bias, the
+penalties, temperature and the top-k / top-p / min-p filters (as vLLM reports them by default), for the drawn
+token and the most likely alternatives, computed on the device and read back with the tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ds4x.model.cache import ModelCache, free_memory, plan_cache
 from ds4x.runtime.batch import DecodeSlots, step_sessions
 from ds4x.runtime.decode_graph import graphs_enabled
 from ds4x.runtime.engine import Engine, Session
-from ds4x.runtime.sampling import SamplingParams, draw
+from ds4x.runtime.sampling import SamplingParams, TokenHistory, draw
 from ds4x.runtime.tokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -208,6 +212,7 @@ class Generation:
         self.fed = 0  # prompt tokens the session holds
         self.next_token: int | None = None  # sampled, to be evaluated by the next decode step
         self.generator: torch.Generator | None = None
+        self.history: TokenHistory | None = None  # for a logit bias or penalties
         self.output: Output | None = None
         self.submitted = time.perf_counter()
         self.last_token_at: float | None = None
@@ -433,6 +438,8 @@ class Scheduler:
             req.generator = torch.Generator().manual_seed(params.seed)
         elif not params.greedy:
             req.generator = torch.Generator().manual_seed(torch.seed())
+        if params.adjusts:
+            req.history = TokenHistory(params, job.prompt, self.engine.cfg.vocab_size, self.engine.model.device)
         req.output = Output(self.engine, job)
 
     def _reuse(self, prompt: list[int], into: ModelCache | None) -> tuple[Session | None, int]:
@@ -521,7 +528,7 @@ class Scheduler:
         scored: list[torch.Tensor] = []
         for req, row in rows:
             try:
-                token = draw(row, req.job.params, req.generator)
+                token = draw(row, req.job.params, req.generator, req.history)
                 if req.job.logprobs is not None:
                     scored.append(_logprobs(row, token, req.job.logprobs))
                 drawn.append((req, token))
