@@ -314,6 +314,101 @@ def test_no_logprobs_unless_asked(client: TestClient, stream: bool) -> None:
         assert choices and all(c["logprobs"] is None for c in choices)
 
 
+# ---- logit bias and penalties --------------------------------------------------------------------
+
+def _reference(client: TestClient, prompt: list[int], n: int, frequency: float = 0.0, presence: float = 0.0,
+               repetition: float = 1.0, bias: dict[int, float] | None = None, temperature: float = 0.0,
+               seed: int = 0) -> list[int]:
+    """The tokens a session alone gives with the bias and penalties applied by hand to its logits (OpenAI's and
+    vLLM's formulas, token by token), then greedy or a seeded draw with no adjustment."""
+    from ds4x.runtime.sampling import SamplingParams, sample
+
+    engine = client.app.state.server.engine
+    session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=256, announce=False)
+    logits, out = session.prefill(prompt), []
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        row = logits.float().clone()
+        for t, b in (bias or {}).items():
+            row[t] += b
+        for t in {*prompt, *out}:
+            row[t] = row[t] / repetition if row[t] > 0 else row[t] * repetition
+        for t in set(out):
+            row[t] -= frequency * out.count(t) + presence
+        out.append(sample(row, SamplingParams(temperature=temperature), gen))
+        logits = session.step(out[-1])
+    return out
+
+
+def _ids(client: TestClient, **req) -> tuple[list[int], list[int]]:
+    """(prompt ids, generated ids) of a completion."""
+    r = client.post("/v1/completions", json={"ignore_eos": True, "return_token_ids": True, **req})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt_token_ids"], r.json()["choices"][0]["token_ids"]
+
+
+def test_logit_bias_steers_greedy_decoding(client: TestClient) -> None:
+    req = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+    prompt, plain = _ids(client, **req)
+    # the token greedy picks first, biased away: it never comes
+    _, banned = _ids(client, **req, logit_bias={str(plain[0]): -100})
+    assert plain[0] not in banned and banned == _reference(client, prompt, 8, bias={plain[0]: -100})
+    # a token biased up by 100 comes every time
+    favourite = next(t for t in range(3, 259) if t not in plain)
+    _, forced = _ids(client, **req, logit_bias={str(favourite): 100})
+    assert forced == [favourite] * 8
+
+
+@pytest.mark.parametrize("extra", [
+    {"frequency_penalty": 2},
+    {"presence_penalty": 1.5, "frequency_penalty": -0.5},
+    {"repetition_penalty": 1.5},
+    {"repetition_penalty": 0.5, "logit_bias": {"101": 2.5, "32": -4}},
+    {"temperature": 0.8, "seed": 11, "presence_penalty": 2, "repetition_penalty": 1.25},
+], ids=["frequency", "presence", "repetition", "repetition-below-1-and-bias", "sampled"])
+def test_penalties_match_a_reference(client: TestClient, extra: dict) -> None:
+    """Each generated token is the one the hand-adjusted logits of a session alone give (greedy, or the same
+    seeded draw: the adjustment comes before temperature)."""
+    req = {"prompt": "aaaa bbbb aaaa", "max_tokens": 16, "temperature": 0, **extra}
+    prompt, ids = _ids(client, **req)
+    assert ids == _reference(client, prompt, 16, extra.get("frequency_penalty", 0), extra.get("presence_penalty", 0),
+                             extra.get("repetition_penalty", 1),
+                             {int(t): b for t, b in extra.get("logit_bias", {}).items()},
+                             req["temperature"], extra.get("seed", 0))
+
+
+def test_frequency_penalty_reduces_repeats(client: TestClient) -> None:
+    req = {"prompt": "aaaa bbbb aaaa", "max_tokens": 24, "temperature": 0}
+    _, plain = _ids(client, **req)
+    _, penalized = _ids(client, **req, frequency_penalty=2)
+    # a property of this model and prompt (deterministic): greedy repeats itself, the penalty breaks that up
+    assert len(set(penalized)) > len(set(plain))
+
+
+def test_neutral_penalties_change_nothing(client: TestClient) -> None:
+    for req in ({"prompt": "def f(x):", "max_tokens": 8, "temperature": 0},
+                {"prompt": "abc", "max_tokens": 8, "temperature": 0.9, "seed": 4}):
+        _, plain = _ids(client, **req)
+        _, neutral = _ids(client, **req, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1,
+                          logit_bias={})
+        assert neutral == plain
+        _, nulls = _ids(client, **req, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                        logit_bias=None)
+        assert nulls == plain
+
+
+def test_logprobs_ignore_the_bias(client: TestClient) -> None:
+    """The logprobs are the raw logits': the token biased away is still reported as the most likely one."""
+    _, plain = _chat_logprobs(client, max_tokens=1, return_token_ids=True)
+    body, biased = _chat_logprobs(client, max_tokens=1, return_token_ids=True, logit_bias={"0": 0})
+    assert biased == plain  # a zero bias: same token, same entries
+    first = plain[0]
+    banned = body["choices"][0]["token_ids"][0]
+    _, entries = _chat_logprobs(client, max_tokens=1, logit_bias={str(banned): -100})
+    assert entries[0]["top_logprobs"][0] == first["top_logprobs"][0]  # the banned token, raw logprob
+    assert entries[0]["token"] != first["token"] and entries[0]["logprob"] < first["logprob"]
+
+
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, None, None),
     ("/v1/completions", b"[1, 2]", 400, None, None),
@@ -345,6 +440,20 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", None),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -2.5}, 400, "frequency_penalty", None),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty", None),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 11}, 400, "repetition_penalty", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1.5": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"259": 1}}, 400, "logit_bias", None),  # the vocabulary: 259
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999999999999999": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", None),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),

@@ -354,16 +354,44 @@ def test_logprobs_of_a_batch(engine: Engine) -> None:
             logits = session.step(token)
 
 
+def test_penalties_of_a_batch(engine: Engine) -> None:
+    """Requests with different logit biases and penalties (and none) decoded together: each gets the tokens of
+    its prompt alone through ``Session.generate`` with the same parameters (each keeps its own history)."""
+    tok = engine.tokenizer
+    params = [SamplingParams(frequency_penalty=2.0), SamplingParams(),
+              SamplingParams(presence_penalty=0.5, repetition_penalty=0.5),
+              SamplingParams(repetition_penalty=0.6, logit_bias=((120, 4.0), (58, -100.0))),
+              SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0, logit_bias=((32, 2.0),))]
+    prompts = [[tok.bos_id, *tok.encode(p)] for p in ["aaaa bbbb aaaa"] * 3 + PROMPTS[:2]]
+    n = 12
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    got: dict[int, list] = {i: [] for i in range(len(params))}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        sched.submit(Job(p, n, sp, [], True, True), got[i].append)
+    sched.start()
+    try:
+        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
+    finally:
+        sched.stop()
+    assert sched.stats.batch_size.counts[0] < sched.stats.steps  # some steps decoded several requests
+    outputs = []
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
+        outputs.append([t for piece in got[i] for t in piece.ids])
+        assert outputs[-1] == [t for t, _ in session.generate(p, n, sp, stop_ids=())]
+    assert len({tuple(o) for o in outputs[:3]}) == 3  # one prompt, three penalties: three outputs
+
+
 def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     import ds4x.serve.scheduler as sched_mod
 
     real, calls = sched_mod.draw, []
 
-    def flaky(logits, params, generator=None):  # noqa: ANN001
+    def flaky(logits, params, generator=None, history=None):  # noqa: ANN001
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return real(logits, params, generator)
+        return real(logits, params, generator, history)
 
     monkeypatch.setattr(sched_mod, "draw", flaky)
     sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
