@@ -113,3 +113,21 @@ def test_quality_report_runs(capsys):
     assert main(["quality", "--tokens", "256", "--samples", "1", "--recall", "", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "held-out perplexity (packed cache" in out and "unigram perplexity" in out
+
+
+def test_generate_with_logit_bias_and_penalties(capsys):
+    from ds4x.runtime.sampling import SamplingParams
+
+    args = ["generate", "-m", "tiny", "--prompt-ids", "5,6,7,8", "-n", "24", "--temp", "0", "-q", "--ignore-eos"]
+    assert main([*args, "--logit-bias", "9=100, 10=-5"]) == 0
+    assert capsys.readouterr().out.split() == ["9"] * 24
+    assert main(args) == 0
+    plain = [int(t) for t in capsys.readouterr().out.split()]
+    assert main([*args, "--frequency-penalty", "2", "--repetition-penalty", "1.5"]) == 0
+    penalized = [int(t) for t in capsys.readouterr().out.split()]
+    session = Engine.load("tiny", device="cpu").new_session(cache="packed", announce=False)
+    params = SamplingParams(frequency_penalty=2, repetition_penalty=1.5)
+    assert penalized == [t for t, _ in session.generate([5, 6, 7, 8], 24, params, stop_ids=())] != plain
+    for bad in (["--logit-bias", "9"], ["--logit-bias", "300=1"], ["--presence-penalty", "3"]):
+        assert main([*args, *bad]) == 2
+        assert "error:" in capsys.readouterr().err

@@ -31,6 +31,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top probability")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of every token generated so far, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted from a generated token's logit once per occurrence, in [-2, 2] (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the positive logits (multiplies the negative ones) of the tokens in the context or "
+                        "generated, in (0, 10] (1 = off)")
+    p.add_argument("--logit-bias", metavar="ID=BIAS,...", default=None,
+                   help="add BIAS in [-100, 100] to token ID's logit, e.g. 5=-100,7=2.5")
     p.add_argument("--ctx", type=int, default=None,
                    help="context size of the session (default: 4096, or the model's maximum if smaller)")
     p.add_argument("--prefill-chunk", type=int, default=None,
@@ -245,6 +254,15 @@ def _parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def _parse_bias(text: str) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias``: comma-separated ID=BIAS pairs."""
+    try:
+        pairs = [item.split("=") for item in text.replace(" ", "").split(",") if item]
+        return tuple((int(t), float(b)) for t, b in pairs)
+    except ValueError:
+        raise ValueError(f"--logit-bias must be comma-separated ID=BIAS pairs, got {text!r}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ds4x.runtime.engine import Engine, GenerationStats
     from ds4x.runtime.sampling import SamplingParams
@@ -255,7 +273,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.ctx is not None and args.ctx <= 0:
         raise ValueError(f"--ctx must be positive, got {args.ctx}")
     params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed)
+                            seed=args.seed, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logit_bias=_parse_bias(args.logit_bias) if args.logit_bias is not None else ())
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     tok = engine.tokenizer
     if args.prompt_ids is not None:
