@@ -1,5 +1,4 @@
-"""Next-token sampling: logit bias and repetition penalties, then greedy or temperature, top-k, top-p, min-p,
-seeded.
+"""Next-token sampling: logit bias and penalties, then greedy or temperature, top-k, top-p, min-p, seeded.
 
 Order (`draw`): the logits are first adjusted (`adjust`: ``logit_bias`` added, then vLLM's
 ``repetition_penalty`` over the prompt and generated tokens, then OpenAI's ``frequency_penalty`` and
