@@ -73,6 +73,21 @@ def _wait_for(cond, what: str, seconds: float = 20) -> None:
         time.sleep(0.05)
 
 
+def _decode_together(engine: Engine, jobs: list[Job]) -> dict[int, list]:
+    """The pieces of each job, all submitted to one scheduler before it starts (so that steps batch them)."""
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    got: dict[int, list] = {i: [] for i in range(len(jobs))}
+    for i, job in enumerate(jobs):
+        sched.submit(job, got[i].append)
+    sched.start()
+    try:
+        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
+    finally:
+        sched.stop()
+    assert sched.stats.batch_size.counts[0] < sched.stats.steps  # some steps decoded several requests
+    return got
+
+
 def _expected(engine: Engine, text: str, n: int, cache: str = "packed") -> list[int]:
     """Greedy tokens of one session alone, evaluated in the server's chunks."""
     tok = engine.tokenizer
@@ -327,16 +342,8 @@ def test_logprobs_of_a_batch(engine: Engine) -> None:
     params = [SamplingParams(), SamplingParams(temperature=1.2, top_p=0.9, seed=1), SamplingParams(),
               SamplingParams(temperature=0.7, min_p=0.1, seed=2), SamplingParams(top_k=4, temperature=1.0, seed=3)]
     prompts = [[tok.bos_id, *tok.encode(p)] for p in PROMPTS[: len(ks)]]
-    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
-    got: dict[int, list] = {i: [] for i in range(len(ks))}
-    for i, (p, sp, k) in enumerate(zip(prompts, params, ks, strict=True)):
-        sched.submit(Job(p, 6, sp, [], True, True, logprobs=k), got[i].append)
-    sched.start()
-    try:
-        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
-    finally:
-        sched.stop()
-    assert sched.stats.batch_size.counts[0] < sched.stats.steps  # some steps decoded several requests
+    got = _decode_together(engine, [Job(p, 6, sp, [], True, True, logprobs=k)
+                                    for p, sp, k in zip(prompts, params, ks, strict=True)])
     for i, k in enumerate(ks):
         ids = [t for piece in got[i] for t in piece.ids]
         entries = [e for piece in got[i] for e in piece.logprobs]
@@ -364,16 +371,7 @@ def test_penalties_of_a_batch(engine: Engine) -> None:
               SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0, logit_bias=((32, 2.0),))]
     prompts = [[tok.bos_id, *tok.encode(p)] for p in ["aaaa bbbb aaaa"] * 3 + PROMPTS[:2]]
     n = 12
-    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
-    got: dict[int, list] = {i: [] for i in range(len(params))}
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        sched.submit(Job(p, n, sp, [], True, True), got[i].append)
-    sched.start()
-    try:
-        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
-    finally:
-        sched.stop()
-    assert sched.stats.batch_size.counts[0] < sched.stats.steps  # some steps decoded several requests
+    got = _decode_together(engine, [Job(p, n, sp, [], True, True) for p, sp in zip(prompts, params, strict=True)])
     outputs = []
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
