@@ -886,7 +886,8 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
     - others: 4 rows per thread where that still makes ~1,024 programs, else 2 (Q8_0 split rows: wq_b
       1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, the
       grouped wo_a 12.8 against 15.0, wo_b and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows
-      5.1), each thread holding about 8 (unit, row) pairs per step so that many loads are in flight."""
+      5.1; Q4_K, off the q2 mix, not re-measured under this rule), each thread holding about 8 (unit, row) pairs
+      per step so that many loads are in flight."""
     unit = _fields(qtype)[4]
     units = k // unit
     if qtype == T.IQ2_XXS:
