@@ -29,6 +29,7 @@ import torch
 from ds4x.config import CSA, HCA, ModelConfig
 from ds4x.kernels import compressor
 from ds4x.kernels.attention import Slots, attention_decode_triton, attention_prefill_triton
+from ds4x.kernels.branches import concurrently
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
@@ -186,21 +187,37 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     N, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
     cos, sin = rope_at_positions if rope_at_positions is not None else cos_sin(rope, positions)
 
-    q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
-    q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-    q = linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd)
-    q = rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)  # working dtype: the kernels read it as is
-    kv = rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
-    comp = idx = index_q = index_w = None
-    if kind in (CSA, HCA):
-        comp = _compressor_projection(x, w, p + "compressor.")
-    if kind == CSA:
-        idx = _compressor_projection(x, w, p + "indexer.compressor.")
-        ip = p + "indexer."
-        index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
-        index_q = apply_rope(index_q, cos, sin)
+    ip = p + "indexer."
+
+    def queries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
+        q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+
+        def attention_q() -> torch.Tensor:  # working dtype: the kernels read it as is
+            return rms_norm_rope(linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd), None, cfg.rms_norm_eps, cos,
+                                 sin)
+
+        def indexer_q() -> torch.Tensor | None:
+            if kind != CSA:
+                return None
+            index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
+            return apply_rope(index_q, cos, sin)
+
+        q, index_q = concurrently(x.device, attention_q, indexer_q)
+        return q, rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin), index_q
+
+    def compressor_input() -> torch.Tensor | None:
+        return _compressor_projection(x, w, p + "compressor.") if kind in (CSA, HCA) else None
+
+    def indexer_input() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if kind != CSA:
+            return None, None
         # times a float32 [1] tensor: the product is promoted to float32 in one launch (.float() then * was two)
-        index_w = linear(x, w[ip + "weights_proj.weight"]) * _float32_scalar(cfg.index_n_heads**-0.5, x.device)
+        return (_compressor_projection(x, w, ip + "compressor."),
+                linear(x, w[ip + "weights_proj.weight"]) * _float32_scalar(cfg.index_n_heads**-0.5, x.device))
+
+    # in a captured step the compressor and indexer projections are branches beside the query path
+    (q, kv, index_q), comp, (idx, index_w) = concurrently(x.device, queries, compressor_input, indexer_input)
 
     pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
     done: set[int] = set()

@@ -8,6 +8,7 @@ import torch
 
 from ds4x.config import ModelConfig
 from ds4x.kernels import moe as fused
+from ds4x.kernels.branches import concurrently
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.linear import (
     Weight,
@@ -125,15 +126,25 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
     w13 = w.get(stacked_name((prefix + "experts.w1", prefix + "experts.w3")))
     w13 = w13 if w13 is not None and has_routed_kernel(w13) else None
-    # with stacked gate / up experts the router also writes their 2k slots
-    ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
-    stacked_ids = None
-    if w13 is not None:
-        stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
+    s = prefix + "shared_experts."
+
+    def shared_expert() -> torch.Tensor:
+        return linear(swiglu(*project(x, w, (s + "w1.weight", s + "w3.weight")), cfg.swiglu_limit),
+                      w[s + "w2.weight"])
+
     # the quantized routed kernel at any size: no host sync, and the by-expert loop measured 147 ms against 16 ms
     # for a 512-token chunk of Flash (H200); row-wise products (batch invariance) stay on one path too
-    s = prefix + "shared_experts."
-    shared = linear(swiglu(*project(x, w, (s + "w1.weight", s + "w3.weight")), cfg.swiglu_limit), w[s + "w2.weight"])
-    if has_routed_kernel(w1) or (routes_without_sync(w1) and ids.numel() <= BY_SLOT_MAX_PAIRS):
-        return combine(experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids), weights, shared)
-    return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared
+    if has_routed_kernel(w1) or (routes_without_sync(w1) and x.shape[0] * cfg.n_experts_per_tok <= BY_SLOT_MAX_PAIRS):
+        def routed_experts() -> tuple[torch.Tensor, torch.Tensor]:
+            # with stacked gate / up experts the router also writes their 2k slots
+            ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
+            stacked_ids = None
+            if w13 is not None:
+                stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
+            return experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids), weights
+
+        # in a captured step the shared expert is a branch of its own beside the router and the routed experts
+        (routed, weights), shared = concurrently(x.device, routed_experts, shared_expert)
+        return combine(routed, weights, shared)
+    ids, weights = route(x, w, prefix, tokens, cfg, hashed)
+    return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared_expert()
