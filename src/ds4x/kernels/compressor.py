@@ -105,13 +105,15 @@ def _kernels() -> Any:
     return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters [n] for the emit kernel, kept between calls (each call leaves them at zero), so a step
-    needs no fill launch per compressor; one stream at a time, like the radix select's workspace."""
-    key = (device, n)
+    needs no fill launch per compressor; one set per stream, so emits on parallel branches of a captured step
+    (`ds4x.kernels.branches`) do not share them."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, n, stream)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
     return _COUNTERS[key]

@@ -203,8 +203,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
             return apply_rope(index_q, cos, sin)
 
-        q, index_q = concurrently(x.device, attention_q, indexer_q)
-        return q, rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin), index_q
+        def attention_kv() -> torch.Tensor:
+            return rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
+
+        q, kv_rows, index_q = concurrently(x.device, attention_q, attention_kv, indexer_q)
+        return q, kv_rows, index_q
 
     def compressor_input() -> torch.Tensor | None:
         return _compressor_projection(x, w, p + "compressor.") if kind in (CSA, HCA) else None
@@ -315,25 +318,35 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, windows: tor
     count read on the device."""
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
-    st.raw.write_at(pos, kv)
-    if comp is not None:
-        assert st.comp_proj is not None and st.comp_rows is not None
-        _compress(comp, st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"], pos,
-                  windows, ratio, kind == CSA, cfg.head_dim, cfg, rope)
-    if idx is not None:
-        assert st.idx_proj is not None and st.idx_rows is not None
+
+    def write_rows() -> None:
+        st.raw.write_at(pos, kv)
+        if comp is not None:
+            assert st.comp_proj is not None and st.comp_rows is not None
+            _compress(comp, st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"],
+                      pos, windows, ratio, kind == CSA, cfg.head_dim, cfg, rope)
+
+    def select_rows() -> torch.Tensor | None:
+        """CSA: the indexer's row for this step, then the top-k compressed rows by its scores."""
+        if kind != CSA:
+            return None
+        assert index_q is not None and index_w is not None and st.idx_rows is not None and st.idx_proj is not None
+        assert n_rows is not None  # [B]: compressed rows whose window has closed
         _compress(idx, st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
                   w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg, rope)
+        scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
+        return select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)[0]  # unfilled slots: no row
+
+    # in a captured step the rows' writes are a branch beside the indexer and the selection (the select's grid
+    # barrier only waits longer while the other branch holds multiprocessors)
+    index, _ = concurrently(q.device, select_rows, write_rows)
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
         (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
     if kind == HCA:
         assert st.comp_rows is not None
         sources.append((st.comp_rows.data, Slots(st.comp_rows.capacity, position=pos, ratio=ratio)))
     elif kind == CSA:
-        assert index_q is not None and index_w is not None and st.idx_rows is not None and st.comp_rows is not None
-        assert n_rows is not None  # [B]: compressed rows whose window has closed
-        scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
-        index, _ = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)  # unfilled slots: no row
+        assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))
     return attention_decode_triton(q, sources, w[p + "attn_sink"], cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
 
