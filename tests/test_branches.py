@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ds4x.kernels import branches
-from ds4x.kernels.branches import concurrently
+from ds4x.kernels.branches import Branch, concurrently
 
 
 def test_outside_a_capture_the_pieces_run_in_order() -> None:
@@ -31,13 +31,15 @@ def test_captured_branches_replay_with_the_values_of_the_eager_pieces(monkeypatc
     w = [torch.randn(512, 512, device=dev, generator=g) for _ in range(3)]
 
     def step() -> torch.Tensor:
+        early = Branch(dev, lambda: (x @ w[1]).tanh())  # joined late, and first by another branch
+
         def left() -> torch.Tensor:
             h = x @ w[0]
             a, b = concurrently(dev, lambda: h @ w[1], lambda: (h * 2) @ w[2])
-            return a + b
+            return a + b * early.join()
 
         left_out, right_out = concurrently(dev, left, lambda: (x @ w[2]).relu())
-        return left_out - right_out
+        return left_out - right_out + early.join()
 
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))

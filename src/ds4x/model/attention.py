@@ -29,7 +29,7 @@ import torch
 from ds4x.config import CSA, HCA, ModelConfig
 from ds4x.kernels import compressor
 from ds4x.kernels.attention import Slots, attention_decode_triton, attention_prefill_triton
-from ds4x.kernels.branches import concurrently
+from ds4x.kernels.branches import Branch
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
@@ -188,26 +188,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     cos, sin = rope_at_positions if rope_at_positions is not None else cos_sin(rope, positions)
 
     ip = p + "indexer."
-
-    def queries() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        q_low, kv = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
-        q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-
-        def attention_q() -> torch.Tensor:  # working dtype: the kernels read it as is
-            return rms_norm_rope(linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd), None, cfg.rms_norm_eps, cos,
-                                 sin)
-
-        def indexer_q() -> torch.Tensor | None:
-            if kind != CSA:
-                return None
-            index_q = linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim)
-            return apply_rope(index_q, cos, sin)
-
-        def attention_kv() -> torch.Tensor:
-            return rms_norm_rope(kv, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin)
-
-        q, kv_rows, index_q = concurrently(x.device, attention_q, attention_kv, indexer_q)
-        return q, kv_rows, index_q
+    dev = x.device
 
     def compressor_input() -> torch.Tensor | None:
         return _compressor_projection(x, w, p + "compressor.") if kind in (CSA, HCA) else None
@@ -217,30 +198,43 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             return None, None
         # times a float32 [1] tensor: the product is promoted to float32 in one launch (.float() then * was two)
         return (_compressor_projection(x, w, ip + "compressor."),
-                linear(x, w[ip + "weights_proj.weight"]) * _float32_scalar(cfg.index_n_heads**-0.5, x.device))
+                linear(x, w[ip + "weights_proj.weight"]) * _float32_scalar(cfg.index_n_heads**-0.5, dev))
 
-    # in a captured step the compressor and indexer projections are branches beside the query path
-    (q, kv, index_q), comp, (idx, index_w) = concurrently(x.device, queries, compressor_input, indexer_input)
+    # in a captured step these are graph branches (`Branch`), joined where the decode path needs them: the
+    # compressor and indexer projections, the attention query's second projection and the KV row's norm + RoPE
+    # beside the indexer query (on the capturing stream, which goes on to the selection)
+    comp_b, idx_b = Branch(dev, compressor_input), Branch(dev, indexer_input)
+    q_low, kv_low = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
+    q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+
+    def attention_q() -> torch.Tensor:  # working dtype: the kernels read it as is
+        return rms_norm_rope(linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd), None, cfg.rms_norm_eps, cos, sin)
+
+    q_b = Branch(dev, attention_q)
+    kv_b = Branch(dev, lambda: rms_norm_rope(kv_low, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin))
+    index_q = None
+    if kind == CSA:
+        index_q = apply_rope(linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim),
+                             cos, sin)
+    inputs = _LayerInputs(q_b, kv_b, comp_b, idx_b, index_q)
 
     pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
     done: set[int] = set()
     decode = [i for i, seg in enumerate(segments)
-              if seg.length == 1 and seg.cache.mode != "float" and use_triton(x.device)]
+              if seg.length == 1 and seg.cache.mode != "float" and use_triton(dev)]
     derived = derived if derived is not None else PassPositions(positions)
     for group in _decode_groups([segments[i] for i in decode], decode, layer):
         rows = group.rows
-        out = _decode_triton(group.st, group.cache.mode == "packed", positions[rows],
-                             derived.windows(ratio)[rows] if ratio else None,
-                             derived.closed(ratio)[rows] if kind == CSA else None, q[rows], kv[rows],
-                             None if comp is None else comp[rows], None if idx is None else idx[rows],
-                             None if index_q is None else group.cache.indexer_query(index_q[rows]),
-                             None if index_w is None else index_w[rows], w, layer, cfg, rope)
+        out = _decode_triton(group.st, group.cache, positions[rows], derived.windows(ratio)[rows] if ratio else None,
+                             derived.closed(ratio)[rows] if kind == CSA else None, inputs, rows, w, layer, cfg, rope)
         n = group.numbers
         if isinstance(rows, slice) and n == list(range(n[0], n[0] + len(n))):
             pieces.append((n[0], out))  # consecutive segments and rows: one piece
         else:
             pieces.extend(zip(n, out.split(1), strict=True))
         done.update(n)
+    # every branch joins the capturing stream (a capture cannot end otherwise); the other segments read them here
+    q, kv, comp, (idx, index_w) = q_b.join(), kv_b.join(), comp_b.join(), idx_b.join()
     for i, seg in enumerate(segments):
         if i in done:
             continue
@@ -301,15 +295,27 @@ def _decode_groups(segs: list[Segment], numbers: list[int], layer: int) -> list[
     return groups
 
 
-def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, windows: torch.Tensor | None,
-                   n_rows: torch.Tensor | None, q: torch.Tensor, kv: torch.Tensor,
-                   comp: torch.Tensor | None, idx: torch.Tensor | None, index_q: torch.Tensor | None,
-                   index_w: torch.Tensor | None, w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig,
+@dataclass
+class _LayerInputs:
+    """A layer's per-token inputs to its cache work and attention, as `Branch`es where a captured step computes
+    them beside the capturing stream (joined where they are read)."""
+
+    q: Branch[torch.Tensor]  # queries [T, H, D] after norm + RoPE
+    kv: Branch[torch.Tensor]  # the KV rows [T, D] after norm + RoPE
+    comp: Branch[torch.Tensor | None]  # compressor projections [T, kv | gate] (CSA / HCA)
+    idx: Branch[tuple[torch.Tensor | None, torch.Tensor | None]]  # CSA: indexer compressor projections, head weights
+    index_q: torch.Tensor | None  # CSA: indexer queries [T, H, D] after RoPE, before the cache's rounding
+
+
+def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows: torch.Tensor | None,
+                   n_rows: torch.Tensor | None, inputs: _LayerInputs, rows: slice | torch.Tensor,
+                   w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig,
                    rope: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """One token for each of B caches (their stores batched: ``st``, rings [B, ...]) with the Triton kernels, each
-    kernel launched once for all B: the row writes and compressors, then queries q [B, H, D] -> [B, H, D] float32
-    before the inverse RoPE. Each cache's rows are bit-identical to a step of that cache alone. ``windows`` /
-    ``n_rows``: the window of each position and (CSA) the windows closed by it (`PassPositions`).
+    """One token for each of B caches (their stores batched: ``st``, rings [B, ...]; ``cache`` the first of them)
+    with the Triton kernels, each kernel launched once for all B: the row writes and compressors, then the queries
+    (``inputs`` at ``rows``) [B, H, D] -> [B, H, D] float32 before the inverse RoPE. Each cache's rows are
+    bit-identical to a step of that cache alone. ``windows`` / ``n_rows``: the window of each position and (CSA)
+    the windows closed by it (`PassPositions`).
 
     Only device values describe the step (positions, row counts), and every shape is fixed by the caches'
     capacities, so a captured step replays at any positions: the window holding the new position is re-emitted
@@ -318,28 +324,30 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, windows: tor
     count read on the device."""
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
+    packed = cache.mode == "packed"
 
     def write_rows() -> None:
-        st.raw.write_at(pos, kv)
+        st.raw.write_at(pos, inputs.kv.join()[rows])
+        comp = inputs.comp.join()
         if comp is not None:
             assert st.comp_proj is not None and st.comp_rows is not None
-            _compress(comp, st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"],
+            _compress(comp[rows], st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"],
                       pos, windows, ratio, kind == CSA, cfg.head_dim, cfg, rope)
 
-    def select_rows() -> torch.Tensor | None:
-        """CSA: the indexer's row for this step, then the top-k compressed rows by its scores."""
-        if kind != CSA:
-            return None
-        assert index_q is not None and index_w is not None and st.idx_rows is not None and st.idx_proj is not None
-        assert n_rows is not None  # [B]: compressed rows whose window has closed
-        _compress(idx, st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
+    # in a captured step the rows' writes are a branch beside the indexer and the selection (which stays on the
+    # capturing stream: its programs meet at grid barriers)
+    writes = Branch(pos.device, write_rows)
+    index = None
+    if kind == CSA:
+        idx, index_w = inputs.idx.join()
+        assert idx is not None and index_w is not None and inputs.index_q is not None
+        assert st.idx_rows is not None and st.idx_proj is not None and n_rows is not None  # [B]: closed windows
+        _compress(idx[rows], st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
                   w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg, rope)
-        scores = indexer_scores_triton(index_q, index_w, st.idx_rows.data, n_rows, packed)
-        return select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)[0]  # unfilled slots: no row
-
-    # in a captured step the rows' writes are a branch beside the indexer and the selection (the select's grid
-    # barrier only waits longer while the other branch holds multiprocessors)
-    index, _ = concurrently(q.device, select_rows, write_rows)
+        scores = indexer_scores_triton(cache.indexer_query(inputs.index_q[rows]), index_w[rows], st.idx_rows.data,
+                                       n_rows, packed)
+        index = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)[0]  # unfilled slots: no row
+    writes.join()
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
         (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
     if kind == HCA:
@@ -348,7 +356,8 @@ def _decode_triton(st: LayerState, packed: bool, pos: torch.Tensor, windows: tor
     elif kind == CSA:
         assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))
-    return attention_decode_triton(q, sources, w[p + "attn_sink"], cfg.head_dim**-0.5, cfg.nope_head_dim, packed)
+    return attention_decode_triton(inputs.q.join()[rows], sources, w[p + "attn_sink"], cfg.head_dim**-0.5,
+                                   cfg.nope_head_dim, packed)
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
