@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels.arrivals import arrival_counters
 
 _DEFINED_INTERPRETED = interpret_mode()
 
@@ -106,6 +105,20 @@ def _kernels() -> Any:
     return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
+_COUNTERS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters [n] for the emit kernel, kept between calls (each call leaves them at zero), so a step
+    needs no fill launch per compressor; one set per stream, so emits on parallel branches of a captured step
+    (`ds4x.kernels.branches`) do not share them."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (device, n, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
 def supported(proj: torch.Tensor, rope_half: int) -> bool:
     """Triton present, a CUDA ring (or the interpreter), and a power-of-two count of rotated pairs."""
     return (HAVE_TRITON and (proj.is_cuda or interpret_mode()) and rope_half > 0
@@ -132,7 +145,7 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
         ncb = block_w // block_c
         block_s = max(1, min(triton.next_power_of_2(nslot), 4096 // block_c))
         parts = torch.empty(n, ncb, dtype=torch.float32, device=proj.device)
-        arrived = arrival_counters(proj.device, n)
+        arrived = _arrival_counters(proj.device, n)
         _kernels()._emit_kernel[(n, ncb)](
             proj, proj.shape[-2], proj.stride(0) if batched else 0, windows.contiguous(), last.reshape(-1).contiguous(),
             1 if batched else 0, ape.contiguous(), norm.contiguous(),

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels.arrivals import arrival_counters
 
 _DEFINED_INTERPRETED = interpret_mode()
 # the hidden size is a compile-time constant (one model, one value): static loops, also in the interpreter
@@ -47,14 +46,11 @@ if HAVE_TRITON:
         tl.store(sq_part + t * S + s, tl.sum(x * x, axis=0))
 
     @triton.jit
-    def _hc_pre_kernel(streams, mix_part, sq_part, base, scale, out, post_out, comb_out, norm_w, normed, norm_part,
-                       arrived, H: tl.constexpr, rms_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr,
-                       MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                       NB: tl.constexpr, NBP: tl.constexpr):
+    def _hc_pre_kernel(streams, mix_part, sq_part, base, scale, out, post_out, comb_out, H: tl.constexpr, rms_eps,
+                       hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, S: tl.constexpr,
+                       SP: tl.constexpr, BLOCK_H: tl.constexpr):
         # program (token, block of the hidden size): every program of a token derives the same pre / post /
-        # comb from the partials (4x4 work, cheaper than another launch), then collapses its block. NORM: it also
-        # stores the block's sum of squares, and the token's last program to arrive (a counter in ``arrived``, zero
-        # on entry and left at zero) applies the block's RMSNorm to the whole collapsed row
+        # comb from the partials (4x4 work, cheaper than another launch), then collapses its block
         t = tl.program_id(0)
         hb = tl.program_id(1)
         j = tl.arange(0, N)
@@ -85,23 +81,7 @@ if HAVE_TRITON:
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        y = tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty)
-        tl.store(out + t * H + h, y, mask=m)
-        if NORM:
-            yf = tl.where(m, y.to(tl.float32), 0.0)  # the stored values, as a separate RMSNorm would read them
-            tl.store(norm_part + t * NB + hb, tl.sum(yf * yf, axis=0))
-            # acq_rel: every program's stores are visible to the one that sees the count complete
-            if tl.atomic_add(arrived + t, 1, sem="acq_rel") == NB - 1:
-                tl.atomic_xchg(arrived + t, 0)
-                b = tl.arange(0, NBP)
-                total = tl.sum(tl.load(norm_part + t * NB + b, mask=b < NB, other=0.0, cache_modifier=".cg"), axis=0)
-                inv_rms = 1.0 / tl.sqrt(total / H + rms_eps)
-                for k in tl.static_range(NB):
-                    hk = k * BLOCK_H + tl.arange(0, BLOCK_H)
-                    mk = hk < H
-                    v = tl.load(out + t * H + hk, mask=mk, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    g = tl.load(norm_w + hk, mask=mk, other=0.0).to(tl.float32)
-                    tl.store(normed + t * H + hk, (g * (v * inv_rms)).to(normed.dtype.element_ty), mask=mk)
+        tl.store(out + t * H + h, tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _hc_post_kernel(streams, block_out, post, comb, out, fn, mix_part, sq_part, H: tl.constexpr, N: tl.constexpr,
@@ -140,7 +120,6 @@ PRE_BLOCK, PRE_WARPS = 256, 1
 # is [mixes, n, block] in registers)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
 MIX_AHEAD = True  # the model's hc_post computes the next block's mixing partials (False: each hc_pre mixes itself)
-NORM_IN_COLLAPSE = True  # the model's hc_pre applies the block's RMSNorm in the collapse (False: a norm kernel after)
 
 
 class MixPartials(NamedTuple):
@@ -164,15 +143,13 @@ def supported(streams: torch.Tensor, n: int) -> bool:
 
 
 def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
-                 hc_eps: float, iters: int, partials: MixPartials | None = None, norm: torch.Tensor | None = None
+                 hc_eps: float, iters: int, partials: MixPartials | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32.
 
     Two launches, both spread over the GPU: split-K mixing dots straight from the streams and ``fn`` in their
     stored dtypes, then the per-token mHC math and the collapse by blocks of the hidden size. ``partials``: the
-    mixing dots already computed for these streams and this ``fn`` (by ``hc_post_fused``): one launch. ``norm``:
-    the block's RMSNorm weight [H]; the block input comes back normalised (RMSNorm of the collapsed row as
-    stored, ``rms_eps``) by the same launch instead of a norm kernel after it."""
+    mixing dots already computed for these streams and this ``fn`` (by ``hc_post_fused``): one launch."""
     t, n, hd = streams.shape
     m = fn.shape[0]
     streams = streams.contiguous()
@@ -194,18 +171,10 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
-    nb = triton.cdiv(hd, PRE_BLOCK)
-    normed, norm_part, arrived = out, post, post  # placeholders, read only with a norm
-    if norm is not None:
-        normed = torch.empty_like(out)
-        norm_part = torch.empty(t, nb, dtype=torch.float32, device=dev)
-        arrived = arrival_counters(dev, t)
-    kern._hc_pre_kernel[(t, nb)](
-        streams, mix_part, sq_part, base.contiguous(), scale.contiguous(), out, post, comb,
-        norm.contiguous() if norm is not None else out, normed, norm_part, arrived, hd, rms_eps, hc_eps,
-        ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK, NORM=norm is not None, NB=nb,
-        NBP=triton.next_power_of_2(nb), num_warps=PRE_WARPS)
-    return normed, post, comb
+    kern._hc_pre_kernel[(t, triton.cdiv(hd, PRE_BLOCK))](
+        streams, mix_part, sq_part, base.contiguous(), scale.contiguous(), out, post, comb, hd, rms_eps, hc_eps,
+        ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK, num_warps=PRE_WARPS)
+    return out, post, comb
 
 
 def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
