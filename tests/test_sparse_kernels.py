@@ -186,6 +186,21 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
     half, sources = q.bfloat16(), [(rows, window), (rows, picked)]  # a bf16 query is read as its float32 values
     assert torch.equal(attention_decode_triton(half, sources, sinks, dim**-0.5, dim - rope, True),
                        attention_decode_triton(half.float(), sources, sinks, dim**-0.5, dim - rope, True))
+    # the merge launch applying the inverse RoPE: the bits of the RoPE kernel after it
+    from ds4x.model.rope import apply_rope
+
+    angles = torch.randn(1, rope // 2, generator=g).to(dev) * 3
+    cos, sin = angles.cos(), angles.sin()
+    plain_out = attention_decode_triton(q, sources, sinks, dim**-0.5, dim - rope, True)
+    for dtype in (torch.bfloat16, torch.float32):
+        fused = attention_decode_triton(q, sources, sinks, dim**-0.5, dim - rope, True,
+                                        inverse_rope=(cos, sin, dtype))
+        assert fused.dtype == dtype
+        want = apply_rope(plain_out[None], cos, sin, inverse=True, dtype=dtype)[0]
+        if dev == "cuda" or dtype == torch.float32:
+            assert torch.equal(fused, want)
+        else:  # the interpreter rounds float32 -> bfloat16 toward zero, the torch reference to nearest
+            torch.testing.assert_close(fused.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("position", [3, 40, 299])

@@ -79,9 +79,13 @@ WGMMA_CONFIG = (16, 128)
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
-                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int] | None = None,
+                            inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
     """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
-    explicit index tensor [n] with -1 = skip) -> out [H, D] float32. A batched decode step passes B queries
+    explicit index tensor [n] with -1 = skip) -> out [H, D] float32. ``inverse_rope`` (cos, sin [B, 32] float32
+    of each query's position, dtype): the output comes back with the inverse RoPE of its 64 RoPE dims applied by
+    the merge launch, in that dtype (the bits of `ds4x.model.rope.apply_rope(out, cos, sin, inverse=True,
+    dtype=dtype)`). A batched decode step passes B queries
     q [B, H, D] with each source's data a batch of stores [B, capacity, width] (query b reads store b), its
     positions [B] and explicit indices [B, n] -> [B, H, D], in the same two launches; each query's output has the
     bits of that query alone.
@@ -165,10 +169,18 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                                                index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
                                                NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
                                                MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
-    out = torch.empty(B, H, D, device=q.device)
     n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
-    combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter, num_warps=4,
-                                    **pdl)
+    if inverse_rope is not None:
+        cos, sin, dtype = inverse_rope
+        if cos.shape != (B, 32) or sin.shape != (B, 32):
+            raise ValueError(f"inverse_rope takes cos / sin [{B}, 32] for 64 RoPE dims, got {tuple(cos.shape)}")
+        out = torch.empty(B, H, D, device=q.device, dtype=dtype)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    else:
+        out = torch.empty(B, H, D, device=q.device)
+        cos = sin = out  # unread
+    combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter,
+                                    ROPE=inverse_rope is not None, num_warps=4, **pdl)
     return out if batched else out[0]
 
 

@@ -190,10 +190,12 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 
 
 @triton.jit
-def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.constexpr, D: tl.constexpr,
-                   SB: tl.constexpr, N_ITER: tl.constexpr, PDL: tl.constexpr = False):
+def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, n_split, HP: tl.constexpr,
+                   D: tl.constexpr, SB: tl.constexpr, N_ITER: tl.constexpr, ROPE: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Program (head, 64-value chunk, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink -
-    top))."""
+    top)), rounded to out's dtype. ROPE: the last chunk (the 64 RoPE dims) is rotated back first by the query's
+    angles (cos / sin [queries, 32]) in interleaved pairs, the arithmetic of the inverse RoPE kernel."""
     wait_upstream(PDL)
     h = tl.program_id(0)
     c = tl.program_id(1)
@@ -220,7 +222,17 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, n_split, HP: tl.co
         part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + c * 64 + c64[None, :], mask=live[:, None],
                        other=0.0)
         acc += tl.sum(part * w[:, None], 0)
-    tl.store(out_ptr + h * D + c * 64 + c64, acc / denom)
+    y = acc / denom
+    if ROPE and c == D // 64 - 1:
+        even, odd = tl.split(tl.reshape(y, (32, 2)))
+        i = tl.arange(0, 32)
+        cs = tl.load(cos_ptr + b * 32 + i)
+        sn = -tl.load(sin_ptr + b * 32 + i)
+        dst = out_ptr + h * D + c * 64 + 2 * i
+        tl.store(dst, (even * cs - odd * sn).to(out_ptr.dtype.element_ty))
+        tl.store(dst + 1, (odd * cs + even * sn).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + h * D + c * 64 + c64, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit

@@ -226,7 +226,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     for group in _decode_groups([segments[i] for i in decode], decode, layer):
         rows = group.rows
         out = _decode_triton(group.st, group.cache, positions[rows], derived.windows(ratio)[rows] if ratio else None,
-                             derived.closed(ratio)[rows] if kind == CSA else None, inputs, rows, w, layer, cfg, rope)
+                             derived.closed(ratio)[rows] if kind == CSA else None, inputs, rows, w, layer, cfg, rope,
+                             (cos[rows], sin[rows], x.dtype))
         n = group.numbers
         if isinstance(rows, slice) and n == list(range(n[0], n[0] + len(n))):
             pieces.append((n[0], out))  # consecutive segments and rows: one piece
@@ -259,11 +260,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
                      None if index_q is None else cache.indexer_query(index_q[r]),
                      None if index_w is None else index_w[r], w, cfg, cache)
         if not reference and cache.mode == "packed" and use_triton(x.device):
-            pieces.append((i, _prefill_triton(step, q[r])))
+            pieces.append((i, apply_rope(_prefill_triton(step, q[r]), cos[r], sin[r], inverse=True, dtype=x.dtype)))
         else:
-            pieces.append((i, _attend_reference(step, q[r])))
+            pieces.append((i, apply_rope(_attend_reference(step, q[r]), cos[r], sin[r], inverse=True,
+                                         dtype=x.dtype)))
     out = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda piece: piece[0])])
-    out = apply_rope(out, cos, sin, inverse=True, dtype=x.dtype)
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
     return linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
 
@@ -309,11 +310,12 @@ class _LayerInputs:
 
 def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows: torch.Tensor | None,
                    n_rows: torch.Tensor | None, inputs: _LayerInputs, rows: slice | torch.Tensor,
-                   w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig,
-                   rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+                   w: dict[str, torch.Tensor], layer: int, cfg: ModelConfig, rope: tuple[torch.Tensor, float],
+                   inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype]) -> torch.Tensor:
     """One token for each of B caches (their stores batched: ``st``, rings [B, ...]; ``cache`` the first of them)
     with the Triton kernels, each kernel launched once for all B: the row writes and compressors, then the queries
-    (``inputs`` at ``rows``) [B, H, D] -> [B, H, D] float32 before the inverse RoPE. Each cache's rows are
+    (``inputs`` at ``rows``) [B, H, D] -> [B, H, D] after the inverse RoPE (``inverse_rope``: the queries' cos /
+    sin and the output dtype; applied by the attention's merge launch). Each cache's rows are
     bit-identical to a step of that cache alone. ``windows`` / ``n_rows``: the window of each position and (CSA)
     the windows closed by it (`PassPositions`).
 
@@ -357,7 +359,7 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
         assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))
     return attention_decode_triton(inputs.q.join()[rows], sources, w[p + "attn_sink"], cfg.head_dim**-0.5,
-                                   cfg.nope_head_dim, packed)
+                                   cfg.nope_head_dim, packed, inverse_rope=inverse_rope)
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
