@@ -124,3 +124,29 @@ def test_model_with_fused_mhc_matches_reference(monkeypatch):
     fast_logits, fast_tokens = run()
     assert fast_tokens == ref_tokens
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("t,hd,dtype,mix", [(1, 256, torch.bfloat16, True), (3, 320, torch.float32, False)])
+def test_post_sums_the_moe_parts_with_the_combine_bits(t, hd, dtype, mix):
+    """hc_post given the MoE block's parts (routed outputs, weights, shared expert) sums them in its own launch:
+    the bits of the combine kernel followed by hc_post, new streams and the next block's mixing partials."""
+    from ds4x.kernels.moe import combine_fused
+    from ds4x.model.moe import MoEParts
+
+    cfg = tiny_config().replace(hidden_size=hd)
+    n, k = cfg.hc_mult, 6
+    streams, fn, base, scale = _inputs(t, n, hd, seed=21, dtype=dtype)
+    _, post, comb = hc_pre(streams.float(), fn, base, scale, cfg)
+    g = torch.Generator().manual_seed(4)
+    routed = torch.randn(t, k, hd, generator=g).to(dtype).to(DEV)
+    weights = torch.rand(t, k, generator=g).to(DEV)
+    shared = torch.randn(t, hd, generator=g).to(dtype).to(DEV)
+    args = [a.to(DEV) for a in (streams, post, comb)]
+    next_fn = fn.to(DEV) if mix else None
+    want, want_mix = hk.hc_post_fused(args[0], combine_fused(routed, weights, shared), *args[1:], next_fn)
+    got, got_mix = hk.hc_post_fused(args[0], shared, *args[1:], next_fn, routed=(routed, weights))
+    assert torch.equal(got, want)
+    if mix:
+        assert torch.equal(got_mix.mix, want_mix.mix) and torch.equal(got_mix.sq, want_mix.sq)
+    ref = hc_post(streams, MoEParts(routed.cpu(), weights.cpu(), shared.cpu()), post, comb)[0]
+    torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -84,10 +84,13 @@ if HAVE_TRITON:
         tl.store(out + t * H + h, tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _hc_post_kernel(streams, block_out, post, comb, out, fn, mix_part, sq_part, H: tl.constexpr, N: tl.constexpr,
-                        BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, sq_part,
+                        H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr,
+                        MP: tl.constexpr, K: tl.constexpr):
         # program (token, block of the hidden size); with MIX also the next block's partial mixing dots and sum of
-        # squares over this block of the new streams (chunk s = the block: _hc_pre_kernel sums them in order)
+        # squares over this block of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
+        # K > 0: block_out is the shared expert's output and the block's output is first summed with the K routed
+        # outputs [T, K, H] by their weights [T, K], rounded to block_out's dtype (the MoE combine's arithmetic)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -95,6 +98,11 @@ if HAVE_TRITON:
         j = tl.arange(0, N)
         x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
         b = tl.load(block_out + t * H + h, mask=m, other=0.0).to(tl.float32)
+        if K > 0:
+            for i in tl.static_range(K):
+                wi = tl.load(routed_w + t * K + i).to(tl.float32)
+                b += wi * tl.load(routed + (t * K + i) * H + h, mask=m, other=0.0).to(tl.float32)
+            b = b.to(block_out.dtype.element_ty).to(tl.float32)
         c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
         p = tl.load(post + t * N + j)  # [k]
         mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, h] = sum_j comb[j, k] * x[j, h]
@@ -178,9 +186,12 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
 
 
 def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                  next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, MixPartials | None]:
+                  next_fn: torch.Tensor | None = None, routed: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, MixPartials | None]:
     """New streams [T, n, H]: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j], and with ``next_fn``
-    (the next block's mixing weights [M, n H]) that block's :class:`MixPartials` over the new streams."""
+    (the next block's mixing weights [M, n H]) that block's :class:`MixPartials` over the new streams. ``routed``:
+    the routed experts' outputs [T, k, H] and weights [T, k], summed into ``block_out`` (the shared expert's
+    output) first with the bits of `ds4x.kernels.moe.combine_fused` (one launch fewer per MoE block)."""
     t, n, hd = streams.shape
     out = torch.empty_like(streams, memory_format=torch.contiguous_format)
     block = POST_BLOCK if next_fn is None else POST_MIX_BLOCK
@@ -191,8 +202,10 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
     if next_fn is not None:
         partials = MixPartials(torch.empty(t, s, mp, dtype=torch.float32, device=streams.device),
                                torch.empty(t, s, dtype=torch.float32, device=streams.device))
+    y, y_w = routed if routed is not None else (out, out)  # unread without routed outputs
     _kernels()._hc_post_kernel[(t, s)](
-        streams.contiguous(), block_out.contiguous(), post.float().contiguous(), comb.float().contiguous(), out,
-        next_fn.contiguous() if next_fn is not None else out, *(partials if partials is not None else (out, out)),
-        hd, N=n, BLOCK_H=block, MIX=next_fn is not None, M=m, MP=mp)
+        streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
+        comb.float().contiguous(), out, next_fn.contiguous() if next_fn is not None else out,
+        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None, M=m,
+        MP=mp, K=y.shape[1] if routed is not None else 0)
     return out, partials

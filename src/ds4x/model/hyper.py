@@ -14,6 +14,7 @@ from ds4x.kernels import hyper as fused
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.linear import linear, rowwise_enabled
 from ds4x.model.activations import sigmoid
+from ds4x.model.moe import MoEParts
 from ds4x.model.norms import rms_norm
 
 
@@ -49,12 +50,18 @@ def hc_pre(
     return collapsed, post, comb
 
 
-def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor | MoEParts, post: torch.Tensor, comb: torch.Tensor,
             next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, fused.MixPartials | None]:
     """New streams: out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]; and on the fused path, given the
-    next block's ``fn``, that block's mixing partials for its ``hc_pre`` (one launch fewer per block), else None."""
+    next block's ``fn``, that block's mixing partials for its ``hc_pre`` (one launch fewer per block), else None.
+    ``block_out`` may be a MoE block's `MoEParts`, combined here (inside the fused launch on that path)."""
     if use_fused(streams):
-        return fused.hc_post_fused(streams, block_out, post, comb, next_fn if fused.MIX_AHEAD else None)
+        routed = None
+        if isinstance(block_out, MoEParts):
+            routed, block_out = (block_out.routed, block_out.weights), block_out.shared
+        return fused.hc_post_fused(streams, block_out, post, comb, next_fn if fused.MIX_AHEAD else None, routed)
+    if isinstance(block_out, MoEParts):
+        block_out = block_out.combined()
     dt = streams.dtype
     return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams, None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -108,6 +109,18 @@ def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: to
     return routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
 
 
+class MoEParts(NamedTuple):
+    """A MoE block's output before its sum: routed outputs [T, k, out] (unweighted), their weights [T, k] and the
+    shared expert's output [T, out]; the next op may sum them in its own launch (`ds4x.model.hyper.hc_post`)."""
+
+    routed: torch.Tensor
+    weights: torch.Tensor
+    shared: torch.Tensor
+
+    def combined(self) -> torch.Tensor:
+        return combine(self.routed, self.weights, self.shared)
+
+
 def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """The routed outputs y [T, k, out] weighted and summed, plus the shared expert's output [T, out]."""
     if use_triton(y.device) and not rowwise_enabled():
@@ -121,8 +134,9 @@ BY_SLOT_MAX_PAIRS = 64
 
 
 def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor, cfg: ModelConfig,
-        hashed: bool) -> torch.Tensor:
-    """x [T, H] -> routed experts (weighted) + shared expert."""
+        hashed: bool, parts: bool = False) -> torch.Tensor | MoEParts:
+    """x [T, H] -> routed experts (weighted) + shared expert; with ``parts``, where the routed experts run by slot,
+    the unsummed `MoEParts` instead (summed by the caller's next launch)."""
     w1, w3, w2 = w[prefix + "experts.w1"], w[prefix + "experts.w3"], w[prefix + "experts.w2"]
     w13 = w.get(stacked_name((prefix + "experts.w1", prefix + "experts.w3")))
     w13 = w13 if w13 is not None and has_routed_kernel(w13) else None
@@ -145,6 +159,7 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
 
         # in a captured step the shared expert is a branch of its own beside the router and the routed experts
         (routed, weights), shared = concurrently(x.device, routed_experts, shared_expert)
-        return combine(routed, weights, shared)
+        out = MoEParts(routed, weights, shared)
+        return out if parts else out.combined()
     ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared_expert()

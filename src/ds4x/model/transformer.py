@@ -105,7 +105,7 @@ class Transformer:
             block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
                                           w[p + "hc_ffn_scale"], cfg, mix)
             h = rms_norm(block_in, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
-            out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i))
+            out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i), parts=True)  # summed by hc_post
             last = i + 1 == cfg.num_layers
             streams, mix = hc_post(streams, out, post, comb, None if last else w[f"layers.{i + 1}.hc_attn_fn"])
         if not all_logits and N > len(segments):  # each cache's last token
