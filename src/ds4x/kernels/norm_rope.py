@@ -61,8 +61,9 @@ if HAVE_TRITON:
             s = -s
         even = tl.load(base + KEEP + 2 * i).to(tl.float32)
         odd = tl.load(base + KEEP + 2 * i + 1).to(tl.float32)
-        tl.store(dst + KEEP + 2 * i, (even * c - odd * s).to(out.dtype.element_ty))
-        tl.store(dst + KEEP + 2 * i + 1, (odd * c + even * s).to(out.dtype.element_ty))
+        # explicit FMAs, so the attention merge's inverse RoPE (triton_attention.combine_kernel) has these bits
+        tl.store(dst + KEEP + 2 * i, tl.fma(even, c, -(odd * s)).to(out.dtype.element_ty))
+        tl.store(dst + KEEP + 2 * i + 1, tl.fma(odd, c, even * s).to(out.dtype.element_ty))
 
 
 def _kernels() -> Any:

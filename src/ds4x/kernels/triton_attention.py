@@ -225,12 +225,12 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
     y = acc / denom
     if ROPE and c == D // 64 - 1:
         even, odd = tl.split(tl.reshape(y, (32, 2)))
-        i = tl.arange(0, 32)
-        cs = tl.load(cos_ptr + b * 32 + i)
-        sn = -tl.load(sin_ptr + b * 32 + i)
-        dst = out_ptr + h * D + c * 64 + 2 * i
-        tl.store(dst, (even * cs - odd * sn).to(out_ptr.dtype.element_ty))
-        tl.store(dst + 1, (odd * cs + even * sn).to(out_ptr.dtype.element_ty))
+        pair = tl.arange(0, 32)
+        cs = tl.load(cos_ptr + b * 32 + pair)
+        sn = -tl.load(sin_ptr + b * 32 + pair)
+        dst = out_ptr + h * D + c * 64 + 2 * pair
+        tl.store(dst, tl.fma(even, cs, -(odd * sn)).to(out_ptr.dtype.element_ty))  # explicit FMAs: as the RoPE
+        tl.store(dst + 1, tl.fma(odd, cs, even * sn).to(out_ptr.dtype.element_ty))  # kernel's (no contraction choice)
     else:
         tl.store(out_ptr + h * D + c * 64 + c64, y.to(out_ptr.dtype.element_ty))
 
