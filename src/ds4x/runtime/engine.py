@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ds4x.config import PRESETS, ModelConfig
+from ds4x.kernels import branches
 from ds4x.kernels.dispatch import describe as describe_kernels
 from ds4x.kernels.linear import quant_kernel_name
 from ds4x.model.cache import ModelCache, format_plan
@@ -127,7 +128,9 @@ class Engine:
         # a server makes a session per request: it announces the plan once at start-up instead
         log.log(logging.INFO if announce else logging.DEBUG, "session: ctx %d, %s cache (%s); kernels: %s", ctx,
                 cache, format_plan(session.cache.plan), describe_kernels(self.model.device, cache)
-                + ("; decode step: CUDA graph" if graphs_enabled(self.model.device, cache) else ""))
+                + ("; decode step: CUDA graph" + (" (independent pieces as parallel branches)"
+                                                   if branches.ENABLED else "")
+                   if graphs_enabled(self.model.device, cache) else ""))
         return session
 
 
