@@ -4,10 +4,10 @@
 Workers send, for ``--seconds``:
 
 - valid requests (completions with a text or token-id prompt, chat; greedy, or sampled with a fixed seed;
-  sometimes a stop string, sometimes logprobs): each is sent streamed and non-streamed (in random order), and
-  both answers must agree (text, token ids, finish reason, usage, logprobs). Half the prompts come from a small
-  pool, so the same request recurs across the run and must give the same answer each time; the others are
-  unique. A token of another stream leaking into a response shows up as a disagreement.
+  sometimes a stop string, penalties and logit biases, logprobs): each is sent streamed and non-streamed (in
+  random order), and both answers must agree (text, token ids, finish reason, usage, logprobs). Half the prompts
+  come from a small pool, so the same request recurs across the run and must give the same answer each time;
+  the others are unique. A token of another stream leaking into a response shows up as a disagreement.
 - invalid requests (malformed JSON, non-objects, wrong types, unknown model, prompts over the context,
   absurd parameters, non-UTF-8 bytes, streamed invalid requests): each must be answered 4xx with an OpenAI
   error body ``{"error": {"message": ..., "type": ...}}``.
@@ -82,6 +82,12 @@ def valid_body(rng: random.Random, soak: Soak) -> tuple[str, dict[str, Any]]:
         body |= {"temperature": 0.8, "top_p": 0.9, "seed": rng.randint(0, 2**31)}
     if rng.random() < 0.2:
         body["stop"] = rng.choice(["\n", ["(", ":"], " "])
+    if rng.random() < 0.25:  # penalties over the tokens so far, and biases on ids every vocabulary has
+        body |= {"presence_penalty": round(rng.uniform(-1, 2), 2), "frequency_penalty": round(rng.uniform(-1, 2), 2)}
+        if rng.random() < 0.5:
+            body["repetition_penalty"] = round(rng.uniform(1, 1.5), 2)
+        if rng.random() < 0.5:
+            body["logit_bias"] = {str(rng.randint(3, 255)): rng.choice([-100, -5, 5, 100]) for _ in range(3)}
     logprobs = rng.random() < 0.3
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
@@ -232,6 +238,12 @@ def invalid_cases(soak: Soak, rng: random.Random) -> list[tuple[str, str, Any]]:
                                                            "messages": [{"role": "user", "content": "x"}]}),
         ("top_logprobs_without_logprobs", "/v1/chat/completions", {"model": m, "top_logprobs": 2,
                                                                    "messages": [{"role": "user", "content": "x"}]}),
+        ("presence_penalty_out_of_range", "/v1/completions", {"model": m, "prompt": "x", "presence_penalty": 2.5}),
+        ("repetition_penalty_zero", "/v1/completions", {"model": m, "prompt": "x", "repetition_penalty": 0}),
+        ("logit_bias_not_an_id", "/v1/completions", {"model": m, "prompt": "x", "logit_bias": {"abc": 1}}),
+        ("logit_bias_out_of_range", "/v1/chat/completions", {"model": m, "logit_bias": {"5": 101},
+                                                             "messages": [{"role": "user", "content": "x"}]}),
+        ("logit_bias_out_of_vocab", "/v1/completions", {"model": m, "prompt": "x", "logit_bias": {str(2**30): 1}}),
         ("unknown_model", "/v1/completions", {"model": "no-such-model", "prompt": "x"}),
         ("unknown_model_chat", "/v1/chat/completions", {"model": "no-such-model",
                                                         "messages": [{"role": "user", "content": "x"}]}),
