@@ -72,7 +72,7 @@ def main() -> int:
             print(f"step {i:6d}: {rows[-1][1]:7.2f} ms/step, rss {rows[-1][2] / 2**20:8.1f} MiB"
                   + (f", cuda allocated {rows[-1][3] / 2**20:9.1f} MiB, reserved {rows[-1][4] / 2**20:9.1f} MiB"
                      if cuda else ""), flush=True)
-    base = rows[len(rows) // 4]
+    base = next(r for r in rows if r[0] >= args.steps // 4)
     growth = {name: (rows[-1][k] - base[k]) / 2**20 for k, name in ((2, "rss"), (3, "cuda_allocated"),
                                                                     (4, "cuda_reserved"))}
     held = session.cache.length == args.prompt_tokens + args.steps
