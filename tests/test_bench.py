@@ -63,3 +63,17 @@ def test_report_has_the_prefill_table(tmp_path):
     write_report(ledger, tmp_path / "BENCHMARKS.md", tmp_path / "serve.jsonl")
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "| abc | NVIDIA H200 | flash:q2 | r1 | 8 | 24 | 1 | 87.6 | 11.6 | 0.755 | - | ok | n |" in text
+
+
+def test_report_has_the_long_decode_table(tmp_path):
+    import json
+
+    row = {"bench": "long_decode", "date": "2026-12-04T06:20:18", "commit": "abc", "gpu": "none", "model": "default",
+           "device": "cpu", "flags": {"steps": 10000}, "decode_ms": 25.93,
+           "growth_mib": {"rss": 4.48, "cuda_allocated": 0.0, "cuda_reserved": 0.0}, "status": "failed"}
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text(json.dumps(row) + "\n")
+    write_report(ledger, tmp_path / "BENCHMARKS.md")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Long decode runs" in text
+    assert "| abc | none | default | cpu | 10,000 | 25.93 | +4.5 / +0.0 / +0.0 | failed |" in text

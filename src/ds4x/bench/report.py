@@ -109,6 +109,19 @@ def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, A
                          f"| {r['batch']} | {ms(r['step_ms'])} | {ms(r.get('replay_ms'))} | {r['tok_s']:.1f} "
                          f"| {r.get('status', 'ok')} | {r.get('note', '')} |")
         lines.append("")
+    long_runs = [r for r in rows if r.get("bench") == "long_decode"]
+    if long_runs:
+        lines += ["## Long decode runs: memory over N steps in one session (`scripts/long_decode.py`)", "",
+                  "Growth from the first sample at a quarter of the run to the end: the process's resident memory and, "
+                  "on CUDA, the caching allocator's allocated / reserved bytes.", "",
+                  "| date | commit | GPU | model | device | steps | ms / step | growth MiB (rss / allocated / "
+                  "reserved) | status |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in long_runs:
+            g = r["growth_mib"]
+            lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['device']} "
+                         f"| {r['flags']['steps']:,} | {r['decode_ms']:.2f} | {g['rss']:+.1f} / "
+                         f"{g['cuda_allocated']:+.1f} / {g['cuda_reserved']:+.1f} | {r.get('status', 'ok')} |")
+        lines.append("")
     kernels = [r for r in rows if r.get("bench") == "kernel"]
     if kernels:
         lines += ["## Kernel comparisons (one-off A/B runs, `do_bench` median; the command is in each row's flags)", "",
