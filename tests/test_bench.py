@@ -42,16 +42,19 @@ def test_cache_comparison_native_equals_packed():
     assert report["float_vs_native"]["max_abs_over_max_logit"] > 0
 
 
-def test_report_has_the_prefill_table(tmp_path):
-    import json
+def _report_of(tmp_path, row: dict) -> str:
+    """docs/BENCHMARKS.md as rendered from a ledger holding ``row`` alone."""
+    path = tmp_path / "ledger.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    write_report(path, tmp_path / "BENCHMARKS.md")
+    return (tmp_path / "BENCHMARKS.md").read_text()
 
+
+def test_report_has_the_prefill_table(tmp_path):
     row = {"bench": "prefill", "date": "2026-12-01T08:32:00", "commit": "abc", "gpu": "NVIDIA H200",
            "model": "synthetic flash:q2, seed 0", "context": 4096, "prefill_tok_s": 98.0, "decode_ms": 37.81,
            "decode_tok_s": 26.4, "floor_fraction": 0.06, "note": "graph"}
-    ledger = tmp_path / "ledger.jsonl"
-    ledger.write_text(json.dumps(row) + "\n")
-    write_report(ledger, tmp_path / "BENCHMARKS.md")
-    text = (tmp_path / "BENCHMARKS.md").read_text()
+    text = _report_of(tmp_path, row)
     assert "## Full model" in text
     assert "| 4,096 | 98 | 37.81 | 26.4 | 6.0% | - | ok | graph |" in text
     assert "Server under load" not in text
@@ -60,20 +63,15 @@ def test_report_has_the_prefill_table(tmp_path):
              "per_stream_tok_s_median": 11.6, "ttft_p50_s": 0.755, "itl_p99_ms": None,
              "server_meta": {"gpu": "NVIDIA H200"}, "note": "n"}
     (tmp_path / "serve.jsonl").write_text(json.dumps(serve) + "\n")
-    write_report(ledger, tmp_path / "BENCHMARKS.md", tmp_path / "serve.jsonl")
+    write_report(tmp_path / "ledger.jsonl", tmp_path / "BENCHMARKS.md", tmp_path / "serve.jsonl")
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "| abc | NVIDIA H200 | flash:q2 | r1 | 8 | 24 | 1 | 87.6 | 11.6 | 0.755 | - | ok | n |" in text
 
 
 def test_report_has_the_long_decode_table(tmp_path):
-    import json
-
     row = {"bench": "long_decode", "date": "2026-12-04T06:20:18", "commit": "abc", "gpu": "none", "model": "default",
            "device": "cpu", "flags": {"steps": 10000}, "decode_ms": 25.93,
            "growth_mib": {"rss": 4.48, "cuda_allocated": 0.0, "cuda_reserved": 0.0}, "status": "failed"}
-    ledger = tmp_path / "ledger.jsonl"
-    ledger.write_text(json.dumps(row) + "\n")
-    write_report(ledger, tmp_path / "BENCHMARKS.md")
-    text = (tmp_path / "BENCHMARKS.md").read_text()
+    text = _report_of(tmp_path, row)
     assert "## Long decode runs" in text
     assert "| abc | none | default | cpu | 10,000 | 25.93 | +4.5 / +0.0 / +0.0 | failed |" in text
