@@ -167,6 +167,35 @@ def test_split_rows_interpreter(interp, qt):
                        qm.quant_grouped_linear(xg, gw, 4, config=MV, force="mv"))
 
 
+@pytest.mark.parametrize("qt", [T.IQ2_XXS, T.Q2_K, T.Q8_0], ids=lambda t: t.name)
+def test_routed_swiglu_interpreter(interp, monkeypatch, qt):
+    # gate / up experts stacked by expert [2E, N, K] in one launch: the bits of the stacked routed product and
+    # then the SwiGLU kernel, in float and int8 activations, bf16 and float32, the file's blocks and split rows;
+    # N = 9 is not a multiple of a program's R / 2 = 8 rows, and the limit clamps some gates and ups
+    from ds4x.kernels.moe import swiglu_fused
+    from ds4x.model.moe import stacked_slots
+
+    n_exp, n, k, limit = 5, 9, 512, 0.25
+    w13 = weight(qt, (2 * n_exp, n, k), seed=71)
+    ids = torch.tensor([[0, 4, 2], [3, 3, 1]])
+    g = torch.Generator().manual_seed(72)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, k, generator=g).to(dtype)
+        for w in (w13, w13.split()) if qt != T.Q2_K else (w13,):
+            for int8 in (False, True):
+                gu = qm.quant_matmul_routed(x, w, stacked_slots(ids, n_exp), config=MV, force="mv", int8=int8)
+                want = swiglu_fused(gu[:, :3], gu[:, 3:], limit)
+                assert (gu.float().abs() > limit).any()
+                got = qm.quant_routed_swiglu(x, w, ids, limit, config=MV, int8=int8)
+                assert got.shape == (2, 3, n) and got.dtype == dtype
+                assert torch.equal(got, want), (dtype, int8, w.layout)
+    # past the matvec's range (prompts) the caller runs the product and SwiGLU apart
+    monkeypatch.setitem(qm.ROUTED_MATVEC_MAX_ROWS, qt, 0)
+    assert qm.quant_routed_swiglu(x, w13, ids, limit, config=MV) is None
+    with pytest.raises(ValueError, match="w13"):
+        qm.quant_routed_swiglu(x, weight(qt, (5, n, k), seed=1), ids, limit)
+
+
 def test_routed_grouped_interpreter(interp, monkeypatch):
     # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
     # (a 2-expert scratch here), with an expert no row picks
@@ -310,3 +339,21 @@ def test_gpu_routed_and_linear_dispatch():
     assert "triton" in quant_kernel_name(w[0])
     bound = INT8_TOL if qm.int8_activations(T.IQ2_XXS) else 1e-5
     assert rel(linear(x, w[3]), x.double() @ w[3].dequantize().double().T) < bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8])
+def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
+    """Flash's routed gate / up (IQ2_XXS split rows, 2 x 16 experts of 2048 x 4096, bf16, the default activations)
+    with SwiGLU in the matvec's epilogue: the bits of the stacked product followed by the SwiGLU kernel."""
+    from ds4x.kernels.moe import swiglu_fused
+    from ds4x.model.moe import stacked_slots
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n_exp, n, k, limit = 16, 2048, 4096, 10.0
+    w13 = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, n, k), g), T.IQ2_XXS, (2 * n_exp, n, k)))
+    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, n_exp, (t, 6), device="cuda", generator=g)
+    gu = qm.quant_matmul_routed(x, w13, stacked_slots(ids, n_exp))
+    got = qm.quant_routed_swiglu(x, w13, ids, limit)
+    assert torch.equal(got, swiglu_fused(gu[:, :6], gu[:, 6:], limit))

@@ -161,6 +161,15 @@ def routed_linear(x: torch.Tensor, weight: Weight, ids: torch.Tensor) -> torch.T
     return torch.cat(rows).view(t, k, -1)
 
 
+def routed_swiglu(x: torch.Tensor, w13: Weight, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """SwiGLU of the routed gate and up products of stacked experts ``w13 [2E, out, in]`` (the E gate experts,
+    then the E up experts) -> [T, k, out], in one launch where the quantized routed matvec serves it (decode
+    steps; the same bits as `routed_linear` then SwiGLU); None elsewhere (the caller runs the two)."""
+    if has_routed_kernel(w13) and not _ROWWISE.get():
+        return _quant_kernels(w13).quant_routed_swiglu(x, w13, ids, limit)
+    return None
+
+
 def embedding(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``tokens`` of the embedding table, in ``dtype``."""
     if isinstance(weight, GGMLTensor):

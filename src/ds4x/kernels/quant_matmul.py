@@ -662,18 +662,28 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes, up_bytes, limit,
                     stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
-                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
+                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+        # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert, up_bytes
+        # further on; the program stores swiglu(gate, up) for its R / 2 rows (the SwiGLU kernel's bits: gate and
+        # up rounded to y's dtype first), so the routed gate / up product and SwiGLU are one launch
         pid_n = tl.program_id(0)
         pair = tl.program_id(1)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
             e = 0
-        rows = pid_n * R + tl.arange(0, R)
+        if SWIGLU:
+            j = tl.arange(0, R)
+            rows = pid_n * (R // 2) + j % (R // 2)
+            base = w_ptr + e * expert_bytes + (j >= R // 2).to(tl.int64)[None, :] * up_bytes
+        else:
+            rows = pid_n * R + tl.arange(0, R)
+            base = w_ptr + e * expert_bytes
         # rows past N read row N - 1 (never stored), so no weight load needs a mask
-        rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+        rowp = base + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
         acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
@@ -693,7 +703,15 @@ if HAVE_TRITON:
                 acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
                                   INTERPRET)
         y = tl.sum(acc, axis=0)
-        tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+        if SWIGLU:
+            gate, up = tl.split(tl.trans(tl.reshape(y, (2, R // 2))))
+            g = tl.minimum(gate.to(y_ptr.dtype.element_ty).to(tl.float32), limit)
+            u = tl.minimum(tl.maximum(up.to(y_ptr.dtype.element_ty).to(tl.float32), -limit), limit)
+            cols = pid_n * (R // 2) + tl.arange(0, R // 2)
+            h = g / (1.0 + tl.exp(-g)) * u
+            tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
+        else:
+            tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
     def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
@@ -909,10 +927,13 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
 
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
-            int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS) -> torch.Tensor:
+            int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS,
+            swiglu: float | None = None) -> torch.Tensor:
     """y [n_pairs, N]: row p = x2[p // x_div] @ W[ids[p] if ids is not None else 0].T; ``rows_per_weight``
     (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
-    is "mv" or "mm"; ``slots``: products per activation row (see matvec_config)."""
+    is "mv" or "mm"; ``slots``: products per activation row (see matvec_config). ``swiglu`` (the limit; the
+    matvec only): W stacks E gate experts then E up experts [2E, N, K], ids are gate experts, and row p is
+    swiglu(gate, up) of expert ids[p]."""
     mod = _kernels()
     _, s, _block_bytes, _, unit = _fields(w.qtype)
     code = _code(w)
@@ -929,14 +950,19 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     ids_t = ids.reshape(-1).to(torch.int32).contiguous() if has_ids else _dummy(dev)
     x2 = x2.contiguous()
     use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
+    if swiglu is not None and not (use_mv and has_ids and w.ndim == 3 and w.shape[0] % 2 == 0):
+        raise ValueError("_launch: the fused SwiGLU needs the routed matvec over stacked gate / up experts")
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
+        if swiglu is not None and r % 2:
+            raise ValueError(f"_launch: the fused SwiGLU splits a program's rows in two halves, got {r} rows")
         n_units = k // unit
-        mod._qmv_kernel[(triton.cdiv(n, r), n_pairs)](
+        up_bytes = (w.shape[0] // 2) * expert_bytes
+        mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
-            expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
-            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), INTERPRET=interpret_mode(),
-            num_warps=nw)
+            expert_bytes, up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div,
+            HAS_IDS=has_ids, QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
+            SWIGLU=swiglu is not None, INTERPRET=interpret_mode(), num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1096,22 +1122,58 @@ def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
         raise ValueError(f"quant_matmul_routed: want x [T, K], w [E, N, K], ids [T, k]; got {list(x.shape)}, "
                          f"{list(w.shape)}, {list(ids.shape)}")
     t, kk = ids.shape
-    # A program per (token, expert) pair decodes its expert's blocks for that token alone. Sharing each decoded
-    # weight across up to 2 / 4 tokens of one expert was slower on the H200 (IQ2_XXS gate at 32 tokens: 471 /
-    # 741 / 1,278 us for 1 / 2 / 4 tokens a program; 2026-12-02, reverted), as was sorting the pairs by expert.
-    # rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
-    # step, also for the down projection's [T * k, 1] form
-    per_expert = -(-t * kk // min(w.shape[0], t * kk)) if t * kk else 0
-    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS)
+    path = _routed_path(x, w, t * kk, config, force)
+    if path == "wgmma":
+        return routed_wgmma.routed_wgmma(x, w, ids, kk).reshape(t, kk, w.shape[1])
+    if path == "grouped":
+        return _routed_grouped(x.contiguous(), w, ids, kk).reshape(t, kk, w.shape[1])
+    y = _launch(x, w, ids, kk, t * kk, _pairs_per_expert(w, t * kk), kk, config, force, int8,
+                ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS))
+    return y.reshape(t, kk, w.shape[1])
+
+
+def _pairs_per_expert(w: GGMLTensor, pairs: int) -> int:
+    """Rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
+    step, also for the down projection's [T * k, 1] form."""
+    return -(-pairs // min(w.shape[0], pairs)) if pairs else 0
+
+
+def _routed_path(x: torch.Tensor, w: GGMLTensor, pairs: int, config: tuple[int, ...] | None,
+                 force: str | None) -> str:
+    """The kernel of a routed product of ``pairs`` (row, expert) pairs: "wgmma", "grouped" or "launch" (the
+    matvec or the skinny kernel). A program per (token, expert) pair decodes its expert's blocks for that token
+    alone. Sharing each decoded weight across up to 2 / 4 tokens of one expert was slower on the H200 (IQ2_XXS
+    gate at 32 tokens: 471 / 741 / 1,278 us for 1 / 2 / 4 tokens a program; 2026-12-02, reverted), as was
+    sorting the pairs by expert."""
     if force == "wgmma" or (force is None and config is None
-                            and t * kk >= WGMMA_MIN_PAIRS_PER_EXPERT.get(w.qtype, 1 << 30) * w.shape[0]
+                            and pairs >= WGMMA_MIN_PAIRS_PER_EXPERT.get(w.qtype, 1 << 30) * w.shape[0]
                             and os.environ.get("DS4X_ROUTED_WGMMA", "").lower() != "off"
                             and routed_wgmma.available(x, w)):
-        return routed_wgmma.routed_wgmma(x, w, ids, kk).reshape(t, kk, w.shape[1])
-    if force is None and config is None and per_expert > mv_max and _grouped_path(x):
-        return _routed_grouped(x.contiguous(), w, ids, kk).reshape(t, kk, w.shape[1])
-    y = _launch(x, w, ids, kk, t * kk, per_expert, kk, config, force, int8, mv_max)
-    return y.reshape(t, kk, w.shape[1])
+        return "wgmma"
+    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS)
+    if force is None and config is None and _pairs_per_expert(w, pairs) > mv_max and _grouped_path(x):
+        return "grouped"
+    return "launch"
+
+
+def quant_routed_swiglu(x: torch.Tensor, w13: GGMLTensor, ids: torch.Tensor, limit: float, *,
+                        config: tuple[int, ...] | None = None, int8: bool | None = None) -> torch.Tensor | None:
+    """``swiglu(x[t] @ w13[ids[t, j]].T, x[t] @ w13[E + ids[t, j]].T) -> [T, k, N]`` for gate and up experts
+    stacked by expert (``w13 [2E, N, K]``, model/projections.py), in one matvec launch (the products' and
+    `ds4x.kernels.moe.swiglu_fused`'s bits); None where the stacked product would not take the matvec (prompts,
+    prefill chunks: the caller runs the product and SwiGLU apart)."""
+    _check(x, w13, "quant_routed_swiglu")
+    if w13.ndim != 3 or w13.shape[0] % 2 or x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"quant_routed_swiglu: want x [T, K], w13 [2E, N, K], ids [T, k]; got {list(x.shape)}, "
+                         f"{list(w13.shape)}, {list(ids.shape)}")
+    t, kk = ids.shape
+    pairs = 2 * t * kk  # the stacked product's (row, slot) pairs: the same choice of kernel as that product
+    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS)
+    if _routed_path(x, w13, pairs, config, None) != "launch" or _pairs_per_expert(w13, pairs) > mv_max:
+        return None
+    y = _launch(x, w13, ids, kk, t * kk, _pairs_per_expert(w13, pairs), 2 * kk, config, "mv", int8, mv_max,
+                swiglu=limit)
+    return y.reshape(t, kk, w13.shape[1])
 
 
 def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config: tuple[int, ...] | None = None,

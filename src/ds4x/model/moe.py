@@ -16,6 +16,7 @@ from ds4x.kernels.linear import (
     has_routed_kernel,
     linear,
     routed_linear,
+    routed_swiglu,
     routes_without_sync,
     rowwise_enabled,
 )
@@ -96,16 +97,19 @@ def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: to
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
     projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
     dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
-    ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots; ``stacked_ids``:
-    its slots [T, 2k] if the router wrote them (else `stacked_slots` here)."""
+    ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots, or, where the
+    routed matvec serves it (decode steps), one launch that also applies SwiGLU; ``stacked_ids``: its slots
+    [T, 2k] if the router wrote them (else `stacked_slots` here)."""
     t, k = ids.shape
-    if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
-        both = stacked_ids if stacked_ids is not None else stacked_slots(ids, w1.shape[0])
-        gu = routed_linear(x, w13, both)  # [T, 2k, I]
-        gate, up = gu[:, :k], gu[:, k:]
-    else:
-        gate, up = routed_linear(x, w1, ids), routed_linear(x, w3, ids)
-    h = swiglu(gate, up, limit)  # [T, k, I]
+    h = routed_swiglu(x, w13, ids, limit) if w13 is not None else None  # [T, k, I], one launch (decode)
+    if h is None:
+        if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
+            both = stacked_ids if stacked_ids is not None else stacked_slots(ids, w1.shape[0])
+            gu = routed_linear(x, w13, both)  # [T, 2k, I]
+            gate, up = gu[:, :k], gu[:, k:]
+        else:
+            gate, up = routed_linear(x, w1, ids), routed_linear(x, w3, ids)
+        h = swiglu(gate, up, limit)  # [T, k, I]
     return routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
 
 
