@@ -344,13 +344,13 @@ def test_gpu_routed_and_linear_dispatch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8])
 def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
-    """Flash's routed gate / up (IQ2_XXS split rows, 2 x 16 experts of 2048 x 4096, bf16, the default activations)
+    """Flash's routed gate / up (IQ2_XXS split rows, 2 x 64 experts of 2048 x 4096, bf16, the default activations)
     with SwiGLU in the matvec's epilogue: the bits of the stacked product followed by the SwiGLU kernel."""
     from ds4x.kernels.moe import swiglu_fused
     from ds4x.model.moe import stacked_slots
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    n_exp, n, k, limit = 16, 2048, 4096, 10.0
+    n_exp, n, k, limit = 64, 2048, 4096, 10.0  # 64 experts: 8 tokens stay on the matvec
     w13 = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, n, k), g), T.IQ2_XXS, (2 * n_exp, n, k)))
     x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
     ids = torch.randint(0, n_exp, (t, 6), device="cuda", generator=g)
