@@ -43,14 +43,8 @@ class CapturedStep:
     def __init__(self, model: Transformer, caches: Sequence[ModelCache]):
         self.model, self.caches = model, list(caches)
         n = len(self.caches)
-        # the step's inputs, row 0 the tokens and row 1 the positions, filled by one copy per step; on CUDA from a
-        # pinned staging buffer, so the copy is queued without the host waiting for it (from pageable memory the
-        # two copies held the GPU idle in front of each replay while the host staged them)
-        self.inputs = torch.zeros(2, n, dtype=torch.long, device=model.device)
-        self.tokens, self.positions = self.inputs[0], self.inputs[1]
-        cuda = model.device.type == "cuda"
-        self.staged = torch.zeros(2, n, dtype=torch.long, pin_memory=True) if cuda else None
-        self.staged_read = torch.cuda.Event() if cuda else None  # the last copy out of ``staged`` has run
+        self.tokens = torch.zeros(n, dtype=torch.long, device=model.device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=model.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
         # eager where graphs are off, or once a capture failed
@@ -58,15 +52,9 @@ class CapturedStep:
 
     def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Float32 logits [n, V], owned by the caller (the graph's buffer is copied)."""
-        # the graph reads these buffers in place
-        if self.staged is not None:
-            self.staged_read.synchronize()  # the previous step's copy has read the staging buffer
-            host = self.staged.numpy()
-            host[0], host[1] = tokens, positions
-            self.inputs.copy_(self.staged, non_blocking=True)
-            self.staged_read.record()
-        else:
-            self.inputs.copy_(torch.tensor([list(tokens), list(positions)], dtype=torch.long))
+        # the graph reads these buffers in place; a copy from pageable memory is staged at once (no sync)
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.positions.copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
         if self.eager:
             return self.model.decode_step(self.tokens, self.positions, self.caches)
         if self.graph is None:
