@@ -893,6 +893,11 @@ def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None)
     return has_path and (choice == "int8" or (choice != "float" and qtype in INT8_ACTIVATIONS))
 
 
+# (R weight rows, most units per K step, most warps) of the matvec for the routed experts' types (a warp per 32
+# units at most; Q2_K: many rows per thread amortize the activation decode); scripts/routed_matvec_sweep.py
+MATVEC_TILES = {T.IQ2_XXS: (16, 64, 2), T.Q2_K: (8, 128, 4)}
+
+
 def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
     """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
     row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
@@ -908,13 +913,12 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
       per step so that many loads are in flight."""
     unit = _fields(qtype)[4]
     units = k // unit
-    if qtype == T.IQ2_XXS:
-        r, u = 16, _fit_units(units, 64)
-    elif unit >= 32:  # Q2_K: many rows per thread amortize the activation decode
-        r, u = 8, _fit_units(units, 128)
-    else:
-        r = 4 if -(-n // 4) * slots >= 1024 else 2
-        u = _fit_units(units, 1024 // r)
+    if qtype in MATVEC_TILES:
+        r, u, warps = MATVEC_TILES[qtype]
+        u = _fit_units(units, u)
+        return r, u, max(1, min(warps, u // 32))
+    r = 4 if -(-n // 4) * slots >= 1024 else 2
+    u = _fit_units(units, 1024 // r)
     return r, u, max(1, min(4, u // 32))
 
 

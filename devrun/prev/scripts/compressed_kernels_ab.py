@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
+(Gluon) ones for attention and indexer scoring, and the exact top-512 select at several sizes; microseconds per
+call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference. The figures behind
+``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
+
+    PYTHONPATH=src python scripts/compressed_kernels_ab.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("compressed_kernels_ab needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton.testing as tt
+
+    from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows, rows_triton
+    from ds4x.kernels import attention as A
+    from ds4x.kernels import indexer as I
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.indexer import indexer_scores_triton
+    from ds4x.kernels.select import select_topk_keys, select_topk_radix
+
+    dev, heads, dim, nope = "cuda", 64, 512, 448
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def us(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        return 1000 * tt.do_bench_cudagraph(fn, rep=100)
+
+    q = torch.nn.functional.rms_norm(torch.randn(heads, dim, generator=g, device=dev), (dim,))
+    sinks = torch.randn(heads, generator=g, device=dev)
+    ring = rows_triton.pack_kv_rows_triton(torch.randn(768, dim, generator=g, device=dev) * 2, validate=False)
+    rows = rows_triton.pack_kv_rows_triton(torch.randn(262_146, dim, generator=g, device=dev) * 2, validate=False)
+    at_4k, at_1m = torch.tensor([4095], device=dev), torch.tensor([1_048_575], device=dev)
+    top = torch.randperm(262_144, generator=g, device=dev)[:512].sort().values
+    cases = {
+        "window 128": [(ring, Slots(128, position=at_4k, ring=768))],
+        "CSA top-512 @1M": [(ring, Slots(128, position=at_1m, ring=768)), (rows, top)],
+        "HCA 34 rows @4K": [(ring, Slots(128, position=at_4k, ring=768)), (rows, Slots(34, position=at_4k, ratio=128))],
+        "HCA 8194 rows @1M": [(ring, Slots(128, position=at_1m, ring=768)),
+                              (rows, Slots(8194, position=at_1m, ratio=128))],
+    }
+    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9}")
+    for name, sources in cases.items():
+        def call(sources=sources):
+            return attention_decode_triton(q, sources, sinks, dim**-0.5, nope, True)
+        A.WGMMA = False
+        ref, t_ref = call(), us(call)
+        A.WGMMA = True
+        out, t = call(), us(call)
+        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {float((out - ref).abs().max() / ref.abs().max()):9.1e}")
+
+    n = 262_144
+    keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
+    packed = pack_indexer_rows(keys)
+    qi = mxfp4_roundtrip(hadamard128(torch.randn(heads, 128, generator=g, device=dev)), 32)
+    wi = torch.randn(heads, generator=g, device=dev)
+    times, scores = [], []
+    for flag in (False, True):
+        I.WGMMA = flag
+        scores.append(indexer_scores_triton(qi, wi, packed, n, True))
+        times.append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+    diff = float((scores[1] - scores[0]).abs().max() / scores[0].abs().max())
+    print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
+          f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
+
+    print(f"\n{'top-512 select':<20} {'us':>9}")
+    for rows_n, batch in ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (32_768, 8)):
+        s = scores[1][None].repeat(batch, 1)[:, :rows_n] if rows_n <= n else None
+        count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
+        index, valid = select_topk_radix(s, count, 512)
+        exact = all(set(index[b][valid[b]].tolist()) == set(select_topk_keys(s[b], rows_n, 512)[0].tolist())
+                    for b in range(batch))
+        print(f"{f'{batch} x {rows_n:,}':<20} {us(lambda s=s, c=count: select_topk_radix(s, c, 512)):9.1f}"
+              f"  exact={exact}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

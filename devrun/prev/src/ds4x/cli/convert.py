@@ -1,0 +1,105 @@
+"""``ds4x convert``: a checkpoint directory, or a synthetic model, to a ds4-layout GGUF.
+
+    ds4x convert SRC_DIR OUT.gguf [--mix q2|q4|q8|f16|f32] [--type-attn Q8_0 --type-experts IQ2_XXS ...]
+    ds4x convert --synthetic flash --out X.gguf [--mix q2] [--seed 0] [--device cuda]
+
+Both stream: one tensor is read (or generated), encoded and written at a time, so memory stays near
+the largest tensor (a stacked routed-expert tensor), not the model.
+
+Registered by ``ds4x.cli.main`` through :func:`add_parser` / :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ds4x.weights.gguf_writer import ProgressFn, WriteProgress
+
+_TYPE_FLAGS = {
+    "embed": "token embedding", "output": "LM head", "attn": "attention projections (q_a, q_b, kv, o_a, o_b)",
+    "shared": "shared expert", "experts": "routed expert gate/up", "experts_down": "routed expert down",
+    "small": "mHC, compressor, indexer, router, position biases",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("convert", help="write a ds4-layout GGUF from a checkpoint or a synthetic model")
+    p.add_argument("src", nargs="?", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("out", nargs="?", help="output .gguf path")
+    p.add_argument("--out", dest="out_flag", default=None, help="output .gguf path (alternative to OUT)")
+    p.add_argument("--synthetic", choices=["flash", "tiny"], default=None,
+                   help="write a SYNTHETIC model of this preset instead (random weights, streamed tensor by "
+                        "tensor; for benchmarks only)")
+    p.add_argument("--mix", default="q2", choices=["q2", "q4", "q8", "f16", "f32"],
+                   help="type preset: q2 = ds4's 2-bit file (IQ2_XXS gate/up, Q2_K down, Q8_0 attention/"
+                        "shared/output, F16 small tensors); q4 = Q4_K experts; q8; f16; f32 (lossless)")
+    for key, what in _TYPE_FLAGS.items():
+        p.add_argument(f"--type-{key.replace('_', '-')}", dest=f"type_{key}", default=None, metavar="TYPE",
+                       help=f"GGML type for the {what} (F32, F16, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights (default 0)")
+    p.add_argument("--device", default=None,
+                   help="--synthetic only: generate the blocks on this device (cpu, cuda; default cpu). "
+                        "A seed gives the same file on the same kind of device; CPU and CUDA files differ")
+    p.add_argument("--name", default=None, help="general.name of the file")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4x.config import PRESETS
+    from ds4x.weights.gguf_writer import TypePolicy, write_gguf, write_synthetic_gguf
+
+    out = args.out_flag or (args.out if args.synthetic is None else (args.out or args.src))
+    policy = TypePolicy.preset(args.mix).with_overrides(**{f: getattr(args, f"type_{f}") for f in _TYPE_FLAGS})
+    t0 = time.perf_counter()
+    progress = None if args.quiet else _progress_printer(t0)
+
+    if args.synthetic is not None:
+        if out is None:
+            raise ValueError("convert --synthetic needs --out X.gguf")
+        cfg = PRESETS[args.synthetic]()
+        write_synthetic_gguf(out, cfg, policy, seed=args.seed, progress=progress, name=args.name,
+                             device=args.device or "cpu")
+    else:
+        if args.src is None or out is None:
+            raise ValueError("convert needs SRC_DIR and OUT.gguf (or --synthetic PRESET --out X.gguf)")
+        if args.device is not None:
+            raise ValueError("convert --device applies to --synthetic only (checkpoints are encoded on the CPU)")
+        from ds4x.weights.checkpoint import open_checkpoint
+        from ds4x.weights.gguf_writer import synthetic_vocab, vocab_from_tokenizer_json
+
+        src = Path(args.src)
+        ckpt = open_checkpoint(src)  # headers only: each tensor is read while it is written
+        cfg = ckpt.cfg
+        tok = src / "tokenizer.json"
+        eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+        vocab = (vocab_from_tokenizer_json(tok, cfg.vocab_size, cfg.bos_token_id, eos) if tok.is_file()
+                 else synthetic_vocab(cfg.vocab_size))
+        write_gguf(out, cfg, ckpt, policy, vocab=vocab, name=args.name or f"ds4x convert of {src.name}",
+                   progress=progress)
+    if not args.quiet:
+        size, dt = Path(out).stat().st_size, time.perf_counter() - t0
+        print(f"wrote {out}: {size:,} bytes ({size / 2**30:.2f} GiB) in {dt:.1f} s "
+              f"({size / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
+    return 0
+
+
+def _progress_printer(t0: float) -> ProgressFn:
+    """Tensor i/n, GiB written of the total and the rate so far, at most once a second, on stderr."""
+    last = [0.0]
+
+    def show(p: WriteProgress) -> None:
+        now = time.perf_counter()
+        if p.index < p.count and now - last[0] < 1.0:
+            return
+        last[0] = now
+        done = p.bytes_done / 2**30
+        print(f"\r[{p.index}/{p.count}] {done:.2f}/{p.bytes_total / 2**30:.2f} GiB, "
+              f"{done / max(now - t0, 1e-9):.2f} GiB/s  {p.name:<40}",
+              end="" if p.index < p.count else "\n", file=sys.stderr, flush=True)
+    return show

@@ -1,0 +1,228 @@
+"""Attention over stored rows (H heads sharing one K = V row set): decode (one query) and prefill (a chunk of queries).
+
+The rows come from the cache's stores: packed KV rows (E4M3 non-RoPE values with a UE8M0 scale per 64,
+FP16 RoPE values) are decoded tile by tile in registers, unpacked native rows are read as float32; no
+float copy of the history is made. Flash-decoding: one launch over the (one or two) row sources, a program per
+split of consecutive row blocks and group of heads (`ds4x.kernels.triton_attention`), then one merge of the
+splits' softmax states with the per-head sink. A source names its rows by `Slots`: an explicit index tensor,
+or (so that a decode step needs no index arithmetic of its own) the sliding window of a ring or the closed
+compressed rows, both derived inside the kernel from the query's position on the device.
+The torch reference is the model's attention path (`ds4x.model.attention`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The stored rows one source offers a query, as ``n`` slots (-1 = no row):
+
+    - ``index`` given: slot j is row ``index[j]``;
+    - ``ring`` given: the sliding window of ``n`` positions ending at ``position`` in a ring of ``ring`` rows
+      (slot j is position ``position - n + 1 + j``, none before 0);
+    - ``ratio`` given: compressed rows 0 .. n-1, those whose window has closed by ``position``
+      (``(position + 1) // ratio`` of them).
+
+    ``position`` is a device tensor [1], read by the kernel: a captured step replays at any position. For a batch
+    of B queries (`attention_decode_triton` with q [B, H, D]) ``position`` is [B] and ``index`` [B, n], one row per
+    query."""
+
+    n: int
+    index: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    ring: int = 0
+    ratio: int = 0
+
+    @property
+    def mode(self) -> int:
+        return 0 if self.index is not None else 1 if self.ring else 2
+
+    def explicit(self) -> torch.Tensor:
+        """The slots as an index tensor [n] (-1 = none); [B, n] for B positions."""
+        if self.index is not None:
+            return self.index
+        assert self.position is not None
+        j = torch.arange(self.n, device=self.position.device)
+        pos = self.position[:, None] if self.position.numel() > 1 else self.position
+        if self.ring:
+            p = pos - (self.n - 1) + j
+            return torch.where(p >= 0, p % self.ring, -1)
+        return torch.where(j < (pos + 1) // self.ratio, j, -1)
+
+
+# Decode blocking: (rows per block, heads per program, warps, most splits per source). A program runs its split's
+# blocks one after another with the next block's loads in flight; long sources (HCA at 1M: 8,194 rows) are cut
+# into at most that many splits, so the merge reads few partial states. Measured (H200, 2026-12-02,
+# scripts/attention_sweep.py, us for window 128 / CSA top-512 / HCA 8,194 rows at 1M, each with its window):
+# (16, 16, 8, 64) 11.6 / 16.0 / 85.7, (16, 16, 8, 32) 12.3 / 16.0 / 84.6, (16, 32, 8, 64) 18.7 / 19.9 / 98.8; before
+# the hardware E4M3 conversion, 4 warps (which spill) 16.1 / 18.9 / 113.2, 16 warps 13.9 / 20.8 / 137.7, 32 rows
+# per block 25.3 / 27.0 / 166.3. 64 heads per program gave NaN or an illegal memory access with Triton 3.6 (the
+# earlier kernel, 2026-12-01), so a program takes at most 32 heads.
+DECODE_CONFIG = (16, 16, 8, 64)
+MAX_HEADS_PER_PROGRAM = 32
+# The Hopper kernel (`ds4x.kernels.attention_wgmma`, all heads and all 512 output columns per program) for queries
+# of up to 64 heads at the model's row shape (512 values, 448 non-RoPE): (rows per block, most splits per source);
+# WGMMA=False keeps the Triton kernel. Measured (H200, devrun sweep like scripts/compressed_kernels_ab.py, us;
+# window 128 / CSA window + top-512 at 1M / HCA 34 rows at 4K / HCA 8,194 rows at 1M, each with the window):
+# (16, 128) 13.8 / 15.0 / 13.9 / 37.2, (16, 64) 13.8 / 15.1 / 14.0 / 46.8, (32, 128) 16.6 / 16.9 / 16.3 / 37.8
+# (32 rows spill); the Triton kernel at DECODE_CONFIG 12.1 / 15.9 / 12.4 / 84.7. The earlier Gluon kernel (two
+# programs per split, each half of the columns, 1efc93d) 11.1 / 12.3 / 11.2 / 49.4.
+# Since (16, 128) with the warp-local softmax, asynchronous products and PDL (c53a198): 12.3 / 13.5 / 13.0 / 32.3;
+# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
+WGMMA = True
+WGMMA_CONFIG = (16, 128)
+
+
+def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
+                            sinks: torch.Tensor, scale: float, nope: int, packed: bool,
+                            config: tuple[int, int, int, int] | None = None,
+                            inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
+    """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
+    explicit index tensor [n] with -1 = skip) -> out [H, D] float32. ``inverse_rope`` (cos, sin [B, 32] float32
+    of each query's position, dtype): the output comes back with the inverse RoPE of its 64 RoPE dims applied by
+    the merge launch, in that dtype (the bits of `ds4x.model.rope.apply_rope(out, cos, sin, inverse=True,
+    dtype=dtype)`). A batched decode step passes B queries
+    q [B, H, D] with each source's data a batch of stores [B, capacity, width] (query b reads store b), its
+    positions [B] and explicit indices [B, n] -> [B, H, D], in the same two launches; each query's output has the
+    bits of that query alone.
+
+    On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
+    module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
+    give bit-identical outputs. The query must stay below 2^15 in magnitude (RMS-normed queries do).
+    Without ``config``, Hopper GPUs run `ds4x.kernels.attention_wgmma` where it applies (see ``WGMMA_CONFIG``).
+    ``config`` (the Triton kernel): (rows per block, heads per program, warps, most splits per source) instead of
+    ``DECODE_CONFIG`` (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile).
+    Packed and native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
+    """
+    from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
+
+    batched = q.dim() == 3
+    B, H, D = q.shape if batched else (1, *q.shape)
+    if D % 64 or D > 512 or D - nope != 64:
+        raise ValueError(f"the decode kernel handles rows of <= 512 values in 64-value chunks with 64 RoPE dims; "
+                         f"got {D} values, {nope} non-RoPE")
+    if len(sources) not in (1, 2):
+        raise ValueError(f"the decode kernel takes one or two row sources per call, got {len(sources)}")
+    rows_of = [rows for rows, _ in sources]
+    slots = [s if isinstance(s, Slots) else Slots(int(s.shape[-1]), index=s) for _, s in sources]
+    if not packed:
+        # Native rows: pack the rows this query reads (lossless for native values), so both storages run one
+        # kernel. Decoding float and packed rows in two kernel variants gave the same operand values but not
+        # the same bits on the H200 (measured: 2e-7 apart on the first step).
+        from ds4x.formats import pack_kv_rows, rows_triton
+
+        pack = rows_triton.pack_kv_rows_triton if q.is_cuda else pack_kv_rows
+        for i, s in enumerate(slots):
+            idx = s.explicit().reshape(B, -1) if batched else s.explicit()
+            src = rows_of[i]
+            picked = (src[torch.arange(B, device=idx.device)[:, None], idx.clamp(min=0)] if batched
+                      else src[idx.clamp(min=0)])
+            rows_of[i] = pack(picked, validate=False, rope_dim=D - nope)
+            slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
+    from ds4x.kernels import attention_wgmma
+
+    wide = config is None and WGMMA and attention_wgmma.available(q, H, D, nope)
+    hp = attention_wgmma.HEADS if wide else max(16, 1 << (H - 1).bit_length())
+    if wide:
+        (block, max_splits), hb, warps = WGMMA_CONFIG, hp, attention_wgmma.WARPS
+    else:
+        block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
+        hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
+    per_split, splits = [], []
+    for s in slots:
+        n_blocks = max(1, -(-s.n // block))
+        per_split.append(-(-n_blocks // max_splits))
+        splits.append(-(-n_blocks // per_split[-1]))
+    if len(slots) == 1:  # source B repeats A and is never reached
+        rows_of, slots, per_split, splits = rows_of * 2, slots * 2, per_split * 2, [splits[0], 0]
+    n_split = sum(splits)
+    m = torch.empty(B, n_split, hp, device=q.device)
+    l = torch.empty(B, n_split, hp, device=q.device)
+    acc = torch.empty(B, n_split, hp, D, device=q.device)
+    qc = q.contiguous()
+    args = []
+    for rows, s in zip(rows_of, slots, strict=True):
+        pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
+        if batched and (rows.dim() != 3 or rows.shape[0] != B or (s.position is not None and s.position.numel() != B)
+                        or (s.index is not None and s.index.shape != (B, s.n))):
+            raise ValueError(f"a batch of {B} queries reads a batch of {B} stores with {B} positions or [{B}, n] "
+                             f"indices per source; got stores {tuple(rows.shape)}")
+        index = s.index.contiguous() if s.index is not None else pos
+        args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
+                     rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
+    (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
+    from ds4x.kernels.pdl import launch_options
+
+    pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
+    if wide:
+        attention_wgmma.partial_kernel[(n_split, 1, B)](
+            qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc, scale,
+            store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
+            MODE_B=slots[1].mode, num_warps=warps, **pdl)
+    else:
+        partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb,
+                                               gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
+                                               index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
+                                               NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
+                                               MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
+    n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
+    if inverse_rope is not None:
+        cos, sin, dtype = inverse_rope
+        if cos.shape != (B, 32) or sin.shape != (B, 32):
+            raise ValueError(f"inverse_rope takes cos / sin [{B}, 32] for 64 RoPE dims, got {tuple(cos.shape)}")
+        out = torch.empty(B, H, D, device=q.device, dtype=dtype)
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    else:
+        out = torch.empty(B, H, D, device=q.device)
+        cos = sin = out  # unread
+    combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter,
+                                    ROPE=inverse_rope is not None, num_warps=4, **pdl)
+    return out if batched else out[0]
+
+
+# Prefill blocking (rows per step, heads per program, warps). H200, one layer of a 2,048-query chunk at Flash shapes
+# (scripts/prefill_sweep.py), ms CSA (window + top-512) / HCA: (16, 16, 4) 11.1 / 3.2, (16, 16, 8) 18.4 / 8.0,
+# (32, 16, 8) 13.6 / 4.6, (16, 32, 8) 38.8 / 14.6; the torch reference path 19.8 / 21.5.
+PREFILL_CONFIG = (16, 16, 4)
+
+
+def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
+                             compressed: torch.Tensor | None, sinks: torch.Tensor, scale: float, nope: int, *,
+                             index: torch.Tensor | None = None, ratio: int = 0, n_rows: int = 0,
+                             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """T queries q [T, H, D] (float32, or a half type read as float32) at ``positions`` [T] over packed rows ->
+    [T, H, D] float32.
+
+    ``window``: (ring rows, ring size, W): each query sees the W ring slots ending at its position (none before
+    0). ``compressed``: packed compressed rows, offered per query either by ``index`` [T, k] (-1 = none) or as
+    the first ``n_rows`` rows of which a query sees (position + 1) // ``ratio``. The products run in TF32 (the
+    stored values and bf16-valued queries exactly, probabilities to 10 bits): the ``default`` prefill mode's
+    precision, not the decode kernel's bits."""
+    from ds4x.kernels.triton_attention import prefill_kernel
+
+    T, H, D = q.shape
+    if D % 64 or D - nope != 64 or D & (D - 1):
+        raise ValueError(f"the prefill kernel handles rows of a power-of-two width with 64 RoPE dims; got {D} "
+                         f"values, {nope} non-RoPE")
+    block, hb, warps = config if config is not None else PREFILL_CONFIG
+    hb = min(max(16, 1 << (H - 1).bit_length()), max(16, hb))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out
+    rows, ring, w = window
+    src_mode = 0 if compressed is None else 1 if index is not None else 2
+    src = compressed if compressed is not None else rows
+    idx, k = positions, 1
+    if index is not None:
+        # the width is a compile-time constant: padded to a power of two (-1 = none), so a short context (fewer
+        # rows than the top-k) compiles a few variants, not one per row count
+        k = max(16, 1 << (index.shape[1] - 1).bit_length())
+        idx = torch.nn.functional.pad(index.to(torch.int32), (0, k - index.shape[1]), value=-1).contiguous()
+    prefill_kernel[(T, -(-H // hb))](q.contiguous(), positions.contiguous(), rows, ring, rows.stride(0), src, idx,
+                                     n_rows, max(1, ratio), src.stride(0), sinks, out, scale, H=H, HB=hb, D=D,
+                                     NOPE=nope, W=w, K=k, BLOCK=block, SRC=src_mode, num_warps=warps)
+    return out

@@ -1,0 +1,221 @@
+"""Decode attention over packed rows on Hopper tensor cores (Gluon, sm_90): all heads of a query per program.
+
+The same partial pass as `ds4x.kernels.triton_attention.partial_kernel` (one launch per layer over the window and
+the compressed rows, a program per split of consecutive row blocks, online softmax, `combine_kernel` merges the
+splits with the sink), shaped for many rows: a program takes all (up to 64) heads and all 512 output columns, so
+each row is loaded, decoded and scored once per layer, and both products run as ``wgmma``.
+
+Per program the query is split once into bf16 high and low parts (about 16 bits together), stacked in shared
+memory as one [128, 512] operand. Per block of ``BLOCK`` rows the threads decode the packed rows into a bf16 key
+tile [BLOCK, 512] in shared memory: E4M3 codes times their power-of-two scale (exact in bf16) in columns 0-447, and
+the FP16 RoPE values as a bf16 high part there (columns 448-511), with their low parts in a tile [BLOCK, 64] (high +
+low is the FP16 value exactly). Then, with float32 accumulation,
+
+    [S_hi; S_lo] = [q_hi; q_lo] K^T + [q_hi; q_lo][:, 448:] K_lo^T     [128, BLOCK]: one product per warpgroup
+    S = S_hi + S_lo                                                     [64, BLOCK], through shared memory
+    O = O e^(m_old - m_new) + (P_hi + P_lo) K                           [64, 512]: 256 columns per warpgroup
+    O_r = O_r e^(m_old - m_new) + (P_hi + P_lo) K_lo                    [64, 64], added to O's RoPE columns last
+
+The results differ from the Triton kernel's in rounding (5e-6 relative to float64 measured, that kernel 3e-6);
+packed and native rows run the same code here too. While a block is multiplied, its successor's rows are on their
+way to L2 (one bulk prefetch per row).
+
+Where it stands (H200, 2026-12-03, graph-replayed, see `ds4x.kernels.attention.WGMMA_CONFIG`): an HCA layer at
+1M (8,194 rows + the window) 32-35 us (the first kernel of this kind, two programs per split each computing all
+scores for half the columns, 49; the Triton kernel 85); a CSA layer's 640 rows 13.5, the window alone 12.3 (the
+Triton kernel 16.1 and 11.7). Still ~10x what the bytes take at copy bandwidth. ncu at HCA 1M (111 programs, one
+per multiprocessor, ~4.7 blocks each) puts 19% of the warp samples before the block loop (the query's load, split
+and shared-memory store: 128 KB per program), 62% in it and 19% after it (the 128 KB partial state's stores, which
+wait on the memory pipeline's queue, and their drain); in the loop no one stall dominates (long scoreboard on the
+row bytes, barriers, wgmma waits, issue). Leaving parts out (an earlier version): without the row decode 37.3 ->
+31.7 us, without the score product 31.1, without the output product 34.7, without all three 25.3. So each
+program's fixed cost and its serial chain of per-block steps are what cost; writing the partial state through
+shared memory with 16-byte stores did not help (window 12.3 -> 13.2 us, HCA 1M unchanged).
+
+Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
+
+try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    HAVE_GLUON = HAVE_TRITON
+except Exception:  # pragma: no cover - depends on the Triton build
+    HAVE_GLUON = False
+
+HEADS = 64  # the M of every product (fewer heads are padded)
+WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
+
+
+if HAVE_GLUON:
+    # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
+    from ds4x.kernels.pdl import wait_upstream
+    from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
+
+    @gluon.jit
+    def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: gl.constexpr):
+        # the stored row of each slot (-1: none); see kernels/attention.Slots and triton_attention._slot_rows
+        if MODE == 0:
+            idx = gl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1).to(gl.int64)
+        elif MODE == 1:
+            p = gl.load(pos_ptr).to(gl.int64) - (n - 1) + offs
+            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1)
+        else:
+            idx = gl.where((offs < gl.minimum((gl.load(pos_ptr).to(gl.int64) + 1) // ring, n)) & live,
+                           offs.to(gl.int64), -1)
+        return idx
+
+    @gluon.jit
+    def _prefetch_rows(rows_ptr, idx, stride, ROW: gl.constexpr):
+        # ask L2 for the bytes of rows ``idx`` (-1: row 0, harmless): one bulk prefetch per row over the 16-byte
+        # granules it touches (the address aligned here: a batch's stores need not be), so that the decode of the
+        # next block reads L2 instead of waiting on DRAM
+        gl.inline_asm_elementwise(
+            "{ .reg .b64 a, e; .reg .b32 n; and.b64 a, $1, -16; add.s64 e, $1, $2; and.b64 e, e, -16; "
+            "sub.s64 e, e, a; cvt.u32.u64 n, e; cp.async.bulk.prefetch.L2.global [a], n; mov.u32 $0, 0; }",
+            "=r,l,l", [rows_ptr + gl.where(idx >= 0, idx, 0) * stride, gl.full_like(idx, ROW + 15)],
+            dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
+                    D: gl.constexpr, L3: gl.constexpr):
+        # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
+        # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
+        # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
+        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly)
+        ok = (idx >= 0)[:, None, None]
+        row = (rows_ptr + gl.where(idx >= 0, idx, 0) * stride)[:, None, None]
+        chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        nope = ok & (chunk < NOPE // 64)
+        codes = gl.load(row + chunk * 64 + col, mask=nope & (col >= 0), other=0)
+        sbyte = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127)
+        rope_at = row + NOPE + 2 * col
+        lo = gl.load(rope_at, mask=ok & (col >= 0), other=0)
+        hi = gl.load(rope_at + 1, mask=ok & (col >= 0), other=0)
+        rope = _fp16_bytes(lo.to(gl.int32), hi.to(gl.int32)).to(gl.float32)
+        rope_hi = rope.to(gl.bfloat16)
+        keys = gl.where(chunk < NOPE // 64, _e4m3_scaled(codes, sbyte.to(gl.int32), True).to(gl.bfloat16), rope_hi)
+        k_smem.store(gl.reshape(keys, [BLOCK, D]))
+        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
+
+    @gluon.jit
+    def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
+                       rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
+                       store_a, store_b, index_a, index_b, n_split,
+                       H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
+        """Program (split, query): the softmax state of all heads over one split of the two row sources (as
+        triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512]."""
+        wait_upstream(PDL)
+        HP: gl.constexpr = 64
+        RD: gl.constexpr = D - NOPE
+        ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
+        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
+        # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
+        S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BLOCK, 16])
+        # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
+        S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
+        O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                         instr_shape=[16, D // (num_warps // 4), 16])
+        R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                         instr_shape=[16, RD // (num_warps // 4), 16])
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_ACC, k_width=2)
+        PR_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R_ACC, k_width=2)
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+        split = gl.program_id(0)
+        b = gl.program_id(2).to(gl.int64)
+        first = split < splits_a
+        if first:
+            rows_ptr, n, ring, stride, block0, n_blocks = (rows_a + b * store_a, n_a, ring_a, stride_a,
+                                                           split * blocks_a, blocks_a)
+        else:
+            rows_ptr, n, ring, stride, block0, n_blocks = (rows_b + b * store_b, n_b, ring_b, stride_b,
+                                                           (split - splits_a) * blocks_b, blocks_b)
+        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        if first:
+            idx = _slot_rows(idx_a + b * index_a, pos_a + b, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE_A)
+        else:
+            idx = _slot_rows(idx_b + b * index_b, pos_b + b, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE_B)
+        _prefetch_rows(rows_ptr, idx, stride, ROW)
+
+        q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+        klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
+        s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+        q = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.float32)
+        q_hi = q.to(gl.bfloat16)
+        q2.slice(0, HP, dim=0).store(q_hi)
+        q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
+
+        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
+        o = gl.zeros([HP, D], gl.float32, O_ACC)
+        o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
+        for i in range(n_blocks):
+            gl.thread_barrier()  # every warp is past the products that read the previous tiles
+            _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
+            ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
+            if first:
+                idx = _slot_rows(idx_a + b * index_a, pos_a + b, n, ring, (block0 + i + 1) * BLOCK + slots,
+                                 i + 1 < n_blocks, MODE_A)
+            else:
+                idx = _slot_rows(idx_b + b * index_b, pos_b + b, n, ring, (block0 + i + 1) * BLOCK + slots,
+                                 i + 1 < n_blocks, MODE_B)
+            _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
+            fence_async_shared()
+            gl.thread_barrier()
+            s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
+                               is_async=True)
+            s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
+            s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
+            s_smem.store(s2)
+            gl.thread_barrier()
+            s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
+            s = gl.where(ok[None, :], s * scale, float("-inf"))
+            m_new, alpha, p, l = online_softmax_step(m, l, s)
+            p_hi = p.to(gl.bfloat16)
+            p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
+            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
+            o = o * alpha[:, None]
+            o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
+            a_hi = gl.convert_layout(p_hi, P_OP)
+            a_lo = gl.convert_layout(p_lo, P_OP)
+            o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
+            o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
+            o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
+            o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
+            o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+            m = m_new
+        hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
+        base = b * n_split * HP + split * HP
+        gl.store(m_ptr + base + hs, m)
+        gl.store(l_ptr + base + hs, l)
+        ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
+        do = gl.arange(0, D, layout=gl.SliceLayout(0, O_ACC))[None, :]
+        gl.store(acc_ptr + base * D + ho * D + do, o)
+        gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
+        hr = gl.arange(0, HP, layout=gl.SliceLayout(1, R_ACC))[:, None]
+        at = acc_ptr + base * D + hr * D + NOPE + gl.arange(0, RD, layout=gl.SliceLayout(0, R_ACC))[None, :]
+        # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
+        gl.atomic_add(at, o_r, sem="relaxed")
+
+
+def available(q: torch.Tensor, heads: int, dim: int, nope: int) -> bool:
+    """Whether the kernel serves this query: a CUDA query on an sm_90 GPU with Gluon (not the interpreter), at most
+    64 heads, rows of 512 values of which 448 non-RoPE."""
+    return (HAVE_GLUON and not interpret_mode() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and heads <= HEADS and dim == 512 and nope == 448)

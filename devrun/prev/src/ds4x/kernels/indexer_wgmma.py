@@ -1,0 +1,151 @@
+"""Indexer scoring from packed MXFP4 rows on Hopper tensor cores (Gluon, sm_90).
+
+The same scores as `ds4x.kernels.triton_indexer.score_kernel` (same exact fp16 operands, see
+`ds4x.kernels.indexer`; only the float32 accumulation order inside the tensor core differs), with the data
+movement written out: a lane reads the four words of one 32-value block of a row (so a block's scale is worked
+out once), decodes each word into four 32-bit pairs of fp16 values in row order and stores them with 16-byte
+stores into the key tile, and one ``wgmma`` multiplies the tile [128 rows, 128] by the query [128, 64 heads]
+held in shared memory for the program's whole walk. The Triton kernel moves the words and the decoded values
+through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
+
+Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
+
+try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    HAVE_GLUON = HAVE_TRITON
+except Exception:  # pragma: no cover - depends on the Triton build
+    HAVE_GLUON = False
+
+BLOCK_N = 128  # rows per tile
+WARPS = 4
+
+
+if HAVE_GLUON:
+    from ds4x.kernels.pdl import wait_upstream
+    from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
+
+    _BLOCK_N = gl.constexpr(BLOCK_N)
+
+    @gluon.jit
+    def _scale_pair(e):
+        # 2^e as two equal fp16 halves of one word, for integer e <= 15: subnormal down to 2^-24, 0 below
+        normal = (gl.maximum(e, -14) + 15) << 10
+        sub = 1 << gl.minimum(gl.maximum(e + 24, 0), 15)
+        bits = gl.where(e >= -14, normal, gl.where(e >= -24, sub, 0))
+        return bits | (bits << 16)
+
+    @gluon.jit
+    def _pairs(word, s, j: gl.constexpr):
+        # pair j of a word of 8 E2M1 codes (byte j: elements 2j, 2j + 1) as two fp16 values E2M1 x 2^-14 x s: the
+        # nibbles' sign and magnitude bits moved to fp16 bits 15 and 9..11 of each half, then one paired multiply
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 la, ua, t;
+            shl.b32 la, $1, 4;  and.b32 la, la, 0x80808080;
+            shl.b32 t, $1, 1;   and.b32 t, t, 0x0E0E0E0E;  or.b32 la, la, t;
+            and.b32 ua, $1, 0x80808080;
+            shr.b32 t, $1, 3;   and.b32 t, t, 0x0E0E0E0E;  or.b32 ua, ua, t;
+            prmt.b32 $0, la, ua, $3;  and.b32 $0, $0, 0xFF00FF00;  mul.rn.f16x2 $0, $0, $2;
+            }
+            """,
+            constraints="=r,r,r,r",
+            args=[word, s, gl.full_like(word, 0x4000 + 0x1010 * j)],
+            dtype=gl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _load_tile(tile, rows_ptr, n_rows, LW: gl.constexpr):
+        # a tile's code words [rows, 4 blocks, 4 words] (a lane holds one block of a row) and its scale words [rows]
+        # (rows past n_rows: zero codes)
+        RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
+        r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=RL)
+        ok = r < n_rows
+        base = rows_ptr + r.to(gl.int64) * 17
+        blk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :, None]
+        wi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))[None, None, :]
+        at = base[:, None, None] + 4 * blk + wi
+        return (gl.load(at, mask=ok[:, None, None] & (blk >= 0) & (wi >= 0), other=0),
+                gl.load(base + 16, mask=ok, other=0x7F7F7F7F))
+
+    @gluon.jit
+    def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
+                     scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
+                     PDL: gl.constexpr = False):
+        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT."""
+        wait_upstream(PDL)
+        HP: gl.constexpr = 64
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])  # [rows, 4, 4] words
+        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HP, 16])
+        SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+
+        pid = gl.program_id(0)
+        t = gl.program_id(1).to(gl.int64)
+        q_ptr += t * H * 128
+        rows_ptr += t * rows_stride
+        w_ptr += t * H
+        out_ptr += t * n_rows
+        if DEVICE_COUNT:
+            n_rows = gl.minimum(gl.load(count_ptr + t * count_stride).to(gl.int32), n_rows)
+
+        # the query, per head scaled by 2^(14 - e_h) into fp16 (exact for MXFP4 values), into shared memory once
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))
+        kq = gl.arange(0, 128, layout=gl.SliceLayout(0, LQ))
+        q = gl.load(q_ptr + h[:, None] * 128 + kq[None, :], mask=(h < H)[:, None] & (kq >= 0)[None, :], other=0.0)
+        qmax = gl.max(gl.abs(q), axis=1)
+        e_h = gl.where(qmax > 0, ((qmax.to(gl.int32, bitcast=True) >> 23) & 255) - 127, 0)
+        e_h = gl.minimum(gl.maximum(e_h, -110), 127)
+        q_smem = gl.allocate_shared_memory(gl.float16, [HP, 128], SH16)
+        q_smem.store((q * exp2_f32(14 - e_h)[:, None]).to(gl.float16))
+        hw = gl.arange(0, HP, layout=gl.SliceLayout(0, ACC))
+        e_w = gl.convert_layout(e_h, gl.SliceLayout(0, ACC))
+        wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * exp2_f32(e_w - 14)
+        k_smem = gl.allocate_shared_memory(gl.float16, [_BLOCK_N, 128], SH16)
+        k_words = k_smem._reinterpret(gl.int32, [_BLOCK_N, 64], SH32)
+        blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
+
+        words, sw = _load_tile(pid, rows_ptr, n_rows, LW)
+        for it in range(n_iter):
+            tile = pid + it * n_prog
+            next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, LW)  # in flight while this one is scored
+            if tile * _BLOCK_N < n_rows:  # uniform: the programs' last tiles may lie past the rows
+                smax = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+                # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
+                s = gl.expand_dims(_scale_pair(15 - (smax[:, None] - ((sw[:, None] >> blk8) & 255))), 2) + 0 * words
+                # the four pairs of each word side by side: row order, 16 bytes a lane per word
+                pairs = gl.reshape(gl.join(gl.join(_pairs(words, s, 0), _pairs(words, s, 2)),
+                                           gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [_BLOCK_N, 64])
+                gl.thread_barrier()  # every warp is past the previous tile's product
+                k_words.store(pairs)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([_BLOCK_N, HP], gl.float32, ACC))
+                # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
+                row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
+                score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
+                r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
+                gl.store(out_ptr + r, score, mask=r < n_rows)
+            words = next_words
+            sw = next_sw
+
+
+def available(q: torch.Tensor, heads: int) -> bool:
+    """Whether the kernel serves this query: CUDA on an sm_90 GPU with Gluon (not the interpreter), at most 64
+    heads."""
+    return (HAVE_GLUON and not interpret_mode() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and heads <= 64)

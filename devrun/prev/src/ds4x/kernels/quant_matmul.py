@@ -1,0 +1,1395 @@
+"""Triton products straight from GGML blocks (Q8_0, Q2_K, Q4_K, IQ2_XXS) for CUDA.
+
+``y = x @ W.T`` where ``W`` is a :class:`~ds4x.formats.ggml_tensor.GGMLTensor` ``[N, K]`` (or an
+expert of ``[E, N, K]``). The weight is never expanded to a dense buffer: each program reads its
+rows' blocks, decodes them in registers and accumulates in float32.
+
+Two kernels:
+
+* ``_qmv_kernel`` (matvec, 1 to ``MATVEC_MAX_ROWS`` activation rows per weight): a program owns R
+  weight rows of one (activation row, expert) pair and walks K in steps of U "units". Its tile is
+  ``[U, R]``: one unit per thread (lanes and warps along K), the R rows in each thread's registers.
+  A unit is the run of weights one thread decodes at once, sized so that scales apply to in-thread
+  sums (Q8_0: a quarter block, 8 weights; Q4_K: one code word, 8; Q2_K: 16 code bytes, 64;
+  IQ2_XXS: one 32-weight group). Every tile keeps that one layout, so nothing goes through shared
+  memory until the final sum; weight loads are unmasked 2/4/8-byte loads (rows past N read row N - 1).
+* ``_qmm_kernel`` (skinny matrix, up to ``DOT_MAX_ROWS`` rows): the decoded ``[BN, BK]`` tile goes
+  through ``tl.dot`` against ``BM`` activation rows (in x's dtype; float32 activations use TF32 on
+  GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
+  W * V weights in their natural order.
+
+Routed products with a few or more pairs per expert (prompts, prefill chunks) go on Hopper to a third kernel,
+:mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
+multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
+
+Both take an optional expert id per (activation row, slot) pair: the routed-expert form
+``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
+of one row each). Above 64 rows ``quant_linear`` / ``quant_grouped_linear`` decode the weight once with
+``_dequant_kernel`` (``dequantize_gpu``: the skinny kernel's tiles, stored) and call the dense GEMM; routed
+products past the matvec's range with bf16 activations decode the experts a slice at a time and call
+``torch._grouped_mm`` (prefill: see ``GROUPED_SCRATCH_BYTES``). Byte layouts are in :mod:`ds4x.formats.ggml`.
+
+Float path (all types; Q8_0 and Q4_K only have this one): weights are decoded exactly (the
+reference's float operations for scales and codes); sums are ``scale * sum(code * x)`` per scale
+group, so only rounding order differs from dequantize-then-matmul (relative error ~1e-7).
+
+Int8-activation path (Q8_0, Q2_K and IQ2_XXS, the default for all three, see ``INT8_ACTIVATIONS``;
+``int8=`` or DS4X_QUANT_ACT=float / int8 chooses): each program quantizes its x slice to int8, one scale per
+16 values (Q8_0: per 8, its unit; round to nearest), and multiplies codes with integer dot products
+(``dp4a``); the Q2_K min term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data
+(tests allow 2e-2). The weights are still exact; the CPU reference never quantizes activations.
+
+Batch invariance: the matvec computes every (row, expert) pair alone with a configuration chosen
+without looking at the number of rows, so a row gets the same bits with 1 to ``MATVEC_MAX_ROWS``
+rows in the call (checked bitwise on an H200 for 1, 3 and 16 rows). Past that the skinny kernel
+(TF32 / bf16 tensor cores) and then the dense GEMM give other bits.
+
+The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors for parity tests
+(``dp4a`` and byte permutes are emulated there); like ``formats/rows_triton.py`` this module keeps a
+private copy of itself for the mode it was not imported under.
+
+Speed (``python -m ds4x.kernels.quant_matmul [out.json | out_dir [deadline_s]]``: parity and timing of every
+case; H200, 2026-12-02, copy bandwidth ~4,220 GB/s, random valid blocks, CUDA-graph replay over weight
+copies; benchmarks/quant_matmul_h200.json and the ledger). 1 activation row, share of copy bandwidth:
+Q8_0 in split rows (what the model runs on CUDA; file blocks in brackets) wo_b 8192->4096 57.9% (49.5%), wo_a
+grouped 55.3% (48.7%), wq_b 1024->32768 48.6% (46.8%), wq_a 4096->1024 ~23% (4.5 MB: 4.4 us, launch and ramp
+dominate); IQ2_XXS expert gate 4096->2048 (cd8ee19): 6 routed experts 15.2% float / 15.1% int8 (20.2 / 20.3 us),
+12 (gate and up stacked) 17.5% / 17.3% (35.2 / 35.5 us), one expert 8.8% / 7.9%; Q2_K expert down 2048->4096: 6
+experts 29.7% int8 / 19.7% float, one expert 15.4% / 9.1%; Q4_K 13.1% (c24abde). The targets (60% Q8_0, 50% for
+the 2-bit types) are not reached. One expert is 2.2-2.8 MB, about 0.6 us of reading: its 4-7 us are launch, DRAM
+latency and the final reduction. IQ2_XXS reads its grid as 4-bit level indices from a 1 KB table and ORs in
+the signs from a 512-byte table indexed by the 7 stored sign bits (the parity sign included), so one byte
+permute per 4 weights gives signed levels; the earlier form that derived the signs with bit arithmetic ran
+43% (float) / 48% (int8) more sm_90 instructions and took 44.1 us for 12 slots. Q8_0 runs ~6.5 instructions per
+weight with no layout conversion in its loop. With more rows
+the matvec re-reads W per row but still beats the skinny kernel: Q8_0 wo_b 2 / 4 / 8 / 16 rows 23.4 / 39.1 /
+72.5 / 139 us against 234 / 233 us for 8 / 16 rows, hence ``MATVEC_MAX_ROWS = 16``; 6 routed IQ2_XXS experts
+for 8 tokens: 159 us (the skinny kernel took 4.3 ms in an earlier run).
+
+2026-12-04 (H200, int8 activations, the configurations of `matvec_config`): IQ2_XXS routed gate / up, 12 slots,
+in split rows 22.8 us (26.8%); the 12 slots' instructions, not their table reads, bound it: keeping the grid and
+sign tables in shared memory instead of reading them through L1 changed nothing with int8 activations. Q2_K
+routed down 11.9 us (32.6%). Q8_0 split rows: wq_b 66%, wo_a grouped 66%, wo_b 69%, output head 97%, shared
+gate / up 56%, shared down 39%, wq_a 21%.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_nbytes
+from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels import routed_wgmma
+
+T = GGMLQuantizationType
+log = logging.getLogger(__name__)
+# type -> (code for the kernels, weights per scale group S, block bytes, block weights, matvec unit weights)
+_TYPES = {
+    T.Q8_0: (8, 32, 34, 32, 8),
+    T.Q2_K: (10, 16, 84, 256, 64),
+    T.Q4_K: (12, 32, 144, 256, 8),
+    T.IQ2_XXS: (16, 32, 66, 256, 32),
+}
+SUPPORTED = tuple(_TYPES)
+# dense 16-bit weights through the matvec (`dense_linear`): GGML type -> the same fields (8 weights a unit)
+_DENSE_TYPES = {T.BF16: (30, 1, 2, 1, 8), T.F16: (1, 1, 2, 1, 8)}
+_DENSE_QTYPE = {torch.bfloat16: T.BF16, torch.float16: T.F16}
+# Dense 16-bit weights multiply through the matvec up to this many rows: cuBLAS picks split-K GEMM kernels at a
+# few rows, which reached ~0.7 TB/s on the Flash compressor / indexer / router shapes of a decode step (H200,
+# 4K decode profile at 4270d51: 981 us over 273 launches for ~0.7 GB)
+DENSE_MATVEC_MAX_ROWS = 4
+MATVEC_MAX_ROWS = 16  # up to this many rows per (weight, expert) the matvec kernel wins (it re-reads W per row)
+DOT_MAX_ROWS = 64  # above this quant_linear dequantizes once and uses the dense GEMM
+# routed experts (prefill spreads T * k pairs over the experts): where the matvec stops winning, by type. H200,
+# 2026-12-01, Flash shapes, 256 experts, k = 6, ms matvec / skinny: IQ2_XXS gate 4096->2048 at 128 / 256 / 512 /
+# 2048 tokens (3 / 6 / 12 / 48 pairs per expert) 2.56 / 3.91, 5.10 / 4.07, 10.18 / 4.36, 40.7 / 6.17; Q2_K down
+# 2048->4096 at 512 / 2048 tokens 3.21 / 6.95, 13.28 / 9.92
+ROUTED_MATVEC_MAX_ROWS = {T.IQ2_XXS: 4, T.Q2_K: 32}
+# Types whose matvec quantizes the activations to int8 unless told otherwise (DS4X_QUANT_ACT=float turns it off
+# everywhere). A whole decode step measures the gain (H200, full Flash q2 mix, seed 0, f5a3847, back to back): 4K
+# 8.99 -> 8.55 ms, 1M 10.17 -> 9.76 (in isolation the IQ2_XXS kernel was no faster, cd8ee19: 12 routed slots 35.5
+# us int8 against 35.2; Q8_0 wo_b 58.1 -> 63.6% of copy bandwidth, the others within 2%). What it costs the
+# trained tiny model (scripts/act_quant_quality.py, emulated on the CPU with Q8_0 weights, 512 held-out tokens):
+# activations per 8 values move the logits by 1.2% RMS, per 16 by 1.7%, against 1.5% for Q8_0 weights instead of
+# float32 ones; the mean log-likelihood within 0.001 nats of float activations either way.
+INT8_ACTIVATIONS = frozenset({T.Q2_K, T.Q8_0, T.IQ2_XXS})
+# Past the routed matvec's range, bf16 activations outside a CUDA-graph capture take the grouped path: decode the
+# experts to bf16 (dequantize_gpu) a slice at a time, then one torch._grouped_mm per slice. H200, Flash shapes, 2,048
+# tokens x 6 of 256 experts, ms grouped / best skinny config / default skinny config: IQ2_XXS gate 3.64 / 4.58 / 6.17,
+# Q2_K down 3.67 / 6.12 / 9.91 (scripts/prefill_sweep.py). The decode writes and the GEMM reads every bf16 weight
+# once (2 x 4.3 GB per matrix), so the path is bandwidth-bound on its scratch, not on the blocks.
+GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per slice needs one host sync)
+# Dense mirrors (off unless ``use_dense_mirrors(True)``: the server's batched decode turns them on). From
+# MIRROR_MIN_ROWS rows a Q8_0 matrix multiplies through a copy of itself decoded once to the activations' dtype
+# (kept on the weight) and the dense GEMM, which reads 2 bytes per weight once, where the matvec reads ~1.06
+# bytes per weight per row and the skinny kernel, with one program per 64 output rows, is latency-bound. H200,
+# bf16, us blocks / mirror at 1, 2, 3 rows (32 rows): wq_b 1024->32768 14.1 / 18.1, 26.0 / 18.3, 37.9 / 18.4
+# (81.9 / 19.3); wo_b 8192->4096 11.7 / 21.7, 22.2 / 21.7, 31.4 / 21.9 (160.5 / 23.1); wo_a grouped 11.9 / 18.4,
+# 22.5 / 18.2; head 129280 x 4096 158.8 / 237.9, 315.4 / 237.6; wq_a 4096->1024 3.2 / 6.5, 4.7 / 6.6, 6.1 / 6.6,
+# 7.4 / 6.5 at 4 rows. The 259 mirrors of Flash q2 take ~9.6 GB; 32 sessions' step 175 -> 149 ms.
+# Routed products with at least this many (row, expert) pairs per expert on average go to the Hopper tensor-core
+# kernel (kernels/routed_wgmma.py: each weight tile decoded once per chunk of pairs of one expert) where it runs;
+# DS4X_ROUTED_WGMMA=off keeps them on the matvec / grouped paths. H200 (7173fca), Flash shapes, 256 experts, 6 per
+# token, us matvec or grouped / tensor-core kernel at 32 / 130 / 512 / 1,024 / 4,096 tokens (0.75 / 3 / 12 / 24 / 96
+# pairs per expert): IQ2_XXS gate 412 / 770, 1,644 / 1,227, 3,801 (grouped) / 1,427, 3,930 (grouped) / 2,390,
+# 4,010 (grouped) / 2,557; Q2_K down 212 / 532, 822 / 851, 3,676 (grouped) / 1,011, 3,751 (grouped; the matvec
+# ~6,400) / 1,472, 4,086 (grouped) / 2,370. The thresholds sit between measured points (none between 3 and 12).
+WGMMA_MIN_PAIRS_PER_EXPERT = {T.IQ2_XXS: 2, T.Q2_K: 4}
+MIRROR_TYPES = frozenset({T.Q8_0})
+MIRROR_MIN_ROWS = 2
+MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
+_mirrors = {"on": False, "refused": False}
+
+
+_DEFINED_INTERPRETED = interpret_mode()
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _f16(ptr, off, mask):
+        # fp16 field at an even byte offset -> float32
+        return tl.load((ptr + off).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _magic(q, BIAS: tl.constexpr):
+        # int32 code in [0, 2**23) -> float32 (code - BIAS) without the quarter-rate I2F: the float
+        # with bits 0x4B000000 | code is 2**23 + code, exactly
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+
+    # ---- skinny-matrix tiles ------------------------------------------------------------------------
+    # Tiles are built 4-D from the start ([BN, 1, 1, 1] row offsets, [1, G, 1, 1] groups,
+    # [1, 1, W, 1] words, [1, 1, 1, V] values), so no layout conversion is needed between the
+    # scale, word and value stages.
+
+    @triton.jit
+    def _tile_q8_0(wp, rowoff, rmask, k0, K, G: tl.constexpr):
+        # [BN, G, 16, 2]: block = d (fp16) + 32 int8, read as 16 little-endian int16 words
+        blk = k0 // 32 + tl.arange(0, G)[None, :, None, None]
+        m = rmask & (blk * 32 < K)
+        boff = rowoff + blk.to(tl.int64) * 34
+        d = _f16(wp, boff, m)
+        wi = tl.arange(0, 16)[None, None, :, None]
+        words = tl.load((wp + boff + 2 + 2 * wi).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32)
+        v = tl.arange(0, 2)[None, None, None, :]
+        q = _magic(((words >> (8 * v)) & 255) ^ 128, 128.0)  # int8 = (byte ^ 128) - 128
+        return q * d
+
+    @triton.jit
+    def _tile_q8_0_split(wp, rowoff, rmask, k0, K, G: tl.constexpr):
+        # [BN, G, 8, 4]: split-layout Q8_0 rows (GGMLTensor.split): block blk's 32 codes are the 8 int32 words
+        # at byte 32 blk of the row, its fp16 scale is at byte K + 2 blk
+        blk = k0 // 32 + tl.arange(0, G)[None, :, None, None]
+        m = rmask & (blk * 32 < K)
+        d = _f16(wp, rowoff + K + 2 * blk, m)
+        wi = tl.arange(0, 8)[None, None, :, None]
+        words = tl.load((wp + rowoff + 32 * blk + 4 * wi).to(tl.pointer_type(tl.int32)), mask=m, other=0)
+        v = tl.arange(0, 4)[None, None, None, :]
+        q = _magic(((words >> (8 * v)) & 255) ^ 128, 128.0)
+        return q * d
+
+    @triton.jit
+    def _tile_q2_k(wp, rowoff, rmask, k0, K, G: tl.constexpr):
+        # [BN, G, 4, 4]: G sub-blocks of 16; sub-block j16 = 8h + 2k + jh of its block reads bit
+        # pair k of bytes 16jh..16jh+15 of half h (4 int32 words)
+        sb = k0 // 16 + tl.arange(0, G)[None, :, None, None]
+        j16 = sb % 16
+        m = rmask & (sb * 16 < K)
+        boff = rowoff + (sb // 16).to(tl.int64) * 84
+        d = _f16(wp, boff + 80, m)
+        dmin = _f16(wp, boff + 82, m)
+        sc = tl.load(wp + boff + j16, mask=m, other=0).to(tl.int32)
+        dl = d * _magic(sc & 15, 0.0)
+        ml = dmin * _magic(sc >> 4, 0.0)
+        wi = tl.arange(0, 4)[None, None, :, None]
+        woff = boff + 16 + 32 * (j16 // 8) + 16 * (j16 % 2) + 4 * wi
+        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0)
+        v = tl.arange(0, 4)[None, None, None, :]
+        q = _magic((words >> (8 * v + 2 * ((j16 // 2) % 4))) & 3, 0.0)
+        return dl * q - ml
+
+    @triton.jit
+    def _tile_q4_k(wp, rowoff, rmask, k0, K, G: tl.constexpr):
+        # [BN, G, 8, 4]: G sub-blocks of 32; sub-block i = 2c + hi of its block is nibble hi of the
+        # 32 bytes (8 int32 words) of chunk c; 6-bit scale and min unpacked from the 12 scale bytes
+        sbi = k0 // 32 + tl.arange(0, G)[None, :, None, None]
+        i = sbi % 8
+        m = rmask & (sbi * 32 < K)
+        boff = rowoff + (sbi // 8).to(tl.int64) * 144
+        d = _f16(wp, boff, m)
+        dmin = _f16(wp, boff + 2, m)
+        u = tl.load(wp + boff + 4 + i, mask=m, other=0).to(tl.int32)
+        v8 = tl.load(wp + boff + 8 + i, mask=m, other=0).to(tl.int32)
+        t = tl.load(wp + boff + i, mask=m, other=0).to(tl.int32)
+        low = i < 4
+        sc = tl.where(low, u & 63, (v8 & 15) | ((t >> 6) << 4))
+        mn = tl.where(low, v8 & 63, (v8 >> 4) | ((u >> 6) << 4))
+        dl = d * _magic(sc, 0.0)
+        ml = dmin * _magic(mn, 0.0)
+        wi = tl.arange(0, 8)[None, None, :, None]
+        woff = boff + 16 + 32 * (i // 2) + 4 * wi
+        words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0)
+        v = tl.arange(0, 4)[None, None, None, :]
+        q = _magic((words >> (8 * v + 4 * (i % 2))) & 15, 0.0)
+        return dl * q - ml
+
+    @triton.jit
+    def _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr, SPLIT: tl.constexpr):
+        # [BN, G, 8, 4]: G groups of 32 = 4 grid entries of 8 (t = 2 * entry + half: 4 weights);
+        # signs: a 7-bit index + an even-parity 8th bit; magnitudes from the grid as int32 words. SPLIT rows: a
+        # group's 8 bytes at 8 * group, the block scales after the K / 4 code bytes
+        grp = k0 // 32 + tl.arange(0, G)[None, :, None, None]
+        m = rmask & (grp * 32 < K)
+        if SPLIT:
+            d = _f16(wp, rowoff + K // 4 + 2 * (grp // 8), m)
+            gb = rowoff + 8 * grp
+        else:
+            boff = rowoff + (grp // 8).to(tl.int64) * 66
+            d = _f16(wp, boff, m)
+            gb = boff + 2 + 8 * (grp % 8)
+        lo = tl.load((wp + gb + 4).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
+        hi = tl.load((wp + gb + 6).to(tl.pointer_type(tl.int16)), mask=m, other=0).to(tl.int32) & 0xFFFF
+        aux = lo | (hi << 16)
+        db = d * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
+        t = tl.arange(0, 8)[None, None, :, None]
+        sub = t // 2
+        half = t % 2
+        idx = tl.load(wp + gb + sub, mask=m, other=0).to(tl.int32)
+        s7 = (aux >> (7 * sub)) & 127
+        p = s7 ^ (s7 >> 4)
+        p = p ^ (p >> 2)
+        p = (p ^ (p >> 1)) & 1
+        mask8 = s7 | (p << 7)
+        v = tl.arange(0, 4)[None, None, None, :]
+        gw = tl.load(gridp.to(tl.pointer_type(tl.int32)) + idx * 2 + half)
+        mag = _magic((gw >> (8 * v)) & 255, 0.0)
+        sbit = (mask8 >> (4 * half + v)) & 1
+        return db * tl.where(sbit == 1, -mag, mag)
+
+    @triton.jit
+    def _tile(QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, k0, K, G: tl.constexpr):
+        if QTYPE == 8:
+            out = _tile_q8_0(wp, rowoff, rmask, k0, K, G)
+        elif QTYPE == 9:
+            out = _tile_q8_0_split(wp, rowoff, rmask, k0, K, G)
+        elif QTYPE == 10:
+            out = _tile_q2_k(wp, rowoff, rmask, k0, K, G)
+        elif QTYPE == 12:
+            out = _tile_q4_k(wp, rowoff, rmask, k0, K, G)
+        else:
+            out = _tile_iq2_xxs(wp, gridp, rowoff, rmask, k0, K, G, QTYPE == 17)
+        return out
+
+    # ---- matvec units ------------------------------------------------------------------------------
+    # The matvec tile is [U, R]: U "units" along K (one per thread, spread over the lanes and warps)
+    # times R weight rows (in each thread's registers). A unit is the run of weights one thread decodes
+    # at once, sized so that its scales apply to whole in-thread sums: it loads its own bytes (plain
+    # 2- and 4-byte loads, never masked: rows past N read row N - 1 and U divides K's units), its x
+    # values (16-byte vector loads, shared by the R rows), and returns its R partial dot products.
+    # Everything stays in one layout, so no tile goes through shared memory until the final sum.
+
+    @triton.jit
+    def _ld16(p):
+        return tl.load(p.to(tl.pointer_type(tl.uint16))).to(tl.int32)
+
+    @triton.jit
+    def _ld32(p):
+        return tl.load(p.to(tl.pointer_type(tl.int32)))
+
+    @triton.jit
+    def _h2f(h):
+        # the fp16 in the low 16 bits of an int32 -> float32
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _x4(xp, k):
+        # x[k .. k+3] (k [U, 1], a multiple of 4) as four float32 [U, 1]: one vector load, split in registers
+        v = tl.load(xp + k + tl.arange(0, 4)[None, :]).to(tl.float32)
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+        x0, x2 = tl.split(a)
+        x1, x3 = tl.split(b)
+        return x0[:, None], x1[:, None], x2[:, None], x3[:, None]
+
+    @triton.jit
+    def _dot4f(q, sh: tl.constexpr, bits: tl.constexpr, xp, k):
+        # sum over bytes v of code((q >> (8v + sh)) & (2**bits - 1)) * x[k + v], and sum of x[k .. k+3]
+        x0, x1, x2, x3 = _x4(xp, k)
+        m: tl.constexpr = (1 << bits) - 1
+        s = (_magic((q >> sh) & m, 0.0) * x0 + _magic((q >> (8 + sh)) & m, 0.0) * x1
+             + _magic((q >> (16 + sh)) & m, 0.0) * x2 + _magic((q >> (24 + sh)) & m, 0.0) * x3)
+        return s, (x0 + x1) + (x2 + x3)
+
+    @triton.jit
+    def _qbits(v, inv):
+        # round(v * inv) in the low byte: adding 1.5 * 2**23 leaves the rounded integer in the low mantissa bits
+        return (v * inv + 12582912.0).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _pack4(a, b, c, d, INTERPRET: tl.constexpr):
+        # the low bytes of a, b, c, d as one little-endian word (three byte permutes on the GPU)
+        if INTERPRET:
+            out = (a & 255) | ((b & 255) << 8) | ((c & 255) << 16) | (d << 24)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t1, t2; prmt.b32 t1, $1, $2, 0x0040; prmt.b32 t2, $3, $4, 0x0040; "
+                "prmt.b32 $0, t1, t2, 0x5410; }", "=r,r,r,r,r", [a, b, c, d], dtype=tl.int32, is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _qword(a, b, c, d, inv, INTERPRET: tl.constexpr):
+        # round(v * inv) of four values as one word of 4 little-endian int8 codes
+        return _pack4(_qbits(a, inv), _qbits(b, inv), _qbits(c, inv), _qbits(d, inv), INTERPRET)
+
+    @triton.jit
+    def _amax4(a, b, c, d):
+        return tl.maximum(tl.maximum(tl.abs(a), tl.abs(b)), tl.maximum(tl.abs(c), tl.abs(d)))
+
+    @triton.jit
+    def _xq8(xp, k, INTERPRET: tl.constexpr):
+        # x[k .. k+7] quantized to int8 for integer dot products (Q8_0's int8-activation path): two words of 4
+        # little-endian codes and the scale (x ~ scale * code)
+        a0, a1, a2, a3 = _x4(xp, k)
+        b0, b1, b2, b3 = _x4(xp, k + 4)
+        amax = tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3))
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        return _qword(a0, a1, a2, a3, inv, INTERPRET), _qword(b0, b1, b2, b3, inv, INTERPRET), amax * (1.0 / 127.0)
+
+    @triton.jit
+    def _xq16(xp, k, INTERPRET: tl.constexpr):
+        # x[k .. k+15] quantized to int8 for integer dot products (the int8-activation path): four words of
+        # 4 little-endian codes, the scale (x ~ scale * code) and the float sum of the 16 values
+        a0, a1, a2, a3 = _x4(xp, k)
+        b0, b1, b2, b3 = _x4(xp, k + 4)
+        c0, c1, c2, c3 = _x4(xp, k + 8)
+        d0, d1, d2, d3 = _x4(xp, k + 12)
+        amax = tl.maximum(tl.maximum(_amax4(a0, a1, a2, a3), _amax4(b0, b1, b2, b3)),
+                          tl.maximum(_amax4(c0, c1, c2, c3), _amax4(d0, d1, d2, d3)))
+        inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+        w0 = _qword(a0, a1, a2, a3, inv, INTERPRET)
+        w1 = _qword(b0, b1, b2, b3, inv, INTERPRET)
+        w2 = _qword(c0, c1, c2, c3, inv, INTERPRET)
+        w3 = _qword(d0, d1, d2, d3, inv, INTERPRET)
+        sx = (((a0 + a1) + (a2 + a3)) + ((b0 + b1) + (b2 + b3))) + (((c0 + c1) + (c2 + c3)) + ((d0 + d1) + (d2 + d3)))
+        return w0, w1, w2, w3, amax * (1.0 / 127.0), sx
+
+    @triton.jit
+    def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
+        # acc + the sum of the 4 products of the signed bytes of a and b (one IDP4A on the GPU)
+        if INTERPRET:
+            for i in tl.static_range(4):
+                acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            out = acc
+        else:
+            out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _mv_q8_0(rowp, c, xp, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4. File blocks: fp16 d, then 32 int8 at byte 2
+        # (the quarter is 4 uint16 words, 2-byte aligned only). Split rows: the quarter is the 8-byte word at
+        # byte 8c (one load), d is at byte kb + 2 (c // 4). Both give the same bits. ACT8: the 8 codes are signed
+        # bytes already, so two integer dot products with x quantized per 8 values
+        if SPLIT:
+            q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
+            d = _h2f(_ld16(rowp + kb + 2 * (c // 4)))
+        else:
+            bp = rowp + (c // 4) * 34
+            qp = bp + 2 + (c % 4) * 8
+            d = _h2f(_ld16(bp))
+        if ACT8:
+            x0, x1, dx = _xq8(xp, c * 8, INTERPRET)
+            if SPLIT:
+                lo = q.to(tl.int32)
+                hi = (q >> 32).to(tl.int32)
+            else:
+                lo = _ld16(qp) | (_ld16(qp + 2) << 16)
+                hi = _ld16(qp + 4) | (_ld16(qp + 6) << 16)
+            return (dx * _dp4a(hi, x1, _dp4a(lo, x0, tl.zeros_like(lo), INTERPRET), INTERPRET).to(tl.float32)) * d
+        s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for half in tl.static_range(2):
+            x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
+            if SPLIT:
+                wd = (q >> (32 * half)).to(tl.int32)
+                a = (wd & 0xFFFF) ^ 0x8080  # int8 = (byte ^ 128) - 128
+                b = ((wd >> 16) & 0xFFFF) ^ 0x8080
+            else:
+                a = _ld16(qp + 4 * half) ^ 0x8080
+                b = _ld16(qp + 4 * half + 2) ^ 0x8080
+            s += (_magic(a & 255, 128.0) * x0 + _magic(a >> 8, 128.0) * x1
+                  + _magic(b & 255, 128.0) * x2 + _magic(b >> 8, 128.0) * x3)
+        return s * d
+
+    @triton.jit
+    def _mv_q4_k(rowp, c, xp):
+        # unit: code word c % 8 of chunk ch = (c // 8) % 4 of block c // 32; its low nibbles are weights
+        # 64 ch + 4 (c % 8) + 0..3 (sub-block 2 ch), its high nibbles the same + 32 (sub-block 2 ch + 1)
+        ch = (c // 8) % 4
+        bp = rowp + (c // 32) * 144
+        dd = _ld32(bp)
+        s0 = _ld32(bp + 4)
+        s1 = _ld32(bp + 8)
+        s2 = _ld32(bp + 12)
+        q = _ld32(bp + 16 + 32 * ch + 4 * (c % 8))
+        k = (c // 32) * 256 + 64 * ch + 4 * (c % 8)
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for hi in tl.static_range(2):
+            sh = 8 * ((2 * ch + hi) % 4)  # sub-block i = 2 ch + hi reads byte i % 4 of the three scale words
+            u = (s0 >> sh) & 255
+            v = (s1 >> sh) & 255
+            t = (s2 >> sh) & 255
+            sc = tl.where(ch < 2, u & 63, (t & 15) | ((u >> 6) << 4))
+            mn = tl.where(ch < 2, v & 63, (t >> 4) | ((v >> 6) << 4))
+            dot, xs = _dot4f(q, 4 * hi, 4, xp, k + 32 * hi)
+            out += (_h2f(dd) * _magic(sc, 0.0)) * dot - (_h2f(dd >> 16) * _magic(mn, 0.0)) * xs
+        return out
+
+    @triton.jit
+    def _mv_q2_k(rowp, c, xp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # unit: code bytes 16 jj .. 16 jj + 15 (jj = c % 2) of half h = (c // 2) % 2 of block c // 4 (4 words).
+        # Bit pair kk of these bytes holds the 16 weights 128 h + 32 kk + 16 jj + 0..15, sub-block
+        # 8 h + 2 kk + jj, whose scale byte is byte jj + 2 (kk % 2) of scale word 2 h + kk // 2.
+        # w = d * (sc & 15) * q - dmin * (sc >> 4), so each sub-block adds d * sc_lo * sum(q x) - dmin * sc_hi * sum(x).
+        h = (c // 2) % 2
+        jj = c % 2
+        bp = rowp + (c // 4) * 84
+        dd = _ld32(bp + 80)
+        sw0 = _ld32(bp + 8 * h)
+        sw1 = _ld32(bp + 8 * h + 4)
+        qp = bp + 16 + 32 * h + 16 * jj
+        q0 = _ld32(qp)
+        q1 = _ld32(qp + 4)
+        q2 = _ld32(qp + 8)
+        q3 = _ld32(qp + 12)
+        k = (c // 4) * 256 + 128 * h + 16 * jj
+        a = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        b = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for kk in tl.static_range(4):
+            if kk < 2:
+                sc = (sw0 >> (8 * jj + 16 * kk)) & 255
+            else:
+                sc = (sw1 >> (8 * jj + 16 * (kk - 2))) & 255
+            if ACT8:
+                x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
+                isum = _dp4a((q0 >> (2 * kk)) & 0x03030303, x0, tl.zeros_like(q0), INTERPRET)
+                isum = _dp4a((q1 >> (2 * kk)) & 0x03030303, x1, isum, INTERPRET)
+                isum = _dp4a((q2 >> (2 * kk)) & 0x03030303, x2, isum, INTERPRET)
+                isum = _dp4a((q3 >> (2 * kk)) & 0x03030303, x3, isum, INTERPRET)
+                a += dx * (isum * (sc & 15)).to(tl.float32)
+            else:
+                s0, x0 = _dot4f(q0, 2 * kk, 2, xp, k + 32 * kk)
+                s1, x1 = _dot4f(q1, 2 * kk, 2, xp, k + 32 * kk + 4)
+                s2, x2 = _dot4f(q2, 2 * kk, 2, xp, k + 32 * kk + 8)
+                s3, x3 = _dot4f(q3, 2 * kk, 2, xp, k + 32 * kk + 12)
+                sx = (x0 + x1) + (x2 + x3)
+                a += ((s0 + s1) + (s2 + s3)) * _magic(sc & 15, 0.0)
+            b += sx * _magic(sc >> 4, 0.0)
+        return _h2f(dd) * a - _h2f(dd >> 16) * b
+
+    @triton.jit
+    def _permute(a, sel, b, INTERPRET: tl.constexpr):
+        # byte i of the result: byte (sel >> 4 i) & 7 of the 8 bytes b:a (one prmt on the GPU)
+        if INTERPRET:
+            out = tl.zeros_like(sel)
+            for i in tl.static_range(4):
+                k = (sel >> (4 * i)) & 7
+                byte = tl.where(k < 4, a >> (8 * (k & 3)), b >> (8 * (k & 3))) & 255
+                out |= byte << (8 * i)
+        else:
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $3, $2;", "=r,r,r,r", [a, sel, b], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _byte_magic(word, magic, V: tl.constexpr, INTERPRET: tl.constexpr):
+        # byte V of the int32 ``word`` as the float 2^23 + byte: one byte permute on the GPU, of ``word`` and
+        # ``magic`` (0x4B000000, a value read from memory, so that the permute keeps its selector immediate)
+        if INTERPRET:
+            out = (((word >> (8 * V)) & 255) | magic).to(tl.float32, bitcast=True)
+        else:
+            m = tl.broadcast_to(magic, word.shape)
+            if V == 0:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7440;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            elif V == 1:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7441;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            elif V == 2:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7442;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7443;", "=r,r,r", [word, m],
+                                                dtype=tl.float32, is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _selectors(g01, g23, aux, tables):
+        # the permute selectors of a unit's 4 grid entries, grid nibbles | sign bits: the 8 table entries in one
+        # tl.gather from the register copy of the tables, which goes through shared memory (measured against
+        # 8 gathers from global memory, H200, routed gate / up at one token: the same with int8 activations,
+        # float activations 30.6 against 31.7 us in the file's blocks, 28.4 against 39.9 in split rows)
+        i0 = tl.join(g01 & 255, 256 + (aux & 127))
+        i1 = tl.join(g01 >> 8, 256 + ((aux >> 7) & 127))
+        i2 = tl.join(g23 & 255, 256 + ((aux >> 14) & 127))
+        i3 = tl.join(g23 >> 8, 256 + ((aux >> 21) & 127))
+        idx = tl.join(tl.join(i0, i1), tl.join(i2, i3))
+        n: tl.constexpr = g01.shape[0] * g01.shape[1] * 8
+        v = tl.reshape(tl.gather(tables, tl.reshape(idx, (n,)), 0), idx.shape)
+        a, b = tl.split(v)
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        g0, s0 = tl.split(a0)
+        g1, s1 = tl.split(a1)
+        g2, s2 = tl.split(b0)
+        g3, s3 = tl.split(b1)
+        return g0 | s0, g1 | s1, g2 | s2, g3 | s3
+
+    @triton.jit
+    def _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+        # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
+        # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads; in
+        # split rows one 8-byte load). The tables (see _iq2_xxs_tables): grid entry g's 8 level indices as
+        # nibbles, and for each 7-bit sign index the sign of each of the 8 weights (the 8th: the parity of the
+        # 7) as bit 2 of that weight's nibble, so that one byte permute per 4 weights picks signed magnitudes
+        # from two words of levels: signed int8 for the integer dot products, else 64 + the signed magnitude,
+        # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude
+        if SPLIT:  # the unit's 8 bytes at 8c (one load), the block's scale at kb + 2 (c // 8)
+            q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
+            lo = q.to(tl.int32)
+            g01 = lo & 0xFFFF
+            g23 = (lo >> 16) & 0xFFFF
+            aux = (q >> 32).to(tl.int32)
+            d = _ld16(rowp + kb + 2 * (c // 8))
+        else:
+            bp = rowp + (c // 8) * 66
+            gp = bp + 2 + 8 * (c % 8)
+            g01 = _ld16(gp)
+            g23 = _ld16(gp + 2)
+            aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
+            d = _ld16(bp)
+        db = _h2f(d) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
+        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        if ACT8:
+            pos_levels = tl.load(gridp + 385)
+            neg_levels = tl.load(gridp + 386)
+        else:
+            pos_levels = tl.load(gridp + 387)
+            neg_levels = tl.load(gridp + 388)
+            magic = tl.load(gridp + 384)
+        sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
+        for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
+            if ACT8:
+                x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
+                dots = tl.zeros_like(aux)
+            else:
+                s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+            for e in tl.static_range(2):
+                j = 2 * half + e
+                if half == 0:
+                    sel = sel0 if e == 0 else sel1
+                else:
+                    sel = sel2 if e == 0 else sel3
+                w_lo = _permute(pos_levels, sel, neg_levels, INTERPRET)
+                w_hi = _permute(pos_levels, sel >> 16, neg_levels, INTERPRET)
+                if ACT8:
+                    if e == 0:
+                        xa, xb = x0, x1
+                    else:
+                        xa, xb = x2, x3
+                    dots = _dp4a(w_hi, xb, _dp4a(w_lo, xa, dots, INTERPRET), INTERPRET)
+                else:
+                    for w in tl.static_range(2):
+                        if w == 0:
+                            biased = w_lo
+                        else:
+                            biased = w_hi
+                        x0, x1, x2, x3 = _x4(xp, c * 32 + 8 * j + 4 * w)
+                        s += (_byte_magic(biased, magic, 0, INTERPRET) - 8388672.0) * x0
+                        s += (_byte_magic(biased, magic, 1, INTERPRET) - 8388672.0) * x1
+                        s += (_byte_magic(biased, magic, 2, INTERPRET) - 8388672.0) * x2
+                        s += (_byte_magic(biased, magic, 3, INTERPRET) - 8388672.0) * x3
+            if ACT8:
+                out += dx * dots.to(tl.float32)
+            else:
+                out += s
+        return db * out
+
+    @triton.jit
+    def _mv_dense(rowp, c, xp, BF16: tl.constexpr):
+        # unit: weights 8c .. 8c+7 of a dense 16-bit row, two 8-byte words of four weights each
+        s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
+        for half in tl.static_range(2):
+            q = tl.load((rowp + 16 * c + 8 * half).to(tl.pointer_type(tl.int64)))
+            x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
+            lo = q.to(tl.int32)
+            hi = (q >> 32).to(tl.int32)
+            if BF16:  # bf16 is the top half of a float32
+                w0 = (lo << 16).to(tl.float32, bitcast=True)
+                w1 = (lo & -65536).to(tl.float32, bitcast=True)
+                w2 = (hi << 16).to(tl.float32, bitcast=True)
+                w3 = (hi & -65536).to(tl.float32, bitcast=True)
+            else:
+                w0, w1, w2, w3 = _h2f(lo), _h2f(lo >> 16), _h2f(hi), _h2f(hi >> 16)
+            s += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+        return s
+
+    @triton.jit
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, tables, kb,
+                 INTERPRET: tl.constexpr):
+        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers
+        if QTYPE == 30 or QTYPE == 1:
+            out = _mv_dense(rowp, c, xp, QTYPE == 30)
+        elif QTYPE == 8 or QTYPE == 9:
+            out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9, ACT8, INTERPRET)
+        elif QTYPE == 10:
+            out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
+        elif QTYPE == 12:
+            out = _mv_q4_k(rowp, c, xp)
+        else:
+            out = _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, QTYPE == 17, ACT8, INTERPRET)
+        return out
+
+    @triton.jit
+    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes, up_bytes, limit,
+                    stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
+                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+        # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert, up_bytes
+        # further on; the program stores swiglu(gate, up) for its R / 2 rows (the SwiGLU kernel's bits: gate and
+        # up rounded to y's dtype first), so the routed gate / up product and SwiGLU are one launch
+        pid_n = tl.program_id(0)
+        pair = tl.program_id(1)
+        if HAS_IDS:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+        else:
+            e = 0
+        if SWIGLU:
+            j = tl.arange(0, R)
+            rows = pid_n * (R // 2) + j % (R // 2)
+            base = w_ptr + e * expert_bytes + (j >= R // 2).to(tl.int64)[None, :] * up_bytes
+        else:
+            rows = pid_n * R + tl.arange(0, R)
+            base = w_ptr + e * expert_bytes
+        # rows past N read row N - 1 (never stored), so no weight load needs a mask
+        rowp = base + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+        xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
+        acc = tl.zeros((U, R), dtype=tl.float32)
+        kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
+        if QTYPE == 16 or QTYPE == 17:  # IQ2_XXS: the grid and sign tables (_iq2_xxs_tables), for tl.gather
+            t = tl.arange(0, 512)
+            tables = tl.load(grid_ptr + t, mask=t < 384, other=0)
+        else:
+            tables = 0
+        if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
+            u0 = 0
+            while u0 < n_units:
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
+                                  INTERPRET)
+                u0 += U
+        else:
+            for u0 in range(0, n_units, U):  # U divides n_units (host side)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
+                                  INTERPRET)
+        y = tl.sum(acc, axis=0)
+        if SWIGLU:
+            gate, up = tl.split(tl.trans(tl.reshape(y, (2, R // 2))))
+            g = tl.minimum(gate.to(y_ptr.dtype.element_ty).to(tl.float32), limit)
+            u = tl.minimum(tl.maximum(up.to(y_ptr.dtype.element_ty).to(tl.float32), -limit), limit)
+            cols = pid_n * (R // 2) + tl.arange(0, R // 2)
+            h = g / (1.0 + tl.exp(-g)) * u
+            tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
+        else:
+            tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+                 ):
+        w = tl.reshape(_tile(QTYPE, wp, gridp, rowoff, rmask, k0, K, G), (BN, BK)).to(DOT_DTYPE)
+        xm = valid[:, None] & ((k0 + kk) < K)[None, :]
+        xv = tl.load(xp + k0 + kk[None, :], mask=xm, other=0.0).to(DOT_DTYPE)
+        return tl.dot(xv, tl.trans(w), acc, input_precision=PREC)
+
+    @triton.jit
+    def _qmm_kernel(x_ptr, w_ptr, grid_ptr, c_expert, c_start, c_len, order_ptr, y_ptr, P, N, K, row_bytes,
+                    expert_bytes, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
+                    QTYPE: tl.constexpr, S: tl.constexpr, W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+        pid_n = tl.program_id(0)
+        c = tl.program_id(1)
+        G: tl.constexpr = BK // S
+        j = tl.arange(0, BM)
+        if HAS_IDS:
+            e = tl.load(c_expert + c).to(tl.int64)
+            n_valid = tl.load(c_len + c)
+            valid = j < n_valid
+            pairs = tl.load(order_ptr + tl.load(c_start + c) + j, mask=valid, other=0)
+        else:
+            e = 0
+            pairs = c * BM + j
+            valid = pairs < P
+            n_valid = tl.minimum(P - c * BM, BM)
+        wp = w_ptr + e * expert_bytes
+        rows = pid_n * BN + tl.arange(0, BN)
+        r4 = rows[:, None, None, None]
+        rmask = (r4 < N) & (n_valid > 0)  # an empty chunk reads no weights
+        rowoff = r4.to(tl.int64) * row_bytes
+        xrows = (pairs // X_DIV).to(tl.int64)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        xp = x_ptr + xrows[:, None] * stride_x
+        if INTERPRET:
+            k0 = 0
+            while k0 < K:
+                acc = _mm_step(acc, QTYPE, wp, grid_ptr, rowoff, rmask, xp, valid, kk, k0, K, G, BN, BK, DOT_DTYPE,
+                               PREC)
+                k0 += BK
+        else:
+            for k0 in range(0, K, BK):
+                acc = _mm_step(acc, QTYPE, wp, grid_ptr, rowoff, rmask, xp, valid, kk, k0, K, G, BN, BK, DOT_DTYPE,
+                               PREC)
+        yp = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + rows[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (rows < N)[None, :])
+
+
+
+    @triton.jit
+    def _dequant_kernel(w_ptr, grid_ptr, out_ptr, N, K, row_bytes, expert_bytes, QTYPE: tl.constexpr,
+                        S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # program (row block, K block, expert): the skinny kernel's decoded tile, stored in out's dtype
+        e = tl.program_id(2).to(tl.int64)
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        r4 = rows[:, None, None, None]
+        k0 = tl.program_id(1) * BK
+        tile = tl.reshape(_tile(QTYPE, w_ptr + e * expert_bytes, grid_ptr, r4.to(tl.int64) * row_bytes, r4 < N, k0,
+                                K, BK // S), (BN, BK))
+        kk = k0 + tl.arange(0, BK)
+        out = out_ptr + (e * N + rows.to(tl.int64))[:, None] * K + kk[None, :]
+        tl.store(out, tile.to(out_ptr.dtype.element_ty), mask=(rows < N)[:, None] & (kk < K)[None, :])
+
+
+def _kernels() -> Any:
+    """The module whose kernels match the current TRITON_INTERPRET mode."""
+    if not HAVE_TRITON:
+        raise RuntimeError("ds4x.kernels.quant_matmul needs the 'triton' package")
+    return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+def supports(w: GGMLTensor) -> bool:
+    """Whether the kernels can multiply by ``w`` on its device."""
+    if not HAVE_TRITON or w.qtype not in _TYPES or w.ndim not in (2, 3):
+        return False
+    if w.raw.device.type != "cuda" and not interpret_mode():
+        return False
+    align = 8 if w.layout == "split" else 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2  # widest word a kernel reads
+    return w.raw.is_contiguous() and w.raw.data_ptr() % align == 0 and w.row_bytes % align == 0
+
+
+def kernel_layout(w: GGMLTensor) -> GGMLTensor:
+    """``w`` in the layout these kernels read fastest: Q8_0 and IQ2_XXS rows split into codes and scales
+    (:meth:`GGMLTensor.split`) when every row and its scales then start 8-byte aligned (a row's Q8_0 codes a
+    multiple of 128 bytes, IQ2_XXS rows of a multiple of 4 blocks), so a matvec unit's code bytes are one 8-byte
+    load; anything else as it is. IQ2_XXS split rows: routed gate / up at one token 27.5 -> 25.3 us (H200, 12
+    slots of 4096 -> 2048 experts), the same on the routed tensor-core kernel at 64 and 512 tokens."""
+    if w.ndim in (2, 3) and ((w.qtype == T.Q8_0 and w.shape[-1] % 128 == 0)
+                             or (w.qtype == T.IQ2_XXS and w.shape[-1] % 1024 == 0)):
+        return w.split()
+    return w
+
+
+def _fields(qtype: GGMLQuantizationType) -> tuple[int, int, int, int, int]:
+    """The kernel fields of a block type or of a dense 16-bit type (`_TYPES`, `_DENSE_TYPES`)."""
+    return _TYPES.get(qtype) or _DENSE_TYPES[qtype]
+
+
+def _code(w: GGMLTensor) -> int:
+    """The kernels' QTYPE for ``w`` (9: split-layout Q8_0, 17: split-layout IQ2_XXS)."""
+    if w.layout == "split":
+        return 9 if w.qtype == T.Q8_0 else 17
+    return _fields(w.qtype)[0]
+
+
+@lru_cache(maxsize=8)
+def _grid_bytes(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS grid as int64 [256]: entry g's 8 magnitudes (8 / 25 / 43) as little-endian bytes (the
+    skinny kernel reads the same bytes as int32 pairs)."""
+    mags = _iq2xxs_grid_cpu().to(torch.uint8).contiguous()  # (256, 8)
+    return mags.view(torch.int64).reshape(-1).to(device)
+
+
+@lru_cache(maxsize=8)
+def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
+    """The IQ2_XXS matvec's tables as int32 [389]:
+
+    - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
+    - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
+      sign is the parity of the 7 bits), so that OR-ing it into a grid entry selects the negated levels;
+    - 384: the float magic 0x4B000000;
+    - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
+    - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21)."""
+    mags = _iq2xxs_grid_cpu()  # (256, 8)
+    levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
+    grid = (levels << (4 * torch.arange(8))).sum(dim=1)
+    s7 = torch.arange(128)
+    bits = (s7[:, None] >> torch.arange(7)) & 1
+    negative = torch.cat([bits, bits.sum(dim=1, keepdim=True) & 1], dim=1)  # (128, 8)
+    signs = (negative << (4 * torch.arange(8) + 2)).sum(dim=1)
+
+    def word(b: list[int]) -> int:
+        return int.from_bytes(bytes(v & 255 for v in b), "little", signed=True)
+
+    consts = [0x4B000000, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
+              word([56, 39, 21, 0])]
+    return torch.cat([grid, signs, torch.tensor(consts)]).to(torch.int32).to(device)
+
+
+@lru_cache(maxsize=64)
+def _group_ids(groups: int, t: int, device: torch.device) -> torch.Tensor:
+    """0 .. groups-1 repeated for t rows, int32 (never written: cached instead of built per call)."""
+    return torch.arange(groups, device=device, dtype=torch.int32).repeat(t)
+
+
+@lru_cache(maxsize=8)
+def _dummy(device: torch.device) -> torch.Tensor:
+    """A placeholder for pointer arguments a kernel variant never reads; one per device (a fresh one per call
+    was two launches per matmul)."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _fit_units(units: int, u: int) -> int:
+    """The largest power of two <= u that divides ``units`` (the matvec never masks a K step)."""
+    while u > 1 and units % u:
+        u //= 2
+    return u
+
+
+def int8_activation_types() -> list[str]:
+    """The types whose matvec quantizes activations to int8 as things stand (for benchmark records)."""
+    return [t.name for t in (T.Q8_0, T.Q2_K, T.IQ2_XXS) if int8_activations(t)]
+
+
+def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None) -> bool:
+    """Whether the matvec for ``qtype`` quantizes activations to int8: ``requested`` if given, else the
+    type's default (``INT8_ACTIVATIONS``), unless DS4X_QUANT_ACT is ``float`` (never) or ``int8`` (wherever the
+    type has the path)."""
+    has_path = qtype in (T.Q8_0, T.Q2_K, T.IQ2_XXS)
+    if requested is not None:
+        return requested and has_path
+    choice = os.environ.get("DS4X_QUANT_ACT", "").lower()
+    return has_path and (choice == "int8" or (choice != "float" and qtype in INT8_ACTIVATIONS))
+
+
+def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
+    """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
+    row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
+    on how many rows share the call. Measured on the H200 (int8 activations, us per call, 2026-12-04 sweep):
+
+    - IQ2_XXS: 16 rows over 2 warps (routed gate / up, 12 slots, split rows: 22.8 against 25.3 at 8 rows over
+      4 warps; one warp per program was twice as slow);
+    - Q2_K: 8 rows, a warp of units (routed down 11.9);
+    - others: 4 rows per thread where that still makes ~1,024 programs, else 2 (Q8_0 split rows: wq_b
+      1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, the
+      grouped wo_a 12.8 against 15.0, wo_b and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows
+      5.1; Q4_K, off the q2 mix, not re-measured under this rule), each thread holding about 8 (unit, row) pairs
+      per step so that many loads are in flight."""
+    unit = _fields(qtype)[4]
+    units = k // unit
+    if qtype == T.IQ2_XXS:
+        r, u = 16, _fit_units(units, 64)
+    elif unit >= 32:  # Q2_K: many rows per thread amortize the activation decode
+        r, u = 8, _fit_units(units, 128)
+    else:
+        r = 4 if -(-n // 4) * slots >= 1024 else 2
+        u = _fit_units(units, 1024 // r)
+    return r, u, max(1, min(4, u // 32))
+
+
+def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps) for the tl.dot kernel (sizes without register spills on sm_90)."""
+    if m <= 16:
+        return 16, 64, 128, 4
+    return (32 if m <= 32 else 64), 64, 128, 8
+
+
+def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
+            rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
+            int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS,
+            swiglu: float | None = None) -> torch.Tensor:
+    """y [n_pairs, N]: row p = x2[p // x_div] @ W[ids[p] if ids is not None else 0].T; ``rows_per_weight``
+    (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
+    is "mv" or "mm"; ``slots``: products per activation row (see matvec_config). ``swiglu`` (the limit; the
+    matvec only): W stacks E gate experts then E up experts [2E, N, K], ids are gate experts, and row p is
+    swiglu(gate, up) of expert ids[p]."""
+    mod = _kernels()
+    _, s, _block_bytes, _, unit = _fields(w.qtype)
+    code = _code(w)
+    wr = w.raw
+    n, k = w.shape[-2], w.shape[-1]
+    expert_bytes = n * w.row_bytes if w.ndim == 3 else 0
+    dev = x2.device
+    y = torch.empty((n_pairs, n), dtype=x2.dtype, device=dev)
+    if n_pairs == 0 or n == 0:
+        return y
+    iq2 = w.qtype == T.IQ2_XXS
+    grid_t = _grid_bytes(dev) if iq2 else _dummy(dev)
+    has_ids = ids is not None
+    ids_t = ids.reshape(-1).to(torch.int32).contiguous() if has_ids else _dummy(dev)
+    x2 = x2.contiguous()
+    use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
+    if swiglu is not None and not (use_mv and has_ids and w.ndim == 3 and w.shape[0] % 2 == 0):
+        raise ValueError("_launch: the fused SwiGLU needs the routed matvec over stacked gate / up experts")
+    if use_mv:
+        r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
+        if swiglu is not None and r % 2:
+            raise ValueError(f"_launch: the fused SwiGLU splits a program's rows in two halves, got {r} rows")
+        n_units = k // unit
+        up_bytes = (w.shape[0] // 2) * expert_bytes
+        mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
+            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
+            expert_bytes, up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div,
+            HAS_IDS=has_ids, QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
+            SWIGLU=swiglu is not None, INTERPRET=interpret_mode(), num_warps=nw)
+        return y
+    bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
+    wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
+    dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x2.dtype]
+    if interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
+        dot_dtype = tl.float32
+    prec = "tf32" if x2.dtype == torch.float32 and not interpret_mode() else "ieee"
+    if has_ids:
+        n_exp = w.shape[0] if w.ndim == 3 else 1
+        order, c_exp, c_start, c_len, max_chunks = routed_wgmma.chunk_tables(ids_t, n_exp, bm)
+        grid = (triton.cdiv(n, bn), max_chunks)
+    else:
+        order = c_exp = c_start = c_len = _dummy(dev)
+        grid = (triton.cdiv(n, bn), triton.cdiv(n_pairs, bm))
+    mod._qmm_kernel[grid](x2, wr, grid_t, c_exp, c_start, c_len, order, y, n_pairs, n, k, w.row_bytes,
+                          expert_bytes, x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code, S=s,
+                          W=wv, BM=bm, BN=bn, BK=bk, DOT_DTYPE=dot_dtype, PREC=prec,
+                          INTERPRET=interpret_mode(), num_warps=nw)
+    return y
+
+
+def dequantize_gpu(w: GGMLTensor, dtype: torch.dtype = torch.bfloat16, experts: slice | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense ``w`` (or ``w[experts]`` of a 3-D weight) in ``dtype``, decoded by one Triton launch: the same values
+    as ``w.dequantize(dtype)`` bit for bit (the decode is exact in float32, then one rounding). ``out``: a buffer
+    of at least that many elements to decode into (a scratch reused across calls)."""
+    if w.qtype not in _TYPES:
+        raise ValueError(f"dequantize_gpu: no kernel for {w.qtype.name}")
+    _, s, *_ = _TYPES[w.qtype]
+    code = _code(w)
+    n, k = w.shape[-2], w.shape[-1]
+    raw = w.raw if w.ndim == 2 else w.raw.view(w.shape[0], n, w.row_bytes)
+    if experts is not None:
+        raw = raw[experts]
+    n_exp = raw.shape[0] if w.ndim == 3 else 1
+    shape = (n_exp, n, k) if w.ndim == 3 else (n, k)
+    y = torch.empty(shape, dtype=dtype, device=raw.device) if out is None else out.view(-1)[: n_exp * n * k].view(shape)
+    if y.numel():
+        bn, bk = 32, 256
+        iq2 = w.qtype == T.IQ2_XXS
+        _kernels()._dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk), n_exp)](
+            raw, _grid_bytes(raw.device) if iq2 else _dummy(raw.device), y, n, k, w.row_bytes, n * w.row_bytes,
+            QTYPE=code, S=s, BN=bn, BK=bk, num_warps=4)
+    return y
+
+
+def _routed_grouped(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int) -> torch.Tensor:
+    """y [P, N], row p = x2[p // x_div] @ W[ids[p]].T through bf16 experts and torch._grouped_mm (see
+    GROUPED_SCRATCH_BYTES). Reads the per-expert row counts on the host once."""
+    n_exp, n, k = w.shape
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    ends = torch.cumsum(torch.zeros(n_exp, dtype=torch.long, device=x2.device).scatter_add_(
+        0, flat, torch.ones_like(flat)), 0)
+    xs = x2[order // x_div]
+    ys = torch.empty((flat.numel(), n), dtype=x2.dtype, device=x2.device)
+    per = max(1, min(n_exp, GROUPED_SCRATCH_BYTES // (n * k * x2.element_size())))
+    scratch = torch.empty(per * n * k, dtype=x2.dtype, device=x2.device)
+    bounds = [0, *ends.tolist()]
+    for e0 in range(0, n_exp, per):
+        e1 = min(n_exp, e0 + per)
+        lo, hi = bounds[e0], bounds[e1]
+        if hi > lo:
+            wd = dequantize_gpu(w, x2.dtype, slice(e0, e1), out=scratch)
+            ys[lo:hi] = torch._grouped_mm(xs[lo:hi], wd.transpose(1, 2), offs=(ends[e0:e1] - lo).to(torch.int32))
+    return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def _grouped_path(x: torch.Tensor) -> bool:
+    """Whether a routed product with these activations may take the grouped path."""
+    return (x.dtype == torch.bfloat16 and (x.is_cuda or interpret_mode()) and hasattr(torch, "_grouped_mm")
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def use_dense_mirrors(on: bool = True) -> None:
+    """Turn dense mirrors of Q8_0 matrices on or off for batched products (see MIRROR_MIN_ROWS). Mirrors
+    already built stay with their weights."""
+    _mirrors["on"], _mirrors["refused"] = on, False
+
+
+def _dense_mirror(w: GGMLTensor, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``w`` decoded to ``dtype`` and kept, when mirrors are on and ``rows`` rows make it pay; else None.
+    Built outside a CUDA-graph capture only (a captured step uses what its eager first run built)."""
+    if not (_mirrors["on"] and rows >= MIRROR_MIN_ROWS and w.qtype in MIRROR_TYPES and w.is_cuda):
+        return None
+    m = w.dense_mirror
+    if m is not None and m.dtype == dtype:
+        return m
+    if torch.cuda.is_current_stream_capturing() or _mirrors["refused"]:
+        return None
+    need = w.numel() * torch.finfo(dtype).bits // 8
+    free, _ = torch.cuda.mem_get_info(w.device)
+    if free < need + MIRROR_RESERVE_BYTES:
+        _mirrors["refused"] = True
+        log.warning("dense mirrors of Q8_0 matrices stop here: %.1f GiB free on %s; batched products read the "
+                    "blocks instead", free / 2**30, w.device)
+        return None
+    w.dense_mirror = dequantize_gpu(w, dtype)
+    return w.dense_mirror
+
+
+def _check(x: torch.Tensor, w: GGMLTensor, what: str) -> None:
+    if w.qtype not in _TYPES:
+        raise ValueError(f"{what}: no kernel for {w.qtype.name} (have {', '.join(t.name for t in _TYPES)})")
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"{what}: x has {x.shape[-1]} features, the weight {w.shape[-1]}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{what}: activations must be float32/bfloat16/float16, got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"{what}: x is on {x.device}, the weight on {w.device}")
+
+
+def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | None = None,
+                 force: str | None = None, int8: bool | None = None) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype. Above ``DOT_MAX_ROWS`` rows: dequantize
+    once (torch, on the device) and use the dense GEMM. ``int8``: see :func:`int8_activations`."""
+    _check(x, w, "quant_linear")
+    if w.ndim != 2:
+        raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
+        return torch.nn.functional.linear(x, dense)
+    if x2.shape[0] > DOT_MAX_ROWS and force is None:
+        return torch.nn.functional.linear(x, dequantize_gpu(w, x.dtype))
+    return _launch(x2, w, None, 1, x2.shape[0], x2.shape[0], 1, config, force, int8).reshape(*lead, w.shape[0])
+
+
+def dense_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `dense_linear` can take this product: a 16-bit weight [N, K] on CUDA (or in the interpreter), K a
+    multiple of 8, rows 8-byte aligned (any number of rows of x; the matvec reads W once per row, so callers send
+    it a few)."""
+    return (HAVE_TRITON and w.dtype in _DENSE_QTYPE and w.dim() == 2 and w.is_contiguous()
+            and (w.is_cuda or interpret_mode()) and x.device == w.device and w.shape[1] % 8 == 0
+            and w.data_ptr() % 8 == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.shape[-1] == w.shape[1])
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in x's dtype for a dense 16-bit weight, by the matvec kernel: float32
+    sums, each row of x alone (the same bits whatever the number of rows), see `dense_serves`."""
+    if not dense_serves(x, w):
+        raise ValueError(f"dense_linear: cannot take x {x.dtype} {list(x.shape)} @ w {w.dtype} {list(w.shape)} on "
+                         f"{w.device}")
+    g = GGMLTensor(w.view(torch.uint8), _DENSE_QTYPE[w.dtype], tuple(w.shape))
+    x2 = x.reshape(-1, x.shape[-1])
+    return _launch(x2, g, None, 1, x2.shape[0], 1, 1, force="mv").reshape(*x.shape[:-1], w.shape[0])
+
+
+def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
+                        config: tuple[int, ...] | None = None, force: str | None = None,
+                        int8: bool | None = None) -> torch.Tensor:
+    """Routed experts: ``x [T, K]``, ``w [E, N, K]``, ``ids [T, k]`` -> ``y [T, k, N]`` with
+    ``y[t, j] = x[t] @ w[ids[t, j]].T``."""
+    _check(x, w, "quant_matmul_routed")
+    if w.ndim != 3 or x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"quant_matmul_routed: want x [T, K], w [E, N, K], ids [T, k]; got {list(x.shape)}, "
+                         f"{list(w.shape)}, {list(ids.shape)}")
+    t, kk = ids.shape
+    path = _routed_path(x, w, t * kk, config, force)
+    if path == "wgmma":
+        return routed_wgmma.routed_wgmma(x, w, ids, kk).reshape(t, kk, w.shape[1])
+    if path == "grouped":
+        return _routed_grouped(x.contiguous(), w, ids, kk).reshape(t, kk, w.shape[1])
+    y = _launch(x, w, ids, kk, t * kk, _pairs_per_expert(w, t * kk), kk, config, force, int8,
+                ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS))
+    return y.reshape(t, kk, w.shape[1])
+
+
+def _pairs_per_expert(w: GGMLTensor, pairs: int) -> int:
+    """Rows an expert meets if the pairs spread over the experts (no host sync to count them): 1 for a decode
+    step, also for the down projection's [T * k, 1] form."""
+    return -(-pairs // min(w.shape[0], pairs)) if pairs else 0
+
+
+def _routed_path(x: torch.Tensor, w: GGMLTensor, pairs: int, config: tuple[int, ...] | None,
+                 force: str | None) -> str:
+    """The kernel of a routed product of ``pairs`` (row, expert) pairs: "wgmma", "grouped" or "launch" (the
+    matvec or the skinny kernel). A program per (token, expert) pair decodes its expert's blocks for that token
+    alone. Sharing each decoded weight across up to 2 / 4 tokens of one expert was slower on the H200 (IQ2_XXS
+    gate at 32 tokens: 471 / 741 / 1,278 us for 1 / 2 / 4 tokens a program; 2026-12-02, reverted), as was
+    sorting the pairs by expert."""
+    if force == "wgmma" or (force is None and config is None
+                            and pairs >= WGMMA_MIN_PAIRS_PER_EXPERT.get(w.qtype, 1 << 30) * w.shape[0]
+                            and os.environ.get("DS4X_ROUTED_WGMMA", "").lower() != "off"
+                            and routed_wgmma.available(x, w)):
+        return "wgmma"
+    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w.qtype, MATVEC_MAX_ROWS)
+    if force is None and config is None and _pairs_per_expert(w, pairs) > mv_max and _grouped_path(x):
+        return "grouped"
+    return "launch"
+
+
+def quant_routed_swiglu(x: torch.Tensor, w13: GGMLTensor, ids: torch.Tensor, limit: float, *,
+                        config: tuple[int, ...] | None = None, int8: bool | None = None) -> torch.Tensor | None:
+    """``swiglu(x[t] @ w13[ids[t, j]].T, x[t] @ w13[E + ids[t, j]].T) -> [T, k, N]`` for gate and up experts
+    stacked by expert (``w13 [2E, N, K]``, model/projections.py), in one matvec launch (the products' and
+    `ds4x.kernels.moe.swiglu_fused`'s bits); None where the stacked product would not take the matvec (prompts,
+    prefill chunks: the caller runs the product and SwiGLU apart)."""
+    _check(x, w13, "quant_routed_swiglu")
+    if w13.ndim != 3 or w13.shape[0] % 2 or x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"quant_routed_swiglu: want x [T, K], w13 [2E, N, K], ids [T, k]; got {list(x.shape)}, "
+                         f"{list(w13.shape)}, {list(ids.shape)}")
+    t, kk = ids.shape
+    pairs = 2 * t * kk  # the stacked product's (row, slot) pairs: the same choice of kernel as that product
+    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS)
+    if _routed_path(x, w13, pairs, config, None) != "launch" or _pairs_per_expert(w13, pairs) > mv_max:
+        return None
+    y = _launch(x, w13, ids, kk, t * kk, _pairs_per_expert(w13, pairs), 2 * kk, config, "mv", int8, mv_max,
+                swiglu=limit)
+    return y.reshape(t, kk, w13.shape[1])
+
+
+def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config: tuple[int, ...] | None = None,
+                         force: str | None = None, int8: bool | None = None) -> torch.Tensor:
+    """Block-diagonal product of kernels/linear.grouped_linear: x [T, G, in_g], w [G*out_g, in_g]."""
+    _check(x, w, "quant_grouped_linear")
+    t, g, kin = x.shape
+    if g != groups or w.ndim != 2 or w.shape[0] % groups:
+        raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
+                         f"{groups} groups")
+    out_g = w.shape[0] // groups
+    if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
+        return torch.einsum("tgi,goi->tgo", x, dense.view(groups, out_g, kin))
+    wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin), w.layout)
+    if t > DOT_MAX_ROWS and force is None:
+        return torch.einsum("tgi,goi->tgo", x, dequantize_gpu(wg, x.dtype))
+    ids = _group_ids(groups, t, x.device)
+    y = _launch(x.reshape(t * g, kin), wg, ids, 1, t * g, t, g, config, force, int8)
+    return y.reshape(t, g, out_g)
+
+
+# ---- benchmark (GPU): python -m ds4x.kernels.quant_matmul ---------------------------------------
+
+# (what, type, N, K, form, extra matvec configs timed beside the default): DeepSeek-V4-Flash decode shapes.
+# "grouped": wo_a, 8 groups of [1024, 4096], one x row per group; "expert": one routed expert, then 6 experts
+# in one launch (the real decode step: gate/up share the token's x, down has one x row per expert)
+_BENCH_CASES: tuple[tuple[str, GGMLQuantizationType, int, int, str, tuple[tuple[int, int, int], ...]], ...] = (
+    ("attn wq_a 4096->1024", T.Q8_0, 1024, 4096, "linear", ((4, 256, 4), (8, 128, 4))),
+    ("attn wq_b 1024->32768", T.Q8_0, 32768, 1024, "linear", ((16, 128, 4),)),
+    ("attn wo_a 4096->8x1024 grouped", T.Q8_0, 8192, 4096, "grouped", ((4, 256, 4),)),
+    ("attn wo_b 8192->4096", T.Q8_0, 4096, 8192, "linear", ((4, 256, 4),)),
+    ("expert gate 4096->2048", T.IQ2_XXS, 2048, 4096, "expert", ((16, 128, 4),)),
+    ("expert down 2048->4096", T.Q2_K, 4096, 2048, "expert", ((16, 32, 1),)),
+    ("expert gate 4096->2048", T.Q4_K, 2048, 4096, "linear", ()),
+)
+_BENCH_ROWS = {(T.Q8_0, "attn wo_b 8192->4096"): (2, 4, 8, 16), (T.IQ2_XXS, "expert gate 4096->2048"): (8,)}
+"""Activation rows (tokens for routed experts) timed with both kernels, to place MATVEC_MAX_ROWS."""
+
+
+def _bench(out_json: str | None = None, deadline_s: float = 1e9) -> int:  # pragma: no cover - needs a GPU
+    """Parity and timing of every case; no new case starts after ``deadline_s`` seconds. ``out_json``: the
+    results file, or a directory to write ``quant_matmul.json`` into."""
+    import json
+    import time
+    from pathlib import Path
+
+    if out_json and Path(out_json).is_dir():
+        out_json = str(Path(out_json) / "quant_matmul.json")
+
+    from triton.testing import do_bench
+
+    from ds4x.formats.ggml import random_blocks
+
+    t_start = time.perf_counter()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    def copy_bandwidth() -> float:
+        src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+        return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+    copy_bw = copy_bandwidth()
+    log(f"{torch.cuda.get_device_name()} copy bandwidth {copy_bw:.0f} GB/s (read + write of 1 GiB)")
+
+    def timed(fns: list, nbytes: int) -> tuple[float, float]:
+        # every call reads its own weight copy (no L2 reuse); one CUDA graph of all calls, median
+        for f in fns:
+            f()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / len(fns)
+        return ms * 1e3, nbytes / (ms * 1e-3) / 1e9
+
+    def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+        if not torch.isfinite(y).all():
+            return float("nan")
+        return float((y.double() - ref).norm() / ref.norm())
+
+    def record(**kw: Any) -> None:
+        rows.append(kw)
+        tol = 2e-2 if "int8" in kw["kernel"] or (kw["kernel"] == "mv" and int8_activations(T[kw["qtype"]])) else \
+            3e-3 if kw["kernel"] == "mm" else 1e-5
+        if not kw["err"] < tol:
+            check(f"{kw['qtype']} {kw['what']} M={kw['m']} {kw['kernel']} {kw['config']} parity", False,
+                  f"rel err {kw['err']:.1e} >= {tol:.0e}")
+        log(f"{kw['qtype']:8} {kw['what']:34} M={kw['m']:<2} {kw['kernel']:18} {str(kw['config']):14} "
+            f"{kw['us']:8.2f} us {kw['gbs']:6.0f} GB/s {kw['frac']:6.1%}  err {kw['err']:.1e}")
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"check": name, "ok": bool(ok), "detail": detail})
+        log(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+
+    def variants(qt: GGMLQuantizationType, n: int, k: int, pairs: int, extra: tuple
+                 ) -> list[tuple[str, tuple, bool, bool]]:
+        # (label, config, int8, split): the default config in float (and int8 where the type has it), the extra
+        # ones in the default mode; Q8_0 in the file's blocks and in split rows (kernel_layout)
+        out = [("int8" if int8 else "f32", matvec_config(qt, n, k, pairs), int8, False)
+               for int8 in ((False, True) if int8_activations(qt, True) else (False,))]
+        label = "int8" if int8_activations(qt) else "f32"
+        out += [(label, cfg, int8_activations(qt), False) for cfg in extra if cfg != matvec_config(qt, n, k, pairs)]
+        return out + [(f"{lab} split", cfg, i8, True) for lab, cfg, i8, _ in out] if qt == T.Q8_0 else out
+
+    for what, qt, n, k, form, extra in _BENCH_CASES:
+        if time.perf_counter() - t_start > deadline_s:
+            log(f"{qt.name} {what}: skipped (deadline)")
+            continue
+        try:
+            nbytes_w = quantized_nbytes(qt, (n, k))
+            copies = max(2, min(48, (256 << 20) // nbytes_w))
+            blocks = [GGMLTensor(random_blocks(qt, (n, k), gen, std=0.02), qt, (n, k)) for _ in range(copies)]
+            layouts = {False: blocks, True: [kernel_layout(w) for w in blocks] if qt == T.Q8_0 else blocks}
+            ws = layouts[True]  # the layout the model runs
+            wd = ws[0].dequantize().double()
+            if form == "grouped":  # 8 groups of [n / 8, k], one activation row each
+                g = 8
+                x = torch.randn(1, g, k, device=dev, generator=gen)
+                ref = torch.einsum("tgi,goi->tgo", x.double(), wd.view(g, n // g, k))
+                for label, cfg, int8, split in variants(qt, n // g, k, g, extra):
+                    err = rel(quant_grouped_linear(x, layouts[split][0], g, config=cfg, force="mv", int8=int8), ref)
+                    us, gbs = timed([lambda x=x, w=w, g=g, c=cfg, i8=int8:
+                                     quant_grouped_linear(x, w, g, config=c, force="mv", int8=i8)
+                                     for w in layouts[split]],
+                                    nbytes_w + 4 * g * (k + n // g))
+                    record(qtype=qt.name, what=what, m=1, kernel=f"grouped-mv {label}", config=cfg, us=us, gbs=gbs,
+                           frac=gbs / copy_bw, err=err)
+            else:
+                x = torch.randn(1, k, device=dev, generator=gen)
+                ref = x.double() @ wd.T
+                for label, cfg, int8, split in variants(qt, n, k, 1, extra):
+                    err = rel(quant_linear(x, layouts[split][0], config=cfg, force="mv", int8=int8), ref)
+                    us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8: quant_linear(x, w, config=c, force="mv", int8=i8)
+                                     for w in layouts[split]], nbytes_w + 4 * (k + n))
+                    record(qtype=qt.name, what=what, m=1, kernel=f"matvec {label}", config=cfg, us=us, gbs=gbs,
+                           frac=gbs / copy_bw, err=err)
+                # batch invariance: a row's result with 1, 3 and MATVEC_MAX_ROWS rows (matvec), and one more
+                # (skinny kernel)
+                xs = torch.randn(MATVEC_MAX_ROWS + 1, k, device=dev, generator=gen)
+                y1 = quant_linear(xs[:1], ws[0])
+                same = all(torch.equal(y1[0], quant_linear(xs[:m], ws[0])[0]) for m in (3, MATVEC_MAX_ROWS))
+                check(f"{qt.name} {what} batch invariance M=1, 3, {MATVEC_MAX_ROWS}", same, "bitwise")
+                ymm = quant_linear(xs, ws[0])
+                log(f"{qt.name} {what}: M={MATVEC_MAX_ROWS + 1} (skinny kernel) vs M=1 max diff "
+                    f"{float((y1[0] - ymm[0]).abs().max()):.1e}, skinny rel err {rel(ymm, xs.double() @ wd.T):.1e}")
+                for m in _BENCH_ROWS.get((qt, what), ()) if form == "linear" else ():
+                    xm = torch.randn(m, k, device=dev, generator=gen)
+                    for force in ("mv", "mm") if m >= 8 else ("mv",):
+                        cfg = matvec_config(qt, n, k) if force == "mv" else matmul_config(qt, m, n, k)
+                        us, gbs = timed([lambda x=xm, w=w, f=force: quant_linear(x, w, force=f) for w in ws],
+                                        nbytes_w + 4 * m * (k + n))
+                        err = rel(quant_linear(xm, ws[0], force=force), xm.double() @ wd.T)
+                        record(qtype=qt.name, what=what, m=m, kernel=force, config=cfg, us=us, gbs=gbs,
+                               frac=gbs / copy_bw, err=err)
+            if form == "expert":  # 6 routed experts in one launch (gate: also 12 = gate and up stacked by expert)
+                down = what.startswith("expert down")
+                for slots in (6,) if down else (6, 12):
+                    n_exp = 256 * slots // 6
+                    experts = GGMLTensor(random_blocks(qt, (n_exp, n, k), gen, std=0.02), qt, (n_exp, n, k))
+                    x = torch.randn(slots if down else 1, k, device=dev, generator=gen)
+                    id_sets = [torch.randperm(n_exp, device=dev, generator=gen)[:slots].view(-1, 1) if down
+                               else torch.randperm(n_exp, device=dev, generator=gen)[:slots].view(1, -1)
+                               for _ in range(16)]
+                    ref = torch.stack([x[j if down else 0].double() @ experts[int(e)].dequantize().double().T
+                                       for j, e in enumerate(id_sets[0].view(-1).tolist())])
+                    for label, cfg, int8, _split in variants(qt, n, k, slots, extra):
+                        y = quant_matmul_routed(x, experts, id_sets[0], config=cfg, int8=int8).view(slots, n)
+                        us, gbs = timed([lambda x=x, e=experts, i=i, c=cfg, i8=int8:
+                                         quant_matmul_routed(x, e, i, config=c, int8=i8) for i in id_sets],
+                                        slots * nbytes_w + 4 * (x.numel() + slots * n))
+                        record(qtype=qt.name, what=f"{what} x{slots} routed", m=1, kernel=f"routed-mv {label}",
+                               config=cfg, us=us, gbs=gbs, frac=gbs / copy_bw, err=rel(y, ref))
+                for t in _BENCH_ROWS.get((qt, what), ()):  # t tokens, 6 experts each
+                    xt = torch.randn(t, k, device=dev, generator=gen)
+                    ids_t = [torch.randint(0, n_exp, (t, 6), device=dev, generator=gen) for _ in range(8)]
+                    ref = torch.stack([xt[p // 6].double() @ experts[int(e)].dequantize().double().T
+                                       for p, e in enumerate(ids_t[0].view(-1).tolist())])
+                    for force in ("mv",):  # the skinny kernel took 4.3 ms here
+                        us, gbs = timed([lambda x=xt, e=experts, i=i, f=force: quant_matmul_routed(x, e, i, force=f)
+                                         for i in ids_t], 6 * t * nbytes_w + 4 * t * (k + 6 * n))
+                        err = rel(quant_matmul_routed(xt, experts, ids_t[0], force=force).view(-1, n), ref)
+                        record(qtype=qt.name, what=what + " x6 routed", m=t, kernel=force, config=None, us=us,
+                               gbs=gbs, frac=gbs / copy_bw, err=err)
+                del experts
+            del ws, blocks, layouts
+            torch.cuda.empty_cache()
+        except Exception as exc:  # keep measuring the other cases
+            log(f"{qt.name} {what}: ERROR {type(exc).__name__}: {exc}"[:400])
+            checks.append({"check": f"{qt.name} {what}", "ok": False, "detail": f"{type(exc).__name__}: {exc}"[:300]})
+    print("\n| type | case | M | kernel | config | us | GB/s | of copy | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['qtype']} | {r['what']} | {r['m']} | {r['kernel']} | {r['config']} | {r['us']:.2f} | "
+              f"{r['gbs']:.0f} | {r['frac']:.1%} | {r['err']:.1e} |")
+    print(f"checks failed: {[c['check'] for c in checks if not c['ok']]}")
+    print(f"copy bandwidth {copy_bw:.0f} GB/s; triton {triton.__version__}, torch {torch.__version__}; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump({"copy_gbs": copy_bw, "rows": rows, "checks": checks, "gpu": torch.cuda.get_device_name()},
+                      f, indent=1, default=str)
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_bench(sys.argv[1] if len(sys.argv) > 1 else None, float(sys.argv[2]) if len(sys.argv) > 2 else 1e9))

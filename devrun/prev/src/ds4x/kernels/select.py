@@ -1,0 +1,239 @@
+"""Exact top-k selection of compressed rows (DESIGN §3.3).
+
+The k highest scores among the visible rows; ties go to the lower row index; a row a query cannot
+see is never selected. Every fused or hierarchical variant must return the same set as
+`select_topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices [T, min(k, N)] of the selected rows and their validity [T, min(k, N)].
+
+    A stable descending sort keeps equal scores in index order, so its first k are exactly the set
+    the tie rule defines. Fewer than k visible rows leave invalid slots (index 0, valid False).
+    """
+    T, n = scores.shape
+    kk = min(k, n)
+    if kk <= 0:
+        empty = torch.zeros(T, 0, dtype=torch.long, device=scores.device)
+        return empty, empty.bool()
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :kk]
+    valid = visible.gather(1, order)
+    return torch.where(valid, order, torch.zeros_like(order)), valid
+
+
+def selection_mask(index: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Tensor:
+    """The selected set as a boolean mask [T, n] (for comparing selections)."""
+    counts = torch.zeros(index.shape[0], n, dtype=torch.int32, device=index.device)
+    return counts.scatter_add_(1, index, valid.int()) > 0  # padding slots add 0 (never unselect)
+
+
+# ---- one query, many rows: composite keys ---------------------------------------------------------
+# A score and its row index packed in one int64 so that a plain "largest first" order is exactly the
+# selection order: higher score first, then lower index. Scores map to an order-preserving unsigned
+# 32-bit code (-0.0 is canonicalised to +0.0 first, as they compare equal); the low 32 bits hold
+# 0xFFFFFFFF - index.
+
+_LOW = 0xFFFFFFFF
+
+
+def composite_keys(scores: torch.Tensor, n_visible: int) -> torch.Tensor:
+    """int64 keys [N] for one query's scores; rows >= n_visible get the smallest key."""
+    bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & _LOW
+    ordered = torch.where(bits >= 0x80000000, _LOW - bits, bits | 0x80000000)
+    idx = torch.arange(scores.shape[0], device=scores.device, dtype=torch.int64)
+    keys = ((ordered - 0x80000000) << 32) | (_LOW - idx)
+    return torch.where(idx < n_visible, keys, torch.full_like(keys, torch.iinfo(torch.int64).min))
+
+
+def keys_to_selection(keys: torch.Tensor, n_visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = _LOW - (keys & _LOW)
+    valid = index < n_visible
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+def select_topk_keys(scores: torch.Tensor, n_visible: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection (rows 0..n_visible-1 visible) with one ``torch.topk`` over composite keys."""
+    kk = min(k, scores.shape[0])
+    keys = torch.topk(composite_keys(scores, n_visible), kk, sorted=True).values
+    return keys_to_selection(keys, n_visible)
+
+
+_block_kernel = None
+
+
+def _build_block_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_topk_kernel(scores_ptr, out_ptr, n_rows, n_visible, K: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(scores_ptr + idx, mask=idx < n_rows, other=0.0) + 0.0
+        bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        ordered = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+        keys = ((ordered - 0x80000000) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        keys = tl.where(idx < n_visible, keys, -9223372036854775808)
+        top = tl.sort(keys, 0, descending=True)
+        pos = tl.arange(0, BLOCK)
+        tl.store(out_ptr + pid * K + pos, top, mask=pos < K)
+
+    return block_topk_kernel
+
+
+def select_topk_blocked(scores: torch.Tensor, n_visible: int, k: int, block: int = 4096,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused per-block top-k (Triton: each block sorts its composite keys and keeps k) then a merge of the
+    candidates; the same set as `select_topk_keys` because a row in the global top-k is in its block's top-k."""
+    global _block_kernel
+    if _block_kernel is None:
+        _block_kernel = _build_block_kernel()
+    n = scores.shape[0]
+    kk = min(k, n)
+    if n <= block:
+        return select_topk_keys(scores, n_visible, k)
+    n_blocks = -(-n // block)
+    keep = min(kk, block)
+    cand = torch.empty(n_blocks * keep, dtype=torch.int64, device=scores.device)
+    _block_kernel[(n_blocks,)](scores.contiguous(), cand, n, n_visible, K=keep, BLOCK=block)
+    keys = torch.topk(cand, kk, sorted=True).values
+    return keys_to_selection(keys, n_visible)
+
+
+def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection from a float ``torch.topk``: every row above the k-th score, then the lowest-index
+    rows equal to it until k are taken (exactly the tie rule), with no host synchronisation."""
+    s = scores[:n_visible].float() + 0.0  # canonical zero
+    kk = min(k, n_visible)
+    if kk == 0:
+        return select_topk_keys(scores, n_visible, k)
+    kth = torch.topk(s, kk, sorted=False).values.min()
+    above = s > kth
+    ties = s == kth
+    need = kk - above.sum()
+    chosen = above | (ties & (torch.cumsum(ties.int(), 0) <= need))
+    index = torch.nonzero_static(chosen, size=min(k, scores.shape[0]), fill_value=-1).squeeze(-1)
+    valid = index >= 0
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+# ---- one query, many rows: radix select on the GPU ------------------------------------------------
+# The k-th largest score is found exactly by histogram levels over the RADIX_BITS-bit digits of the scores'
+# order-preserving 32-bit code (a level counts only the rows whose higher digits match the k-th code's so far);
+# every row above it is selected, then the lowest-index rows equal to it until k are taken. The output lists the
+# selected rows in ascending index order (a prefix count over the programs places each row), so it is
+# deterministic. 32 / RADIX_BITS + 2 phases: on the GPU one launch whose programs (at most one per multiprocessor,
+# so all resident) meet at grid barriers; in the CPU interpreter, which runs programs one after another, one launch
+# per phase. Few bins per level, because Triton's histogram costs about linearly in bins (a ballot per bit of the
+# bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
+# 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
+
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
+# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
+_MAX_PROGRAMS = 1024
+_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
+_MAX_TILE = 8192  # a program's scores stay in registers
+
+
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, rows: int) -> torch.Tensor:
+    """Scratch of the radix select for ``rows`` rows of scores on ``device`` (zero between calls; one stream at a
+    time; one per row count, so a captured step keeps its own)."""
+    key = (device, rows)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = torch.zeros(rows, _WORKSPACE, dtype=torch.int32, device=device)
+    return _WORKSPACES[key]
+
+
+def radix_barrier_timeouts(device: torch.device) -> int:
+    """Grid barriers that gave up waiting since start-up (0 unless programs were not all resident)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return sum(int(ws[:, 2].sum()) for (dev, _), ws in _WORKSPACES.items() if dev == device)
+
+
+# Rows of up to SMALL_ROWS scores (SMALL_ROWS_BATCHED when a step selects for 8 or more rows) are selected by one
+# program each (`radix_small_kernel`: SMALL_BITS bits of the k-th code per step, SMALL_WARPS warps, else 8 up to
+# 2,048 scores and 16 above); more by the multi-program radix_kernel (RADIX_WARPS warps). H200, top-512, graph-
+# replayed, us one-program / multi-program (87fe9ab's kernel, 4 warps): 1,024 scores 8.4 / 11.9 (1 row), 8.4 / 12.4
+# (32 rows); 4,160 scores 28.2 / 12.5 (1 row); multi-program only: 32,768 scores 13.5 (1 row), 19.7 (8 rows);
+# 262,144 scores 21.4 (19.7 with 8 warps). Rows of 2,049 to 8,192 scores in steps of 8 or more sessions were
+# measured only with the earlier multi-program kernel (then slower); not re-measured.
+SMALL_ROWS = 2048
+SMALL_ROWS_BATCHED = 8192
+SMALL_BITS = 2
+SMALL_WARPS: int | None = None
+RADIX_WARPS = 4
+# Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of
+# 256). H200, 262,144 scores: 8 bits 22.1 us, 4 bits 24.2 (with the early exit 19.4 / 19.3; slower at 4,160 and
+# 32,768 scores either way)
+RADIX_BITS = 8
+
+
+def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
+                      small: bool | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
+    `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
+    graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
+    device tensor [B] select per row -> [B, min(k, n)], in one launch. Up to ``SMALL_ROWS`` scores a row (see
+    there; or with ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the
+    phases of the multi-program select (``RADIX_BITS``) in one launch with grid barriers, or one launch per
+    phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
+    masking after)."""
+    from ds4x.kernels.indexer import num_sms
+    from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
+
+    batched = scores.dim() == 2
+    scores2 = scores if batched else scores[None]
+    B, n = scores2.shape
+    count = n_visible if isinstance(n_visible, torch.Tensor) else None
+    if batched and (count is None or count.numel() != B):
+        raise ValueError(f"select_topk_radix: {B} rows of scores need a device tensor of {B} visible counts")
+    kk = min(k, n)
+    index = torch.empty(B, kk, dtype=torch.long, device=scores.device)
+    valid = torch.empty(B, kk, dtype=torch.bool, device=scores.device)
+    if kk == 0 or B == 0:
+        return (index, valid) if batched else (index[0], valid[0])
+    flat = scores2.contiguous().float()
+    kp = 1 << (kk - 1).bit_length()
+    if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
+        tile = max(16, 1 << (n - 1).bit_length())
+        radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
+                                 index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
+                                 KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
+                                 num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16))
+        return (index, valid) if batched else (index[0], valid[0])
+    fused = scores.is_cuda if fused is None else fused
+    # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
+    sms = num_sms(scores.device)
+    tile = min(_MAX_TILE, max(256, 1 << (-(-n * min(B, sms) // sms) - 1).bit_length()))
+    n_prog = -(-n // tile)
+    if n_prog > _MAX_PROGRAMS:
+        raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
+    per_launch = max(1, sms // n_prog)  # rows of scores per launch
+    ws = _workspace(scores.device, B)
+    from ds4x.kernels.pdl import launch_options
+
+    pdl = launch_options(scores.device)
+    if 32 % RADIX_BITS or (32 // RADIX_BITS) << RADIX_BITS > 1024:
+        raise ValueError(f"RADIX_BITS must divide 32 with at most 1,024 histogram bins in all, got {RADIX_BITS}")
+    listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
+    phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
+    for r0 in range(0, B, per_launch):
+        r1 = min(B, r0 + per_launch)
+        counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count
+        args = (flat[r0:r1], n, n if count is not None else min(n_visible, n), counts, kk, n_prog, ws[r0:r1],
+                index[r0:r1], valid[r0:r1].view(torch.int8), pad)
+        for first, last in phases:
+            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
+                                            DEVICE_COUNT=count is not None, WS=_WORKSPACE,
+                                            MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS, **pdl)
+    return (index, valid) if batched else (index[0], valid[0])

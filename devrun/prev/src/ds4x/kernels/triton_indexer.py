@@ -1,0 +1,335 @@
+"""Triton kernels of the decode-time indexer (imported only when a Triton path runs): scoring straight from
+packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact radix top-k (`radix_kernel`, see
+`ds4x.kernels.select`).
+"""
+
+import triton
+import triton.language as tl
+
+from ds4x.kernels.pdl import wait_upstream
+
+
+@triton.jit
+def exp2_f32(e):
+    """Exact 2^e as float32 for integer e in [-149, 127] (subnormals below -126)."""
+    normal = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    sub = (1 << tl.minimum(tl.maximum(e + 149, 0), 30)).to(tl.float32, bitcast=True)
+    return tl.where(e >= -126, normal, sub)
+
+
+@triton.jit
+def exp2_f16(e):
+    """2^e as fp16 for integer e <= 15: subnormal down to 2^-24, 0 below."""
+    normal = ((tl.maximum(e, -14) + 15) << 10).to(tl.int16)
+    sub = (1 << tl.minimum(tl.maximum(e + 24, 0), 15)).to(tl.int16)
+    bits = tl.where(e >= -14, normal, tl.where(e >= -24, sub, 0).to(tl.int16))
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def codes_fp16(words, j: tl.constexpr, sc16):
+    """Nibble ``j`` of every word (element 8w + j) as fp16: E2M1 x 2^-14 x ``sc16``."""
+    c = words >> (4 * j)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)  # magnitude to fp16 bits 9..11, sign to bit 15
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * sc16
+
+
+@triton.jit
+def codes_fp16_ptx(words, sc_bits):
+    """The eight ``codes_fp16`` tiles at once in PTX. Per word: the fp16 high byte of each even and odd
+    element by shifts/masks on all four bytes together (la, ua), then per output pair one byte permute,
+    a mask and one paired fp16 multiply by the block scale."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 la, ua, lb, ub, t, s;
+        shl.b32 la, $8, 4;  and.b32 la, la, 0x80808080;
+        shl.b32 t, $8, 1;   and.b32 t, t, 0x0E0E0E0E;  or.b32 la, la, t;
+        and.b32 ua, $8, 0x80808080;
+        shr.b32 t, $8, 3;   and.b32 t, t, 0x0E0E0E0E;  or.b32 ua, ua, t;
+        shl.b32 lb, $9, 4;  and.b32 lb, lb, 0x80808080;
+        shl.b32 t, $9, 1;   and.b32 t, t, 0x0E0E0E0E;  or.b32 lb, lb, t;
+        and.b32 ub, $9, 0x80808080;
+        shr.b32 t, $9, 3;   and.b32 t, t, 0x0E0E0E0E;  or.b32 ub, ub, t;
+        prmt.b32 s, $10, $11, 0x5410;
+        prmt.b32 $0, la, lb, 0x4000;  and.b32 $0, $0, 0xFF00FF00;  mul.rn.f16x2 $0, $0, s;
+        prmt.b32 $1, ua, ub, 0x4000;  and.b32 $1, $1, 0xFF00FF00;  mul.rn.f16x2 $1, $1, s;
+        prmt.b32 $2, la, lb, 0x5010;  and.b32 $2, $2, 0xFF00FF00;  mul.rn.f16x2 $2, $2, s;
+        prmt.b32 $3, ua, ub, 0x5010;  and.b32 $3, $3, 0xFF00FF00;  mul.rn.f16x2 $3, $3, s;
+        prmt.b32 $4, la, lb, 0x6020;  and.b32 $4, $4, 0xFF00FF00;  mul.rn.f16x2 $4, $4, s;
+        prmt.b32 $5, ua, ub, 0x6020;  and.b32 $5, $5, 0xFF00FF00;  mul.rn.f16x2 $5, $5, s;
+        prmt.b32 $6, la, lb, 0x7030;  and.b32 $6, $6, 0xFF00FF00;  mul.rn.f16x2 $6, $6, s;
+        prmt.b32 $7, ua, ub, 0x7030;  and.b32 $7, $7, 0xFF00FF00;  mul.rn.f16x2 $7, $7, s;
+        }
+        """,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+        args=[words, sc_bits],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@triton.jit
+def load_tile(tile, rows_ptr, n_rows, BLOCK_N: tl.constexpr):
+    """A tile's 16 code words and its scale word per row (rows past ``n_rows`` read as zero codes)."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs_n < n_rows
+    base = rows_ptr + offs_n.to(tl.int64)[:, None] * 17
+    words = tl.load(base + tl.arange(0, 16)[None, :], mask=ok[:, None], other=0)
+    sw = tl.load(base + 16, mask=ok[:, None], other=0x7F7F7F7F)  # [BLOCK_N, 1]: the four scale bytes
+    return words, sw
+
+
+@triton.jit
+def score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N: tl.constexpr,
+               PTX: tl.constexpr):
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    s0, s1, s2, s3 = sw & 255, (sw >> 8) & 255, (sw >> 16) & 255, (sw >> 24) & 255
+    smax = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
+    s_b = (sw >> (8 * (tl.arange(0, 16)[None, :] // 4))) & 255  # each word's block scale
+    sc16 = exp2_f16(15 - (smax - s_b))  # [BLOCK_N, 16]: each word's block scale relative to the row's
+    if PTX:
+        k0, k1, k2, k3, k4, k5, k6, k7 = codes_fp16_ptx(words, sc16.to(tl.int16, bitcast=True).to(tl.int32))
+    else:
+        k0 = codes_fp16(words, 0, sc16)
+        k1 = codes_fp16(words, 1, sc16)
+        k2 = codes_fp16(words, 2, sc16)
+        k3 = codes_fp16(words, 3, sc16)
+        k4 = codes_fp16(words, 4, sc16)
+        k5 = codes_fp16(words, 5, sc16)
+        k6 = codes_fp16(words, 6, sc16)
+        k7 = codes_fp16(words, 7, sc16)
+    acc = tl.dot(interleave8(k0, k1, k2, k3, k4, k5, k6, k7), q_op)
+    # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
+    score = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * exp2_f32(tl.reshape(smax, [BLOCK_N]) - 128)
+    tl.store(out_ptr + offs_n, score, mask=offs_n < n_rows)
+
+
+@triton.jit
+def interleave8(t0, t1, t2, t3, t4, t5, t6, t7):
+    """[M, 16] x 8 -> [M, 128]: the eight tiles side by side in each thread's registers, column 8w + p holding
+    column w of tile rev3(p) (three joins put bit 0 of the tile number highest; the query operand is loaded in
+    that order). Each thread's 8 values are contiguous, so the move to the tensor cores' layout stores 16 bytes at
+    a time instead of one 2-byte value per tile."""
+    return tl.reshape(tl.join(tl.join(tl.join(t0, t1), tl.join(t2, t3)), tl.join(tl.join(t4, t5), tl.join(t6, t7))),
+                      [t0.shape[0], 128])
+
+
+# Row and tile counts change from call to call (prefill chunks): not specialized, so a count that happens to be a
+# multiple of 16 does not compile a second variant in the middle of a prefill
+@triton.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
+def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
+                 H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+                 PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)  # the query (a prefill chunk has many; decode one per session)
+    q_ptr += t * H * 128
+    rows_ptr += t * rows_stride  # a batched decode step: each query's own store (else 0: one store)
+    w_ptr += t * H
+    out_ptr += t * n_rows
+    if DEVICE_COUNT:  # rows in use counted on the device (CUDA graphs; per query in a prefill chunk)
+        n_rows = tl.minimum(tl.load(count_ptr + t * count_stride).to(tl.int32), n_rows)
+    offs_h = tl.arange(0, HP)
+    h_ok = offs_h < H
+    # Queries once per program: per head a power of two 2^(14 - e_h) brings max|q_h| into [2^14, 2^15).
+    q_all = tl.load(q_ptr + offs_h[:, None] * 128 + tl.arange(0, 128)[None, :], mask=h_ok[:, None], other=0.0)
+    qmax = tl.max(tl.abs(q_all), axis=1)
+    e_h = tl.where(qmax > 0, ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127, 0)
+    e_h = tl.minimum(tl.maximum(e_h, -110), 127)
+    wq = tl.load(w_ptr + offs_h, mask=h_ok, other=0.0) * scale * exp2_f32(e_h - 14)
+    q_scale = exp2_f32(14 - e_h)
+    # the query operand [128, H] in the key tiles' column order (see interleave8): column 8w + p is element
+    # 8w + rev3(p); fp16 is exact for MXFP4 values once scaled per head
+    p = tl.arange(0, 128)
+    e = (p & ~7) | ((p & 1) << 2) | (p & 2) | ((p >> 2) & 1)
+    q_op = tl.load(q_ptr + offs_h[None, :] * 128 + e[:, None], mask=h_ok[None, :], other=0.0)
+    q_op = (q_op * q_scale[None, :]).to(tl.float16)
+    if PERSISTENT:  # grid-stride over row tiles, queries prepared once (the interpreter cannot loop to a runtime bound)
+        # the next tile's words are loaded before this one is scored, so a program always has a load in flight
+        words, sw = load_tile(pid, rows_ptr, n_rows, BLOCK_N)
+        for it in range(0, n_iter):
+            tile = pid + it * n_prog
+            next_words, next_sw = load_tile(tile + n_prog, rows_ptr, n_rows, BLOCK_N)
+            if tile * BLOCK_N < n_rows:
+                score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
+            words, sw = next_words, next_sw
+    else:
+        words, sw = load_tile(pid, rows_ptr, n_rows, BLOCK_N)
+        score_tile(pid, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
+
+
+@triton.jit
+def grid_sync(ws_ptr, phase, nprog):
+    """Waits until all ``nprog`` programs of the row have finished phase ``phase`` (1, 2, ...); one program needs
+    only its own barrier."""
+    tl.debug_barrier()  # this program's phase is complete
+    if nprog > 1:
+        target = phase * nprog
+        tl.atomic_add(ws_ptr, 1, sem="release", scope="gpu")
+        seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+        spins = tl.full([], 0, tl.int32)
+        while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
+            seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+            spins += 1
+        if seen < target:
+            tl.atomic_add(ws_ptr + 2, 1)
+        tl.debug_barrier()
+
+
+@triton.jit
+def digit_threshold(ws_ptr, level, need, BINS: tl.constexpr):
+    """Highest digit of level ``level`` whose suffix count reaches ``need``, the count strictly above it, and its
+    own count."""
+    b = tl.arange(0, BINS)
+    h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
+    suffix = tl.cumsum(h, 0, reverse=True)
+    t = tl.max(tl.where(suffix >= need, b, -1), 0)
+    return t, tl.sum(tl.where(b > t, h, 0), 0), tl.sum(tl.where(b == t, h, 0), 0)
+
+
+@triton.jit
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr):
+    """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's at grid
+    barrier ``phase``."""
+    h = tl.histogram(digit, BINS, mask=mask)
+    tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
+    if SYNC:
+        grid_sync(ws_ptr, phase, nprog)
+
+
+@triton.jit
+def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
+                 TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
+    """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
+    the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
+    code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
+    selection. The phases of one launch meet at grid barriers. Once the rows matching the digits so far are exactly
+    the ones still needed, the remaining digit levels are skipped (all of those rows are selected)."""
+    wait_upstream(PDL)
+    LEVELS: tl.constexpr = 32 // BITS
+    BINS: tl.constexpr = 1 << BITS
+    pid = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
+    scores_ptr += r * n
+    ws_ptr += r * WS  # each row its own workspace: its barriers count its own programs
+    index_ptr += r * kk
+    valid_ptr += r * kk
+    gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
+    eq_counts = gt_counts + MAX_PROGRAMS
+    if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
+        n_visible = tl.load(count_ptr + r).to(tl.int32)
+    n_visible = tl.minimum(n_visible, n)
+    need = tl.minimum(n_visible, kk)  # kk = min(k, n)
+    rows = pid * TILE + tl.arange(0, TILE)
+    vis = rows < n_visible
+    s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0 (they compare equal)
+    bits = s.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    u = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)  # order-preserving code
+    # phases 0 .. LEVELS - 1: the histogram of one more digit among the rows that match the k-th code's digits so
+    # far (a later launch re-derives the earlier digits from the histograms in the workspace)
+    match = vis
+    kth = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
+    known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
+    done = known != 0  # the rows matching the settled bits are exactly the ones still needed
+    barriers = tl.zeros([], tl.int32)  # grid barriers passed
+    for level in tl.static_range(LEVELS):
+        if LAST >= level:
+            if level > 0:
+                if not done:
+                    t, a, c = digit_threshold(ws_ptr, level - 1, need - above, BINS)
+                    kth = kth | (t.to(tl.int64) << (32 - BITS * level))
+                    above += a
+                    known = BITS * level
+                    match = match & (digit == t)  # noqa: F821 - the previous level's digit
+                    done = c == need - above
+            digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
+            if FIRST <= level:
+                if not done:
+                    digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS)
+                    barriers += 1
+    # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
+    if LAST >= LEVELS:
+        if not done:
+            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, BINS)
+            kth = kth | t.to(tl.int64)
+            above += a
+            known = 32
+        ties_taken = need - above  # rows equal to the k-th code (in its settled bits) that are selected
+        low = 32 - known
+        gt = vis & ((u >> low) > (kth >> low))
+        eq = vis & ((u >> low) == (kth >> low))
+        both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
+        if FIRST <= LEVELS:
+            total = tl.sum(both, 0)
+            tl.store(gt_counts + pid, total & 0xFFFF)
+            tl.store(eq_counts + pid, total >> 16)
+            if LAST > LEVELS:
+                grid_sync(ws_ptr, barriers + 1, nprog)
+    # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
+    if LAST == LEVELS + 1:
+        p = tl.arange(0, MAX_PROGRAMS)
+        before = p < pid
+        gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+        mine = tl.load(gt_counts + pid, cache_modifier=".cg")
+        mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
+        if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
+            excl = tl.cumsum(both, 0) - both
+            tie_rank = eq_before + (excl >> 16)
+            sel = gt | (eq & (tie_rank < ties_taken))
+            slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
+            tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+            tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
+        if pid == 0:  # slots no visible row fills: index `pad`, not valid
+            rest = need + tl.arange(0, KP)
+            tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
+            tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
+        # the last program to finish leaves the histograms zeroed for the next call
+        if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+            tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
+            tl.atomic_xchg(ws_ptr, 0)
+            tl.atomic_xchg(ws_ptr + 1, 0)
+
+
+@triton.jit
+def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid_ptr, pad, TILE: tl.constexpr,
+                       KP: tl.constexpr, BITS: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+    # One program per row of scores holds all of them: the k-th largest order-preserving code is built BITS bits
+    # at a time from the top (the largest candidate that at least `need` codes reach), then the selection is
+    # listed as radix_kernel lists it. No grid barriers: a few short reductions per row.
+    r = tl.program_id(0).to(tl.int64)
+    scores_ptr += r * n
+    index_ptr += r * kk
+    valid_ptr += r * kk
+    if DEVICE_COUNT:
+        n_visible = tl.load(count_ptr + r).to(tl.int32)
+    n_visible = tl.minimum(n_visible, n)
+    need = tl.minimum(n_visible, kk)
+    rows = tl.arange(0, TILE)
+    vis = rows < n_visible
+    s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0
+    b = s.to(tl.int32, bitcast=True)
+    key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed order-preserving code: radix_kernel's u - 2**31
+    c = tl.arange(0, 1 << BITS).to(tl.int64)
+    kth = tl.full([], 0, tl.int64)  # in u = key + 2**31 terms, built from the top bit down
+    for step in tl.static_range(32 // BITS):  # bits [32 - BITS * (step + 1), 32 - BITS * step) of the k-th code
+        cand = ((kth | (c << (32 - BITS * (step + 1)))) - 2147483648).to(tl.int32)  # [C] candidates, signed codes
+        reach = vis[None, :] & (key[None, :] >= cand[:, None])
+        cnt = tl.sum(reach.to(tl.int32), axis=1)
+        kth = kth | (tl.max(tl.where(cnt >= need, c, 0), axis=0) << (32 - BITS * (step + 1)))
+    kth32 = (kth - 2147483648).to(tl.int32)
+    gt = vis & (key > kth32)
+    eq = vis & (key == kth32)
+    ties_taken = need - tl.sum(gt.to(tl.int32), 0)
+    eq_i = eq.to(tl.int32)
+    sel = gt | (eq & (tl.cumsum(eq_i, 0) - eq_i < ties_taken))
+    sel_i = sel.to(tl.int32)
+    slot = tl.cumsum(sel_i, 0) - sel_i
+    tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+    tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
+    rest = need + tl.arange(0, KP)
+    tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
+    tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)

@@ -1,0 +1,111 @@
+"""Decode steps as CUDA graphs: one replay per step instead of thousands of kernel launches.
+
+`Transformer.decode_step` reads its positions and tokens from device tensors and sizes everything by the
+caches' capacities, so a step over a fixed list of caches is captured once (the graph holds the caches'
+buffers) and replayed at every later position. The first step runs eagerly (it compiles the Triton kernels
+and is the real step for those positions), then the capture is taken; capturing runs nothing, so no state
+moves twice. ``DS4X_CUDA_GRAPHS=0`` keeps every step eager. A capture that fails is reported once and the
+caller continues eagerly.
+
+:class:`GraphDecoder` decodes one session; :class:`ds4x.runtime.batch.DecodeSlots` decodes a fixed pool of
+caches together (one captured step per batch size).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ds4x.kernels.dispatch import use_triton
+from ds4x.model.cache import ModelCache
+from ds4x.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+Decoder = Callable[[int], torch.Tensor]  # token -> next-token logits [V] (advances the cache)
+
+
+def graphs_enabled(device: torch.device, cache_mode: str) -> bool:
+    """Whether decode steps on ``device`` with a ``cache_mode`` cache are captured as CUDA graphs."""
+    return (os.environ.get("DS4X_CUDA_GRAPHS", "1") != "0" and use_triton(device)
+            and cache_mode in ("native", "packed"))
+
+
+class CapturedStep:
+    """One token for each of a fixed list of caches, replayed from a CUDA graph after the first call.
+
+    The caller chooses the positions (normally each cache's length) and advances no length here. Where
+    graphs are off (`graphs_enabled`) every call runs the step eagerly."""
+
+    def __init__(self, model: Transformer, caches: Sequence[ModelCache]):
+        self.model, self.caches = model, list(caches)
+        n = len(self.caches)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=model.device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=model.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
+        # eager where graphs are off, or once a capture failed
+        self.eager = not all(graphs_enabled(model.device, c.mode) for c in self.caches)
+
+    def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Float32 logits [n, V], owned by the caller (the graph's buffer is copied)."""
+        # the graph reads these buffers in place; a copy from pageable memory is staged at once (no sync)
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
+        self.positions.copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        if self.eager:
+            return self.model.decode_step(self.tokens, self.positions, self.caches)
+        if self.graph is None:
+            return self._first_step()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits.clone()  # the buffer is overwritten by the next replay
+
+    def _first_step(self) -> torch.Tensor:
+        dev = self.model.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # eager, off the default stream as capture requires
+            out = self.model.decode_step(self.tokens, self.positions, self.caches)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self.model.decode_step(self.tokens, self.positions, self.caches)
+        except RuntimeError as e:  # an op that syncs with the host, or no room for the graph
+            first: BaseException = e
+            while first.__context__ is not None:  # the op that broke the capture, not the end-of-capture error
+                first = first.__context__
+            log.warning("decode step could not be captured as a CUDA graph (%s); decoding eagerly",
+                        str(first).splitlines()[0] if str(first) else type(first).__name__)
+            self.eager, self.logits = True, None
+            return out
+        self.graph = graph
+        return out
+
+
+class GraphDecoder:
+    """Decodes one token at a time for one cache, replaying a captured step."""
+
+    def __init__(self, model: Transformer, cache: ModelCache):
+        self.cache = cache
+        self.step = CapturedStep(model, [cache])
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        return self.step.graph
+
+    def __call__(self, token: int) -> torch.Tensor:
+        self.cache.check_room(1)
+        out = self.step([token], [self.cache.length])[0]
+        self.cache.length += 1
+        return out
+
+
+def make_decoder(model: Transformer, cache: ModelCache) -> Decoder:
+    """The decode step for ``cache``: a CUDA graph where `graphs_enabled`, else the eager forward."""
+    if graphs_enabled(model.device, cache.mode):
+        return GraphDecoder(model, cache)
+    return lambda token: model.forward(torch.tensor([token], dtype=torch.long), cache)

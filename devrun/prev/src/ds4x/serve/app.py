@@ -1,0 +1,625 @@
+"""OpenAI-compatible HTTP API over one :class:`~ds4x.runtime.engine.Engine`.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or one JSON body),
+``GET /metrics`` (Prometheus text). Each ``/v1/models`` entry carries, besides OpenAI's fields, ``max_model_len``
+and a ``ds4x`` object describing the build, machine and model (:func:`ds4x.serve.info.server_info`).
+
+Requests are served with continuous batching by one engine worker thread (:mod:`ds4x.serve.scheduler`): each
+request gets its own session, decode steps are batched over all generating requests, prompts are evaluated in
+chunks between them, and admission is bounded by a KV-memory budget and a wait queue (past it: 429; while
+shutting down: 503). A client that disconnects frees its session before the next step. Prefix reuse across
+requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
+
+Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
+one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
+or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and
+``frequency_penalty`` ([-2, 2], over the tokens generated so far), ``logit_bias`` (an object of at most 300
+token ids, as strings, to a bias in [-100, 100] added to their logits), ``n`` (1 only), ``stream``,
+``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
+``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
+divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
+(``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the
+ids generated since the previous chunk). Unknown fields are ignored. The bias and penalties apply before
+temperature and the top-k / top-p / min-p filters, and to greedy decoding (:mod:`ds4x.runtime.sampling`).
+
+Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions:
+0..5 alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax
+of the model's raw logits, before the logit bias, the penalties, temperature and the top-k / top-p / min-p
+filters (as vLLM reports them by default; -inf floored at -9999 as there). Each choice, and each streamed
+chunk's, carries the entries of the tokens it carries (chat: ``content`` of ``token``, ``logprob``, ``bytes``,
+``top_logprobs``; completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` dicts holding the chosen token
+too, ``text_offset``: the characters of the choice's text completed before the token, counted on across
+chunks, so that is where its text starts unless the token before left a character unfinished); ``null`` when
+not asked. A token's string is its own text, with U+FFFD where it holds part of a character (chat's ``bytes``
+are then its raw bytes); "" for a model without a tokenizer. Tokens cut off by a stop string keep their
+entries.
+
+Chat prompts use the DeepSeek-V4 chat encoding (:func:`ds4x.runtime.chat.render_chat`) when the model has
+a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS followed by the message
+contents joined with newlines (the embedded default model and the synthetic presets were not trained on
+a chat format).
+
+Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ds4x.runtime.engine import Engine
+from ds4x.runtime.sampling import SamplingParams
+from ds4x.serve.info import server_info
+from ds4x.serve.scheduler import (
+    Generation,
+    Job,
+    Piece,
+    Rejected,
+    Scheduler,
+    TokenLogprob,
+    default_kv_budget,
+    queue_delivery,
+)
+
+if TYPE_CHECKING:
+    from ds4x.runtime.prefix_cache import PrefixCache
+
+_MAX_INT = 2**31 - 1
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- request models -----------------------------------------------------------------------------
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Base):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=_MAX_INT)] | None = None
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    # token ids are object keys in JSON, hence strings; 300 entries is OpenAI's limit
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=300)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None else self.top_p,
+                              min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              logit_bias=tuple({int(t): b for t, b in (self.logit_bias or {}).items()}.items()))
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        if isinstance(self.stop, str):
+            return [self.stop] if self.stop else []
+        return list(self.stop)
+
+
+_TokenIds = list[Annotated[int, Field(ge=0, le=_MAX_INT)]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | Annotated[_TokenIds, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[_TokenIds], Field(min_length=1)]
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # alternatives per token (OpenAI's limit)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any] | str] | None = None
+
+
+class ChatRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
+    thinking: bool = False  # extension: DeepSeek-V4 thinking mode (GGUF chat encoding only)
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def alternatives(self) -> int | None:
+        """Alternatives to report per token (None: no logprobs); ``top_logprobs`` needs ``logprobs``."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+def _resident_bytes() -> int | None:
+    """This process's resident set size from /proc (Linux); None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Metrics:
+    """Counters of the HTTP side (the event loop); the engine's own come from the scheduler."""
+
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
+
+    def render(self, scheduler: Scheduler | None) -> str:
+        lines = ["# HELP ds4x_requests_total HTTP requests answered, by endpoint and status.",
+                 "# TYPE ds4x_requests_total counter"]
+        for (endpoint, status), count in sorted(self.requests.items()):
+            lines.append(f'ds4x_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}')
+        rss = _resident_bytes()
+        if rss is not None:
+            lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {rss}"]
+        if scheduler is None:
+            return "\n".join(lines) + "\n"
+        st, g = scheduler.stats, scheduler.gauges()
+        values = [
+            ("ds4x_prompt_tokens_total", "counter", "Prompt tokens evaluated (reused prefix tokens excluded).",
+             st.prompt_tokens),
+            ("ds4x_generation_tokens_total", "counter", "Tokens generated.", st.generation_tokens),
+            ("ds4x_requests_cancelled_total", "counter", "Requests dropped because the client went away.",
+             st.cancelled),
+            ("ds4x_requests_failed_total", "counter", "Requests ended by an engine error.", st.failed),
+            ("ds4x_decode_steps_total", "counter", "Batched decode steps.", st.steps),
+            ("ds4x_prefill_steps_total", "counter", "Model calls evaluating prompt chunks.", st.prefill_steps),
+            ("ds4x_requests_running", "gauge", "Requests holding a session (admitted).", g["running"]),
+            ("ds4x_requests_waiting", "gauge", "Requests queued for admission.", g["waiting"]),
+            ("ds4x_kv_bytes_in_use", "gauge", "Planned cache bytes of the admitted sessions.", g["kv_bytes_in_use"]),
+            ("ds4x_kv_budget_bytes", "gauge", "Cache bytes the scheduler may admit.", g["kv_budget_bytes"]),
+            ("ds4x_max_batch", "gauge", "Most requests decoded together.", scheduler.max_batch),
+            ("ds4x_max_queue", "gauge", "Most requests waiting before 429.", scheduler.max_queue),
+        ]
+        device = scheduler.engine.model.device
+        if device.type == "cuda":
+            values.append(("ds4x_cuda_memory_allocated_bytes", "gauge",
+                           "GPU memory held by tensors (weights, caches, activations) on the serving device.",
+                           torch.cuda.memory_allocated(device)))
+        pc = scheduler.prefix_cache
+        if pc is not None:
+            values += [
+                ("ds4x_prefix_cache_hits_total", "counter", "Requests that started from a stored prefix.",
+                 st.prefix_hits),
+                ("ds4x_prefix_cache_misses_total", "counter", "Requests that found no usable stored prefix.",
+                 st.prefix_misses),
+                ("ds4x_prefix_reused_tokens_total", "counter",
+                 "Prompt tokens taken from stored sessions instead of evaluated.", st.reused_tokens),
+                ("ds4x_prefix_cache_resident_bytes", "gauge", "Bytes of stored sessions in memory.",
+                 pc.resident_bytes),
+            ]
+        for name, kind, help_, value in values:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += st.batch_size.render("ds4x_batch_size", "Requests per batched decode step.")
+        lines += st.ttft.render("ds4x_time_to_first_token_seconds", "From arrival to the first token.")
+        lines += st.itl.render("ds4x_inter_token_latency_seconds", "Between consecutive tokens of a request.")
+        lines += st.step_model.render("ds4x_decode_step_model_seconds",
+                                      "A batched decode step's model call, from launch to logits ready.")
+        lines += st.step_sample.render("ds4x_decode_step_sample_seconds",
+                                       "Sampling and delivering the tokens of a batched decode step.")
+        return "\n".join(lines) + "\n"
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+class Server:
+    """The state behind the app: the engine, its scheduler, the metrics; request -> prompt ids -> job."""
+
+    def __init__(self, engine: Engine, model_name: str, ctx: int, cache: str, scheduler: Scheduler | None = None):
+        self.engine, self.model_name, self.ctx, self.cache = engine, model_name, ctx, cache
+        self.scheduler = scheduler
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # request -> prompt ids
+    def _check_model(self, req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _encode(self, text: str, bos: bool = True, param: str = "prompt") -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        try:
+            ids = tok.encode(text)
+        except UnicodeError as exc:  # e.g. a lone surrogate escape (\udc80) in the JSON string
+            raise APIError(400, f"the text is not valid Unicode: {exc}", param=param) from None
+        return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
+
+    def completion_prompt(self, req: CompletionRequest) -> tuple[list[int], bool]:
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._encode(prompt), self.engine.tokenizer is not None
+        return list(prompt), self.engine.tokenizer is not None
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        messages = [m.model_dump(exclude_none=False) for m in req.messages]
+        from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
+
+        if isinstance(tok, GGUFTokenizer):
+            from ds4x.runtime.chat import render_chat
+
+            try:
+                text = render_chat(messages, req.thinking)
+            except (ValueError, TypeError) as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            return self._encode(text, bos=False, param="messages")  # the rendering starts with BOS
+        return self._encode("\n".join(_content_text(m["content"]) for m in messages), param="messages")
+
+    def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
+                 logprobs: int | None) -> Job:
+        if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if getattr(req, "echo", False):
+            raise APIError(400, "echo is not supported", param="echo")
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt")
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        room = self.ctx - len(prompt)
+        if room < 0 or (room == 0 and max_tokens is None):
+            raise APIError(400, f"This model's maximum context length is {self.ctx} tokens; the prompt has "
+                                f"{len(prompt)} tokens", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.ctx} tokens; the prompt has "
+                                f"{len(prompt)} tokens and max_tokens is {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            params = req.sampling()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
+        # streamed token ids arrive with their token, not when held-back text completes (clients time them)
+        return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text,
+                   ids_every_token=bool(req.stream and req.return_token_ids), logprobs=logprobs)
+
+    def submit(self, job: Job) -> tuple[Generation | None, asyncio.Queue]:
+        """Hand ``job`` to the scheduler (or raise the APIError of a refusal); its pieces arrive on the queue."""
+        assert self.scheduler is not None
+        queue, put = queue_delivery(asyncio.get_running_loop())
+        if job.max_tokens == 0:  # nothing to generate: no session needed
+            put(Piece("", [], "length"))
+            return None, queue
+        try:
+            return self.scheduler.submit(job, put), queue
+        except Rejected as exc:
+            type_ = "rate_limit_error" if exc.status == 429 else "server_error"
+            raise APIError(exc.status, exc.message, type_, code=exc.code) from None
+
+    def cancel(self, handle: Generation | None) -> None:
+        if handle is not None and self.scheduler is not None:
+            self.scheduler.cancel(handle)
+
+    async def pieces(self, request: Request, handle: Generation | None,
+                     queue: asyncio.Queue) -> AsyncIterator[Piece]:
+        """The pieces of a submitted job until its last one; a client that goes away cancels it."""
+        done, checked = False, time.monotonic()
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= 0.5:  # also while pieces keep coming (a non-streamed body)
+                    if await request.is_disconnected():
+                        return
+                    checked = time.monotonic()
+                if item is None:
+                    continue
+                if isinstance(item, Rejected):
+                    raise APIError(item.status, item.message, "server_error", code=item.code)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish is not None:
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.cancel(handle)
+
+    def _token(self, job: Job, token: int) -> tuple[str, bytes]:
+        """A token's string and bytes for logprobs."""
+        tok = self.engine.tokenizer
+        if not job.text or tok is None:
+            return "", b""
+        data = tok.token_bytes(token)
+        return data.decode("utf-8", errors="replace"), data
+
+    def chat_logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """A chat choice's ``logprobs``: OpenAI's ``content`` list."""
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text, data = self._token(job, token)
+            return {"token": text, "logprob": logprob, "bytes": list(data)}
+
+        return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def completion_logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict[str, Any]:
+        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists."""
+        tokens, tops = [], []
+        for e in entries:
+            tokens.append(self._token(job, e.token)[0])
+            top: dict[str, float] = {}
+            for t, lp in [*e.top, (e.token, e.logprob)]:  # the chosen token too, as OpenAI's
+                top.setdefault(self._token(job, t)[0], lp)  # tokens of the same string: the most likely one
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": [e.offset for e in entries]}
+
+    def usage(self, job: Job) -> dict[str, int]:
+        p, g = len(job.prompt), job.generated
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
+
+
+_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+def _endpoint(request: Request) -> str:
+    """The metrics label of a request's path (unknown paths share one label)."""
+    return request.url.path if request.url.path in _ENDPOINTS else "other"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+    # a union reports each branch (e.g. prompt.str); name the request field
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return (f"{where}: {e.get('msg', 'invalid value')}" if where else str(e.get("msg", "invalid request"))), param
+
+
+def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill_chunk: int = 256,
+               max_batch: int = 32, max_queue: int = 128, kv_budget: int | None = None,
+               batch_invariant: bool | None = None, prefix_cache: PrefixCache | None = None,
+               decode_slots: bool | None = None, prefill_budget: int | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``model_name``; sessions of ``ctx`` tokens with ``cache``.
+
+    Scheduling (:class:`~ds4x.serve.scheduler.Scheduler`): prompts in chunks of ``prefill_chunk``, at most
+    ``max_batch`` sessions decoding together within ``kv_budget`` bytes of planned cache (default
+    :func:`~ds4x.serve.scheduler.default_kv_budget`), at most ``max_queue`` waiting. ``batch_invariant``:
+    row-by-row products in the decode step (default: on the CPU). ``decode_slots``: sessions in a fixed pool of
+    caches whose decode steps replay CUDA graphs (default: where graphs are on). The worker thread runs while
+    the app does (its lifespan). ``prefill_budget``: prompt tokens evaluated together (default 4 chunks; without
+    batch invariance).
+    """
+    if ctx <= 0 or ctx > engine.cfg.max_position_embeddings:
+        raise ValueError(f"ctx must be in [1, {engine.cfg.max_position_embeddings}], got {ctx}")
+    budget = default_kv_budget(engine.model.device) if kv_budget is None else kv_budget
+    scheduler = Scheduler(engine, ctx, cache, prefill_chunk=prefill_chunk, max_batch=max_batch, max_queue=max_queue,
+                          kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache,
+                          slots=decode_slots, prefill_budget=prefill_budget)
+    server = Server(engine, model_name, ctx, cache, scheduler)
+    info = server_info(engine, cache)  # once: it runs git and nvidia-smi
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="ds4x", description="OpenAI-compatible DeepSeek-V4 server", lifespan=lifespan)
+    app.state.server = server
+
+    def count(endpoint: str, status: int) -> None:
+        server.metrics.requests[(endpoint, status)] += 1
+
+    def error(exc: APIError, endpoint: str) -> JSONResponse:
+        count(endpoint, exc.status)
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(APIError(exc.status_code, str(exc.detail), type_), _endpoint(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _param_of(exc)
+        return error(APIError(400, msg, param=param), _endpoint(request))
+
+    async def parse(request: Request, model: type[_SamplingRequest]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            msg, param = _param_of(exc)
+            raise APIError(400, msg, param=param) from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        count("/health", 200)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        count("/metrics", 200)
+        return PlainTextResponse(server.metrics.render(scheduler), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        count("/v1/models", 200)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "ds4x", "max_model_len": ctx, "ds4x": info}]}
+
+    async def serve(request: Request, endpoint: str, chat: bool) -> Response:
+        try:
+            req = await parse(request, ChatRequest if chat else CompletionRequest)
+            server._check_model(req)
+            if chat:
+                logprobs = req.alternatives()
+                prompt, text = server.chat_prompt(req), True
+                max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            else:
+                logprobs = req.logprobs
+                prompt, text = server.completion_prompt(req)
+                max_tokens = 16 if req.max_tokens is None else req.max_tokens
+            job = server.make_job(req, prompt, text, max_tokens, logprobs)
+            handle, queue = server.submit(job)
+        except APIError as exc:
+            return error(exc, endpoint)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        head = {"id": rid, "object": obj + (".chunk" if chat and req.stream else ""), "created": created,
+                "model": model_name}
+
+        def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
+            logprobs = None
+            if job.logprobs is not None:
+                render = server.chat_logprobs if chat else server.completion_logprobs
+                logprobs = render(job, piece.logprobs)
+            if chat:
+                key = "delta" if req.stream else "message"
+                msg: dict[str, Any] = {"content": piece.text}
+                if first or not req.stream:
+                    msg = {"role": "assistant", **msg}
+                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": piece.finish}
+            else:
+                c = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
+            if req.return_token_ids:
+                c["token_ids"] = piece.ids
+            return c
+
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            async def events() -> AsyncIterator[str]:
+                first = True
+                try:
+                    async for piece in server.pieces(request, handle, queue):
+                        chunk = {**head, "choices": [choice(piece, first)]}
+                        if first and req.return_token_ids:
+                            chunk["prompt_token_ids"] = job.prompt
+                        if include_usage:
+                            chunk["usage"] = None
+                        first = False
+                        yield _sse(chunk)
+                except Exception as exc:  # the stream has started: report in band
+                    err = exc if isinstance(exc, APIError) else APIError(500, str(exc), "server_error")
+                    yield _sse(err.body())
+                    return
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": server.usage(job)})
+                yield "data: [DONE]\n\n"
+
+            count(endpoint, 200)
+            # the background task runs however the response ends, even if the stream never started
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(server.cancel, handle))
+
+        parts: list[Piece] = []
+        try:
+            async for piece in server.pieces(request, handle, queue):
+                parts.append(piece)
+        except APIError as exc:
+            return error(exc, endpoint)
+        except Exception as exc:
+            return error(APIError(500, str(exc), "server_error"), endpoint)
+        finish = parts[-1].finish if parts else None
+        whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish,
+                      [lp for p in parts for lp in p.logprobs])
+        body = {**head, "choices": [choice(whole)], "usage": server.usage(job)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = job.prompt
+        count(endpoint, 200)
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "/v1/chat/completions", chat=True)
+
+    return app

@@ -1,0 +1,601 @@
+"""Continuous batching: one engine worker thread serving many requests, each in its own session.
+
+Each loop of the worker (between two loops requests join and leave):
+
+1. drop cancelled requests (a client that went away frees its session here, before the next step) and admit
+   waiting ones while the batch has room (``max_batch``) and the KV budget covers their planned cache bytes;
+2. run the next prefill chunk of the oldest request still reading its prompt (alone under ``rowwise``: the
+   chunk's shapes are its own, so the prompt is evaluated exactly as ``Session.prefill`` with the same chunk
+   does; otherwise together with the next chunks of the following ones, up to ``prefill_budget`` tokens in one
+   model call, since a call's fixed cost dominates short prompts);
+3. run one batched decode step for every request that is generating (``ds4x.runtime.batch.step_sessions``;
+   on CUDA the sessions hold caches of a ``DecodeSlots`` pool and the step replays a CUDA graph).
+
+So a long prompt costs the running streams one chunk per step, never a stall. With ``rowwise`` (the default on
+the CPU) the decode step's products are batch-invariant, and a request's tokens are exactly those of
+``Session.generate`` with the same prefill chunk, whatever else shares the batch; without it (the GPU default:
+row-by-row products would give up the batching) a request's logits may differ in the last bits between
+batch compositions.
+
+Admission: every session has the same context, so each admitted request reserves that plan's bytes
+(``cache.plan``) against ``kv_budget``. When the batch or the budget is full, requests wait in a FIFO queue of at
+most ``max_queue``; past it :class:`Rejected` (429); after ``stop``, 503.
+
+Prefix reuse (optional ``PrefixCache``): a new request starts from the longest stored prefix of its prompt, cut
+back to a multiple of the prefill chunk so that the rest is evaluated in the very chunks a fresh session
+would use (the reused state is the same too: it was computed in those chunks), hence the same logits; each
+finished request's session is stored.
+
+Logit bias and penalties (a job's ``params``, `ds4x.runtime.sampling.adjust`): a request that has any keeps a
+``TokenHistory`` of its prompt and generated tokens on the logits' device, updated with each drawn token before
+the batch's single read; the others skip the adjustment.
+
+Logprobs (a job's ``logprobs``): the log_softmax of the model's raw logits, before the logit bias, the
+penalties, temperature and the top-k / top-p / min-p filters (as vLLM reports them by default), for the drawn
+token and the most likely alternatives, computed on the device and read back with the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds4x.model.cache import ModelCache, free_memory, plan_cache
+from ds4x.runtime.batch import DecodeSlots, step_sessions
+from ds4x.runtime.decode_graph import graphs_enabled
+from ds4x.runtime.engine import Engine, Session
+from ds4x.runtime.sampling import SamplingParams, TokenHistory, draw
+from ds4x.runtime.tokenizer import TextStream
+
+if TYPE_CHECKING:
+    from ds4x.runtime.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Cache bytes to admit when not told: 80% of the GPU's free memory (after the weights are loaded); on the
+    host a quarter of the available memory, at most 8 GiB (the host also holds the weights and everything else)."""
+    free = free_memory(device)
+    return int(0.8 * free) if device.type == "cuda" else min(free // 4, 8 * 2**30)
+
+
+class Rejected(Exception):
+    """A request the scheduler does not take: ``status`` 429 (queue full) or 503 (shutting down)."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class Job:
+    """One request's generation: prompt ids, budget, sampling, stop strings."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stops: list[str]
+    ignore_eos: bool
+    text: bool  # detokenize (False: a model without a tokenizer; ids only)
+    ids_every_token: bool = False  # a piece per token even while its text is held back (streamed token ids)
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
+    prompt_tokens: int = 0  # evaluated so far (reused prefix tokens are not evaluated)
+    reused_tokens: int = 0
+    generated: int = 0
+    stop_reason: str = ""
+
+
+# a drawn token's logprob and the most likely (id, logprob) pairs, most likely first
+Scores = tuple[float, list[tuple[int, float]]]
+
+# the logprob of a token the model rules out (-inf) is floored as vLLM does: JSON has no -inf
+_LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob, its most likely alternatives, and where in the output it comes."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (id, logprob), most likely first
+    # characters of the output's text completed before this token (its text starts there unless the token
+    # before left a character unfinished)
+    offset: int
+
+
+@dataclass
+class Piece:
+    text: str
+    ids: list[int]
+    finish: str | None = None  # "stop" or "length" on the last piece
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id when the job asked for them
+
+
+def _logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
+    """The logprob of ``token`` [1] under raw ``logits`` [V], then the ``k`` highest logprobs and their ids, as
+    float64 [1 + 2k] on the logits' device (not read back)."""
+    lp = logits.float().log_softmax(-1).clamp_min(_LOGPROB_FLOOR)
+    top = lp.topk(k)
+    return torch.cat([lp[token].double(), top.values.double(), top.indices.double()])
+
+
+def _holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+def _first_stop(text: str, stops: list[str]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+class Output:
+    """Token ids -> pieces of text: incomplete UTF-8 characters and possible stop-string prefixes are held back
+    (with ``ids_every_token`` the token's piece then carries its id and no text); a stop string ends the output
+    before it. A piece carries the logprobs of exactly its ids."""
+
+    def __init__(self, engine: Engine, job: Job):
+        self.job = job
+        self.eos = set(engine.cfg.eos_token_ids)
+        tok = engine.tokenizer
+        self.stream = TextStream(tok) if job.text and tok is not None else None
+        self.pending, self.ids = "", []
+        self.logprobs: list[TokenLogprob] = []
+        self.sent = 0  # characters sent in earlier pieces
+
+    def push(self, token: int, scores: Scores | None = None) -> Piece | None:
+        """The piece to send after ``token`` (None: nothing to show yet); a piece with ``finish`` ends it.
+        ``scores``: the token's logprobs, when the job asked for them."""
+        job = self.job
+        self.ids.append(token)
+        if scores is not None:
+            self.logprobs.append(TokenLogprob(token, *scores, offset=self.sent + len(self.pending)))
+        if self.stream is not None and (job.ignore_eos or token not in self.eos):
+            self.pending += self.stream.push(token)
+        if job.stops:
+            hit = _first_stop(self.pending, job.stops)
+            if hit >= 0:
+                job.stop_reason = "stop"
+                return self._last(hit, "stop")
+            cut = len(self.pending) - _holdback(self.pending, job.stops)
+        else:
+            cut = len(self.pending)
+        if not cut and job.text and not job.ids_every_token:
+            return None
+        piece = Piece(self.pending[:cut], self.ids, logprobs=self.logprobs)
+        self.pending, self.ids, self.logprobs = self.pending[cut:], [], []
+        self.sent += cut
+        return piece
+
+    def finish(self) -> Piece:
+        """The last piece once generation ended by EOS, budget or context."""
+        if self.stream is not None:
+            self.pending += self.stream.flush()
+        finish = "length" if self.job.stop_reason in ("length", "context") else "stop"
+        hit = _first_stop(self.pending, self.job.stops) if self.job.stops else -1
+        if hit >= 0:
+            return self._last(hit, "stop")
+        return self._last(len(self.pending), finish)
+
+    def _last(self, end: int, finish: str) -> Piece:
+        """The last piece: the pending text up to ``end``. The tokens after a stop string keep their logprobs
+        (OpenAI's too) with their offsets at the end of the text, which they do not reach."""
+        for lp in self.logprobs:
+            lp.offset = min(lp.offset, self.sent + end)
+        return Piece(self.pending[:end], self.ids, finish, self.logprobs)
+
+
+class Generation:
+    """A job inside the scheduler: its session and sampling state; pieces (or an exception) go to ``deliver``."""
+
+    def __init__(self, job: Job, deliver: Callable[[Piece | Exception], None]):
+        self.job, self._deliver = job, deliver
+        self.cancelled = False  # set by the server when the client went away
+        self.done = False  # set by the worker after the last piece
+        self.session: Session | None = None
+        self.fed = 0  # prompt tokens the session holds
+        self.next_token: int | None = None  # sampled, to be evaluated by the next decode step
+        self.generator: torch.Generator | None = None
+        self.history: TokenHistory | None = None  # for a logit bias or penalties
+        self.output: Output | None = None
+        self.submitted = time.perf_counter()
+        self.last_token_at: float | None = None
+
+    def send(self, item: Piece | Exception) -> None:
+        self._deliver(item)
+
+
+def queue_delivery(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue, Callable[[Any], None]]:
+    """An asyncio queue of ``loop`` and a thread-safe function that puts into it."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    return q, put
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram: cumulative buckets with upper bounds ``bounds``, plus sum and count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+        self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, help_: str) -> list[str]:
+        lines, acc = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"], 0
+        for b, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += c
+            le = "+Inf" if b == float("inf") else f"{b:g}"
+            lines.append(f'{name}_bucket{{le="{le}"}} {acc}')
+        return [*lines, f"{name}_sum {self.total:.6f}", f"{name}_count {self.n}"]
+
+
+@dataclass
+class EngineStats:
+    """What the worker counts (written by the worker thread only)."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefix_hits: int = 0  # requests that started from a stored prefix
+    prefix_misses: int = 0
+    generation_tokens: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    steps: int = 0
+    prefill_steps: int = 0  # model calls evaluating prompt chunks
+    batch_size: Histogram = field(default_factory=lambda: Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256)))
+    ttft: Histogram = field(default_factory=lambda: Histogram(
+        (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)))
+    itl: Histogram = field(default_factory=lambda: Histogram(
+        (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)))
+    # where a decode step's time goes: the model (launch to logits ready), then sampling and delivering the
+    # batch's tokens; with the ITL the rest is the worker loop and the HTTP side
+    step_model: Histogram = field(default_factory=lambda: Histogram(
+        (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1)))
+    step_sample: Histogram = field(default_factory=lambda: Histogram(
+        (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)))
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, ctx: int, cache: str, *, prefill_chunk: int = 256, max_batch: int = 32,
+                 max_queue: int = 128, kv_budget: int, rowwise: bool | None = None,
+                 prefix_cache: PrefixCache | None = None, slots: bool | None = None,
+                 prefill_budget: int | None = None):
+        if prefill_chunk <= 0 or max_batch <= 0 or max_queue < 0:
+            raise ValueError(f"prefill chunk and max batch must be positive and max queue >= 0, got "
+                             f"{prefill_chunk}, {max_batch}, {max_queue}")
+        self.engine, self.ctx, self.cache, self.chunk = engine, ctx, cache, prefill_chunk
+        self.prefill_budget = 4 * prefill_chunk if prefill_budget is None else prefill_budget
+        if self.prefill_budget < prefill_chunk:
+            raise ValueError(f"the prefill budget ({self.prefill_budget} tokens) must hold a prefill chunk "
+                             f"({prefill_chunk})")
+        self.max_batch, self.max_queue, self.kv_budget = max_batch, max_queue, kv_budget
+        self.rowwise = engine.model.device.type == "cpu" if rowwise is None else rowwise
+        self.prefix_cache = prefix_cache
+        self.session_bytes = plan_cache(engine.cfg, ctx, prefill_chunk, cache)["total"]
+        if kv_budget < self.session_bytes:
+            raise ValueError(f"the KV budget ({kv_budget / 2**20:.1f} MiB) is smaller than one session's cache "
+                             f"({self.session_bytes / 2**20:.1f} MiB: ctx {ctx}, {cache} cache)")
+        # a fixed pool of caches decoded from CUDA graphs (``slots`` None: where graphs are on)
+        if slots is None:
+            slots = graphs_enabled(engine.model.device, cache)
+        self.slots = (DecodeSlots(engine, ctx, cache, prefill_chunk, min(max_batch, kv_budget // self.session_bytes),
+                                  self.rowwise) if slots else None)
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._waiting: deque[Generation] = deque()
+        self._running: list[Generation] = []
+        self._kv_in_use = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- called from the server (any thread) ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="ds4x-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, end the queued and running ones with an error, and join the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, job: Job, deliver: Callable[[Piece | Exception], None]) -> Generation:
+        """Take ``job``, or raise :class:`Rejected`."""
+        req = Generation(job, deliver)
+        with self._cond:
+            if self._stopping:
+                raise Rejected(503, "the server is shutting down", "shutting_down")
+            if self._waiting or not self._has_room():
+                if len(self._waiting) >= self.max_queue:
+                    raise Rejected(429, f"the server is busy: {len(self._running)} requests running and "
+                                        f"{len(self._waiting)} waiting (the queue holds {self.max_queue}); "
+                                        f"retry later", "queue_full")
+                self._waiting.append(req)
+            else:
+                self._admit(req)
+            self._cond.notify_all()
+        return req
+
+    def cancel(self, req: Generation) -> None:
+        """The client went away: the worker frees the request's session before its next step."""
+        with self._cond:
+            if not req.done:
+                req.cancelled = True
+                self._cond.notify_all()
+
+    def gauges(self) -> dict[str, int]:
+        with self._cond:
+            return {"waiting": len(self._waiting), "running": len(self._running), "kv_bytes_in_use": self._kv_in_use,
+                    "kv_budget_bytes": self.kv_budget}
+
+    # ---- the worker ------------------------------------------------------------------------------------------
+
+    def _has_room(self) -> bool:
+        return len(self._running) < self.max_batch and self._kv_in_use + self.session_bytes <= self.kv_budget
+
+    def _admit(self, req: Generation) -> None:
+        self._running.append(req)
+        self._kv_in_use += self.session_bytes
+
+    def _release(self, req: Generation) -> None:
+        """Under the lock: forget a request (its session goes with it) and give back its reservation."""
+        if req in self._running:
+            self._running.remove(req)
+            self._kv_in_use -= self.session_bytes
+            if self.slots is not None and req.session is not None:
+                self.slots.release(req.session.cache)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        req.session = None
+        req.done = True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                for req in [r for r in (*self._running, *self._waiting) if r.cancelled]:
+                    self._release(req)
+                    self.stats.cancelled += 1
+                while self._waiting and self._has_room():
+                    self._admit(self._waiting.popleft())
+                if self._stopping:
+                    for req in [*self._running, *self._waiting]:
+                        self._release(req)
+                        req.send(Rejected(503, "the server is shutting down", "shutting_down"))
+                    return
+                if not self._running:
+                    self._cond.wait()
+                    continue
+                running = list(self._running)
+            finished: list[Generation] = []
+            try:
+                self._prefill(running, finished)
+                self._decode(running, finished)
+            except Exception as exc:  # a bug of ours: fail what was running, keep serving
+                self._fail([r for r in running if r not in finished], exc, finished)
+
+    def _fail(self, reqs: list[Generation], exc: Exception, finished: list[Generation]) -> None:
+        log.error("generation failed for %d request(s)", len(reqs), exc_info=exc)
+        for req in reqs:
+            self.stats.failed += 1
+            self._retire(req, finished)
+            req.send(RuntimeError(f"generation failed: {exc}"))
+
+    def _start(self, req: Generation) -> None:
+        """Give an admitted request its session: a stored prefix if one is usable, else a fresh one."""
+        job, params = req.job, req.job.params
+        slot = self.slots.acquire() if self.slots is not None else None
+        session, n = self._reuse(job.prompt, slot)
+        if session is None and slot is not None:
+            slot.reset()  # a lookup may have loaded a prefix it then could not use
+            session, n = Session(self.engine, slot, self.chunk), 0
+        elif session is None:
+            session, n = self.engine.new_session(ctx=self.ctx, cache=self.cache, prefill_chunk=self.chunk,
+                                                 announce=False), 0
+        req.session, req.fed = session, n
+        job.reused_tokens = n
+        self.stats.reused_tokens += n
+        if self.prefix_cache is not None:
+            if n:
+                self.stats.prefix_hits += 1
+            else:
+                self.stats.prefix_misses += 1
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        elif not params.greedy:
+            req.generator = torch.Generator().manual_seed(torch.seed())
+        if params.adjusts:
+            req.history = TokenHistory(params, job.prompt, self.engine.cfg.vocab_size, self.engine.model.device)
+        req.output = Output(self.engine, job)
+
+    def _reuse(self, prompt: list[int], into: ModelCache | None) -> tuple[Session | None, int]:
+        if self.prefix_cache is None or len(prompt) <= self.chunk:  # a usable prefix is a whole chunk or more
+            return None, 0
+        try:
+            session, n = self.prefix_cache.lookup(prompt, into=into)
+        except Exception:  # a broken store costs the reuse, not the request
+            log.exception("prefix cache: lookup failed")
+            return None, 0
+        if session is None:
+            return None, 0
+        c = session.cache
+        if (c.ctx, c.mode, c.chunk) != (self.ctx, self.cache, self.chunk):
+            return None, 0  # stored by a server with other settings (a shared directory)
+        n -= n % self.chunk  # continue at a chunk boundary: the rest is evaluated as a fresh session would
+        if n == 0 or not c.can_rewind(n):
+            return None, 0
+        c.rewind(n)
+        session.tokens, session.logits = session.tokens[:n], None
+        return session, n
+
+    def _prefill(self, running: list[Generation], finished: list[Generation]) -> None:
+        """The next chunk of the requests reading their prompts, oldest first: one request under ``rowwise``,
+        else as many as ``prefill_budget`` tokens hold (the first always)."""
+        batch: list[tuple[Generation, list[int]]] = []
+        total = 0
+        for req in running:
+            if req.next_token is not None or req.cancelled:
+                continue
+            try:
+                if req.session is None:
+                    self._start(req)
+            except Exception as exc:  # the server survives a failed request
+                self._fail([req], exc, finished)
+                continue
+            part = req.job.prompt[req.fed : req.fed + self.chunk]
+            if batch and (self.rowwise or total + len(part) > self.prefill_budget):
+                break
+            batch.append((req, part))
+            total += len(part)
+        if not batch:
+            return
+        try:
+            logits = step_sessions([(req.session, part) for req, part in batch])
+        except Exception as exc:
+            self._fail([req for req, _ in batch], exc, finished)
+            return
+        self.stats.prefill_steps += 1
+        ready = []
+        for (req, part), row in zip(batch, logits, strict=True):
+            req.fed += len(part)
+            req.job.prompt_tokens += len(part)
+            self.stats.prompt_tokens += len(part)
+            if req.fed == len(req.job.prompt):
+                ready.append((req, row))
+        self._sample(ready, finished)
+
+    def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
+        batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.slots is not None:
+                logits = self.slots.decode([(r.session, r.next_token) for r in batch])
+            else:
+                logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
+            if logits[0].is_cuda:
+                torch.cuda.synchronize(logits[0].device)  # sampling would wait for it anyway: time the two apart
+        except Exception as exc:
+            self._fail(batch, exc, finished)
+            return
+        t1 = time.perf_counter()
+        self.stats.steps += 1
+        self.stats.batch_size.observe(len(batch))
+        self._sample(list(zip(batch, logits, strict=True)), finished)
+        self.stats.step_model.observe(t1 - t0)
+        self.stats.step_sample.observe(time.perf_counter() - t1)
+
+    def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation]) -> None:
+        """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`),
+        then `_take` it. One device read for all: the tokens and the logprobs go back together in one float64
+        tensor (exact for token ids)."""
+        drawn: list[tuple[Generation, torch.Tensor]] = []
+        scored: list[torch.Tensor] = []
+        for req, row in rows:
+            try:
+                token = draw(row, req.job.params, req.generator, req.history)
+                if req.job.logprobs is not None:
+                    scored.append(_logprobs(row, token, req.job.logprobs))
+                drawn.append((req, token))
+            except Exception as exc:
+                self._fail([req], exc, finished)
+        if not drawn:
+            return
+        tokens = torch.cat([t for _, t in drawn])
+        values = (torch.cat([tokens.double(), *scored]) if scored else tokens).tolist()
+        at = len(drawn)  # the logprobs follow the tokens, row after row
+        for (req, _), token in zip(drawn, values[:at], strict=True):
+            scores: Scores | None = None
+            k = req.job.logprobs
+            if k is not None:
+                lps, ids = values[at + 1 : at + 1 + k], values[at + 1 + k : at + 1 + 2 * k]
+                scores = values[at], [(int(i), lp) for lp, i in zip(lps, ids, strict=True)]
+                at += 1 + 2 * k
+            try:
+                self._take(req, int(token), scores, finished)
+            except Exception as exc:
+                self._fail([req], exc, finished)
+
+    def _take(self, req: Generation, token: int, scores: Scores | None, finished: list[Generation]) -> None:
+        """Send what ``token`` shows and decide whether the request goes on (the same order of checks as
+        ``Session.generate``)."""
+        job, session, out = req.job, req.session, req.output
+        assert session is not None and out is not None
+        now = time.perf_counter()
+        if req.last_token_at is None:
+            self.stats.ttft.observe(now - req.submitted)
+        else:
+            self.stats.itl.observe(now - req.last_token_at)
+        req.last_token_at = now
+        job.generated += 1
+        self.stats.generation_tokens += 1
+        piece = out.push(token, scores)
+        if piece is not None and piece.finish is not None:  # a stop string
+            self._finish(req, piece, finished)
+            return
+        if piece is not None:
+            req.send(piece)
+        stop_ids = () if job.ignore_eos else self.engine.cfg.eos_token_ids
+        if token in stop_ids:
+            job.stop_reason = "eos"
+        elif len(session.tokens) >= self.ctx:
+            job.stop_reason = "context"
+        elif job.generated >= job.max_tokens:
+            job.stop_reason = "length"
+        else:
+            req.next_token = token
+            return
+        self._finish(req, out.finish(), finished)
+
+    def _retire(self, req: Generation, finished: list[Generation]) -> None:
+        """Free a request's place before its last message goes out, so a client that has its answer sees the
+        server's gauges without it."""
+        req.next_token = None
+        finished.append(req)
+        with self._cond:
+            self._release(req)
+
+    def _finish(self, req: Generation, last: Piece, finished: list[Generation]) -> None:
+        session = req.session
+        self._retire(req, finished)
+        req.send(last)
+        if self.prefix_cache is not None and session is not None:
+            try:
+                self.prefix_cache.store(session)
+            except Exception:  # a full disk or the like must not fail the request that already finished
+                log.exception("prefix cache: could not store a finished session")
