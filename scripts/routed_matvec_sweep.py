@@ -2,8 +2,9 @@
 """Routed-expert matvec tile sweep at Flash shapes (CUDA): us per call of the decode step's two routed products,
 gate / up with SwiGLU in one launch (IQ2_XXS, 2 x 256 experts of 2048 x 4096, split rows) and down (Q2_K, 256
 experts of 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, warps) tile. Every call of a CUDA graph
-of 16 picks its own random experts (little L2 reuse between calls); median of the replays. The figures behind
-``ds4x.kernels.quant_matmul.MATVEC_TILES``.
+of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading
+x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program. The
+figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
     PYTHONPATH=src python scripts/routed_matvec_sweep.py --tokens 1,8,32 --ledger benchmarks/ledger.jsonl
 
@@ -73,16 +74,20 @@ def main() -> int:
                                      (n_exp, hidden, inter)))
     env = environment()
     rows, best = [], {}
-    print(f"{'product':>14} {'tokens':>6} {'tile':>10} {'us':>8} {'GB/s':>7} {'of copy':>8}  max rel diff to default")
+    print(f"{'product':>17} {'tokens':>6} {'tile':>10} {'us':>8} {'GB/s':>7} {'of copy':>8}  max rel diff to default")
     for t in (int(v) for v in args.tokens.split(",")):
         x = (torch.randn(t, hidden, generator=g, device=dev)).bfloat16()
         h = (torch.randn(t * k, inter, generator=g, device=dev) * 0.1).bfloat16()
+        xq = qm.quantize_activations(x)
         id_sets = [torch.stack([torch.randperm(n_exp, generator=g, device=dev)[:k] for _ in range(t)])
                    for _ in range(16)]
         cases = [
             ("gate/up+swiglu", tiles(args.gate_up), t * k * 2 * inter * w13.row_bytes,
              lambda cfg, ids, x=x: qm.quant_routed_swiglu(x, w13, ids, 10.0, config=cfg),
              f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU", "routed swiglu int8"),
+            ("gate/up+swiglu xq", tiles(args.gate_up), t * k * 2 * inter * w13.row_bytes,
+             lambda cfg, ids, x=x, xq=xq: qm.quant_routed_swiglu(x, w13, ids, 10.0, config=cfg, xq=xq),
+             f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU", "routed swiglu int8, x quantized once"),
             ("down", tiles(args.down), t * k * hidden * w2.row_bytes,
              lambda cfg, ids, h=h, t=t: qm.quant_matmul_routed(h, w2, ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8"),
@@ -93,7 +98,7 @@ def main() -> int:
                 us = graph_us([lambda c=cfg, i=i, f=call: f(c, i) for i in id_sets])
                 diff = float((call(cfg, id_sets[0]).float() - ref).abs().max() / ref.abs().max())
                 gbs = nbytes / (us * 1e-6) / 1e9
-                print(f"{what:>14} {t:6d} {','.join(map(str, cfg)):>10} {us:8.2f} {gbs:7.0f} {gbs / COPY_GB_S:8.1%}"
+                print(f"{what:>17} {t:6d} {','.join(map(str, cfg)):>10} {us:8.2f} {gbs:7.0f} {gbs / COPY_GB_S:8.1%}"
                       f"  {diff:.1e}")
                 rows.append({"bench": "quant_matmul", **env, "qtype": shape.split()[0], "shape": shape,
                              "flags": {"config": list(cfg), "kernel": kernel, "rows": t,
@@ -102,6 +107,8 @@ def main() -> int:
                              "copy_bandwidth_gb_s": COPY_GB_S, "model": f"random GGML blocks, seed {args.seed}"})
                 if (what, t) not in best or us < best[(what, t)][1]:
                     best[(what, t)] = (cfg, us)
+        xq_us = graph_us([lambda x=x: qm.quantize_activations(x)])
+        print(f"{'quantize x':>17} {t:6d} {'-':>10} {xq_us:8.2f}")
     print("fastest tile per product and token count:")
     for (what, t), (cfg, us) in best.items():
         print(f"  {what} T={t}: {','.join(map(str, cfg))} {us:.2f} us")

@@ -189,6 +189,14 @@ def test_routed_swiglu_interpreter(interp, monkeypatch, qt):
                 got = qm.quant_routed_swiglu(x, w, ids, limit, config=MV, int8=int8)
                 assert got.shape == (2, 3, n) and got.dtype == dtype
                 assert torch.equal(got, want), (dtype, int8, w.layout)
+                if qt == T.IQ2_XXS and int8:  # x quantized once beforehand: the same bits
+                    xq = qm.quantize_activations(x)
+                    assert xq.codes.shape == (2, k // 4) and xq.scales.shape == (2, k // 16)
+                    assert torch.equal(qm.quant_routed_swiglu(x, w, ids, limit, config=MV, int8=int8, xq=xq), want)
+                    with pytest.raises(ValueError, match="prepared int8 activations"):
+                        qm.quant_routed_swiglu(x, w, ids, limit, config=MV, int8=False, xq=xq)
+    prepared = qm.routed_swiglu_input(x, w13, 3)
+    assert (prepared is not None) == (qt == T.IQ2_XXS and qm.int8_activations(qt))
     # past the matvec's range (prompts) the caller runs the product and SwiGLU apart
     monkeypatch.setitem(qm.ROUTED_MATVEC_MAX_ROWS, qt, 0)
     assert qm.quant_routed_swiglu(x, w13, ids, limit, config=MV) is None
@@ -357,3 +365,6 @@ def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
     gu = qm.quant_matmul_routed(x, w13, stacked_slots(ids, n_exp))
     got = qm.quant_routed_swiglu(x, w13, ids, limit)
     assert torch.equal(got, swiglu_fused(gu[:, :6], gu[:, 6:], limit))
+    prepared = qm.routed_swiglu_input(x, w13, 6)  # x quantized once beforehand (int8 activations): the same bits
+    assert (prepared is not None) == qm.int8_activations(T.IQ2_XXS)
+    assert torch.equal(qm.quant_routed_swiglu(x, w13, ids, limit, xq=prepared), got)

@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -161,12 +162,22 @@ def routed_linear(x: torch.Tensor, weight: Weight, ids: torch.Tensor) -> torch.T
     return torch.cat(rows).view(t, k, -1)
 
 
-def routed_swiglu(x: torch.Tensor, w13: Weight, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
+def routed_swiglu(x: torch.Tensor, w13: Weight, ids: torch.Tensor, limit: float,
+                  prepared: Any = None) -> torch.Tensor | None:
     """SwiGLU of the routed gate and up products of stacked experts ``w13 [2E, out, in]`` (the E gate experts,
     then the E up experts) -> [T, k, out], in one launch where the quantized routed matvec serves it (decode
-    steps; the same bits as `routed_linear` then SwiGLU); None elsewhere (the caller runs the two)."""
+    steps; the same bits as `routed_linear` then SwiGLU); None elsewhere (the caller runs the two).
+    ``prepared``: `routed_swiglu_input` of x (None: the launch prepares x itself)."""
     if has_routed_kernel(w13) and not _ROWWISE.get():
-        return _quant_kernels(w13).quant_routed_swiglu(x, w13, ids, limit)
+        return _quant_kernels(w13).quant_routed_swiglu(x, w13, ids, limit, xq=prepared)
+    return None
+
+
+def routed_swiglu_input(x: torch.Tensor, w13: Weight, k: int) -> Any:
+    """x [T, in] prepared for `routed_swiglu` over k experts a row (int8 activations quantized once), or None
+    where that launch prepares x itself; independent of the routing, so it can run beside the router."""
+    if has_routed_kernel(w13) and not _ROWWISE.get():
+        return _quant_kernels(w13).routed_swiglu_input(x, w13, k)
     return None
 
 

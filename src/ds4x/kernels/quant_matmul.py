@@ -79,7 +79,7 @@ import logging
 import os
 import sys
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -384,6 +384,16 @@ if HAVE_TRITON:
         return w0, w1, w2, w3, amax * (1.0 / 127.0), sx
 
     @triton.jit
+    def _xq16_prepared(xqp, xsp, g):
+        # what _xq16 returns for values 16 g .. 16 g + 15, from `quantize_activations`' buffers: one 16-byte load
+        # of the four code words, one of the scale
+        v = tl.load(xqp + 4 * g + tl.arange(0, 4)[None, :])
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+        w0, w2 = tl.split(a)
+        w1, w3 = tl.split(b)
+        return w0[:, None], w1[:, None], w2[:, None], w3[:, None], tl.load(xsp + g)
+
+    @triton.jit
     def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
         # acc + the sum of the 4 products of the signed bytes of a and b (one IDP4A on the GPU)
         if INTERPRET:
@@ -556,8 +566,8 @@ if HAVE_TRITON:
         return g0 | s0, g1 | s1, g2 | s2, g3 | s3
 
     @triton.jit
-    def _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+    def _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
         # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads; in
         # split rows one 8-byte load). The tables (see _iq2_xxs_tables): grid entry g's 8 level indices as
@@ -591,7 +601,10 @@ if HAVE_TRITON:
         sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
             if ACT8:
-                x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
+                if XQ:  # quantized once per token (quantize_activations), not once per program
+                    x0, x1, x2, x3, dx = _xq16_prepared(xqp, xsp, 2 * c + half)
+                else:
+                    x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
                 dots = tl.zeros_like(aux)
             else:
                 s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
@@ -646,9 +659,10 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, gridp, tables, kb,
-                 INTERPRET: tl.constexpr):
-        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, xqp, xsp, gridp, tables, kb,
+                 XQ: tl.constexpr, INTERPRET: tl.constexpr):
+        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers; XQ: the
+        # activations' int8 codes and scales at xqp / xsp (IQ2_XXS)
         if QTYPE == 30 or QTYPE == 1:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
@@ -658,14 +672,14 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
-            out = _mv_iq2_xxs(rowp, c, xp, gridp, tables, kb, QTYPE == 17, ACT8, INTERPRET)
+            out = _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, QTYPE == 17, ACT8, XQ, INTERPRET)
         return out
 
     @triton.jit
-    def _qmv_kernel(x_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes, up_bytes, limit,
-                    stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr, QTYPE: tl.constexpr,
-                    ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+    def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
+                    up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
+                    QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert, up_bytes
         # further on; the program stores swiglu(gate, up) for its R / 2 rows (the SwiGLU kernel's bits: gate and
         # up rounded to y's dtype first), so the routed gate / up product and SwiGLU are one launch
@@ -685,6 +699,9 @@ if HAVE_TRITON:
         # rows past N read row N - 1 (never stored), so no weight load needs a mask
         rowp = base + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
+        # XQ: x's row quantized per 16 values (IQ2_XXS units of 32 weights: 8 code words, 2 scales a unit)
+        xqp = xq_ptr + (pair // X_DIV).to(tl.int64) * (8 * n_units)
+        xsp = xs_ptr + (pair // X_DIV).to(tl.int64) * (2 * n_units)
         acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
         if QTYPE == 16 or QTYPE == 17:  # IQ2_XXS: the grid and sign tables (_iq2_xxs_tables), for tl.gather
@@ -695,13 +712,13 @@ if HAVE_TRITON:
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
-                                  INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, grid_ptr, tables,
+                                kb, XQ, INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, grid_ptr, tables, kb,
-                                  INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, grid_ptr, tables,
+                                kb, XQ, INTERPRET)
         y = tl.sum(acc, axis=0)
         if SWIGLU:
             gate, up = tl.split(tl.trans(tl.reshape(y, (2, R // 2))))
@@ -712,6 +729,19 @@ if HAVE_TRITON:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
         else:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr):
+        # program (group block, row): _xq16 of G groups of 16 values, stored (G divides n_groups: no masks)
+        row = tl.program_id(1).to(tl.int64)
+        g = tl.program_id(0) * G + tl.arange(0, G)[:, None]
+        w0, w1, w2, w3, dx, _ = _xq16(x_ptr + row * stride_x, 16 * g, INTERPRET)
+        cp = codes_ptr + row * (4 * n_groups) + 4 * g
+        tl.store(cp, w0)
+        tl.store(cp + 1, w1)
+        tl.store(cp + 2, w2)
+        tl.store(cp + 3, w3)
+        tl.store(scales_ptr + row * n_groups + g, dx)
 
     @triton.jit
     def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
@@ -932,12 +962,13 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
             int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS,
-            swiglu: float | None = None) -> torch.Tensor:
+            swiglu: float | None = None, xq: Int8Activations | None = None) -> torch.Tensor:
     """y [n_pairs, N]: row p = x2[p // x_div] @ W[ids[p] if ids is not None else 0].T; ``rows_per_weight``
     (rows a weight matrix meets, on average) picks the kernel (the matvec up to ``mv_max_rows``) unless ``force``
     is "mv" or "mm"; ``slots``: products per activation row (see matvec_config). ``swiglu`` (the limit; the
     matvec only): W stacks E gate experts then E up experts [2E, N, K], ids are gate experts, and row p is
-    swiglu(gate, up) of expert ids[p]."""
+    swiglu(gate, up) of expert ids[p]. ``xq``: x2 quantized by `quantize_activations` (IQ2_XXS, int8 activations,
+    the matvec), read instead of quantizing x2 in every program."""
     mod = _kernels()
     _, s, _block_bytes, _, unit = _fields(w.qtype)
     code = _code(w)
@@ -956,6 +987,9 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
     if swiglu is not None and not (use_mv and has_ids and w.ndim == 3 and w.shape[0] % 2 == 0):
         raise ValueError("_launch: the fused SwiGLU needs the routed matvec over stacked gate / up experts")
+    if xq is not None and not (use_mv and iq2 and int8_activations(w.qtype, int8)
+                               and xq.codes.shape == (x2.shape[0], k // 4)):
+        raise ValueError("_launch: prepared int8 activations serve the IQ2_XXS matvec on int8 activations of x")
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
         if swiglu is not None and r % 2:
@@ -963,10 +997,11 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         n_units = k // unit
         up_bytes = (w.shape[0] // 2) * expert_bytes
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
-            x2, wr, _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes,
-            expert_bytes, up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div,
-            HAS_IDS=has_ids, QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
-            SWIGLU=swiglu is not None, INTERPRET=interpret_mode(), num_warps=nw)
+            x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev), wr,
+            _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
+            up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
+            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw)
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1160,23 +1195,66 @@ def _routed_path(x: torch.Tensor, w: GGMLTensor, pairs: int, config: tuple[int, 
     return "launch"
 
 
+class Int8Activations(NamedTuple):
+    """Activations x [T, K] quantized per 16 values as the int8-activation matvec does it in each program:
+    ``codes`` [T, K // 4] int32 (4 little-endian int8 codes a word), ``scales`` [T, K // 16] (x ~ scale * code)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Activations:
+    """x [T, K] (K a multiple of 16, float32 / bf16 / fp16, CUDA or the interpreter) -> `Int8Activations`, one
+    launch; a matvec given them reads them instead of quantizing x in every program (the same bits)."""
+    t, k = x.shape
+    if k % 16:
+        raise ValueError(f"quantize_activations: K = {k} is not a multiple of 16")
+    x = x.contiguous()
+    codes = torch.empty(t, k // 4, dtype=torch.int32, device=x.device)
+    scales = torch.empty(t, k // 16, dtype=torch.float32, device=x.device)
+    if t and k:
+        groups = _fit_units(k // 16, 128)
+        _kernels()._xq16_kernel[(k // 16 // groups, t)](x, codes, scales, k // 16, x.stride(0), G=groups,
+                                                        INTERPRET=interpret_mode(), num_warps=4)
+    return Int8Activations(codes, scales)
+
+
+def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activations | None:
+    """x [T, K] quantized for `quant_routed_swiglu` over k experts a row where that launch reads prepared int8
+    activations (IQ2_XXS experts with int8 activations, at decode sizes), else None: quantized once, x's 16-value
+    groups are not re-quantized by each of the launch's programs."""
+    if (not PREPARED_ACTIVATIONS or w13.qtype != T.IQ2_XXS or not int8_activations(w13.qtype) or x.ndim != 2
+            or not _swiglu_serves(x, w13, x.shape[0] * k, None)):
+        return None
+    return quantize_activations(x)
+
+
+PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launch quantizes x (an A/B switch)
+
+
+def _swiglu_serves(x: torch.Tensor, w13: GGMLTensor, pairs: int, config: tuple[int, ...] | None) -> bool:
+    """Whether `quant_routed_swiglu` runs for ``pairs`` (row, expert) pairs: where the stacked product of twice as
+    many would take the matvec."""
+    return (_routed_path(x, w13, 2 * pairs, config, None) == "launch"
+            and _pairs_per_expert(w13, 2 * pairs) <= ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS))
+
+
 def quant_routed_swiglu(x: torch.Tensor, w13: GGMLTensor, ids: torch.Tensor, limit: float, *,
-                        config: tuple[int, ...] | None = None, int8: bool | None = None) -> torch.Tensor | None:
+                        config: tuple[int, ...] | None = None, int8: bool | None = None,
+                        xq: Int8Activations | None = None) -> torch.Tensor | None:
     """``swiglu(x[t] @ w13[ids[t, j]].T, x[t] @ w13[E + ids[t, j]].T) -> [T, k, N]`` for gate and up experts
     stacked by expert (``w13 [2E, N, K]``, model/projections.py), in one matvec launch (the products' and
     `ds4x.kernels.moe.swiglu_fused`'s bits); None where the stacked product would not take the matvec (prompts,
-    prefill chunks: the caller runs the product and SwiGLU apart)."""
+    prefill chunks: the caller runs the product and SwiGLU apart). ``xq``: x from `routed_swiglu_input`."""
     _check(x, w13, "quant_routed_swiglu")
     if w13.ndim != 3 or w13.shape[0] % 2 or x.ndim != 2 or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"quant_routed_swiglu: want x [T, K], w13 [2E, N, K], ids [T, k]; got {list(x.shape)}, "
                          f"{list(w13.shape)}, {list(ids.shape)}")
     t, kk = ids.shape
-    pairs = 2 * t * kk  # the stacked product's (row, slot) pairs: the same choice of kernel as that product
-    mv_max = ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS)
-    if _routed_path(x, w13, pairs, config, None) != "launch" or _pairs_per_expert(w13, pairs) > mv_max:
+    if not _swiglu_serves(x, w13, t * kk, config):
         return None
-    y = _launch(x, w13, ids, kk, t * kk, _pairs_per_expert(w13, pairs), 2 * kk, config, "mv", int8, mv_max,
-                swiglu=limit)
+    y = _launch(x, w13, ids, kk, t * kk, _pairs_per_expert(w13, 2 * t * kk), 2 * kk, config, "mv", int8,
+                ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS), swiglu=limit, xq=xq)
     return y.reshape(t, kk, w13.shape[1])
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from ds4x.config import ModelConfig
 from ds4x.kernels import moe as fused
-from ds4x.kernels.branches import concurrently
+from ds4x.kernels.branches import Branch, concurrently
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.linear import (
     Weight,
@@ -17,6 +17,7 @@ from ds4x.kernels.linear import (
     linear,
     routed_linear,
     routed_swiglu,
+    routed_swiglu_input,
     routes_without_sync,
     rowwise_enabled,
 )
@@ -93,15 +94,16 @@ def stacked_slots(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
-                    limit: float, w13: Weight | None = None, stacked_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    limit: float, w13: Weight | None = None, stacked_ids: torch.Tensor | None = None,
+                    prepared: Any = None) -> torch.Tensor:
     """Routed experts' outputs [T, k, out] (unweighted), every (row, slot) pair in one routed product per
     projection: no host sync and three launches, but an expert chosen by several rows is read once per row on
     dense weights (the quantized kernel groups the pairs by expert). ``w13``: w1 and w3 stacked by expert
     ([2E, I, H], model/projections.py): gate and up of the k experts in one product of 2k slots, or, where the
     routed matvec serves it (decode steps), one launch that also applies SwiGLU; ``stacked_ids``: its slots
-    [T, 2k] if the router wrote them (else `stacked_slots` here)."""
+    [T, 2k] if the router wrote them (else `stacked_slots` here); ``prepared``: `routed_swiglu_input` of x."""
     t, k = ids.shape
-    h = routed_swiglu(x, w13, ids, limit) if w13 is not None else None  # [T, k, I], one launch (decode)
+    h = routed_swiglu(x, w13, ids, limit, prepared) if w13 is not None else None  # [T, k, I], one launch (decode)
     if h is None:
         if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
             both = stacked_ids if stacked_ids is not None else stacked_slots(ids, w1.shape[0])
@@ -154,12 +156,16 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     # for a 512-token chunk of Flash (H200); row-wise products (batch invariance) stay on one path too
     if has_routed_kernel(w1) or (routes_without_sync(w1) and x.shape[0] * cfg.n_experts_per_tok <= BY_SLOT_MAX_PAIRS):
         def routed_experts() -> tuple[torch.Tensor, torch.Tensor]:
+            # x prepared for the routed gate / up (int8 activations) beside the router, which it does not wait for
+            prepared = (Branch(x.device, lambda: routed_swiglu_input(x, w13, cfg.n_experts_per_tok))
+                        if w13 is not None else None)
             # with stacked gate / up experts the router also writes their 2k slots
             ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
             stacked_ids = None
             if w13 is not None:
                 stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
-            return experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids), weights
+            return experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids,
+                                   prepared.join() if prepared is not None else None), weights
 
         # in a captured step the shared expert is a branch of its own beside the router and the routed experts
         (routed, weights), shared = concurrently(x.device, routed_experts, shared_expert)
