@@ -926,12 +926,19 @@ def int8_activations(qtype: GGMLQuantizationType, requested: bool | None = None)
 # (R weight rows, most units per K step, most warps) of the matvec for the routed experts' types (a warp per 32
 # units at most; Q2_K: many rows per thread amortize the activation decode); scripts/routed_matvec_sweep.py
 MATVEC_TILES = {T.IQ2_XXS: (16, 64, 2), T.Q2_K: (8, 128, 4)}
+# the same where the launch reads activations quantized beforehand (`quantize_activations`): with no quantization
+# to amortize, fewer rows a program were faster (H200, routed gate / up + SwiGLU, us at 1 / 8 / 32 tokens, ledger
+# rows of 7d24f11: 8 rows 19.6 / 116.7 / 449.2, 16 rows 20.9 / 128.6 / 495.8; quantizing in every program at 16
+# rows 23.1 / 143.0 / 548.5)
+MATVEC_TILES_PREPARED = {T.IQ2_XXS: (8, 64, 2)}
 
 
-def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -> tuple[int, int, int]:
+def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
+                  prepared: bool = False) -> tuple[int, int, int]:
     """(R weight rows, U units per K step, num_warps) for the matvec kernel. ``slots``: products per activation
     row (groups, routed experts per token), never the number of rows, so that a row's result does not depend
-    on how many rows share the call. Measured on the H200 (int8 activations, us per call, 2026-12-04 sweep):
+    on how many rows share the call; ``prepared``: the activations come quantized (MATVEC_TILES_PREPARED).
+    Measured on the H200 (int8 activations, us per call, 2026-12-04 sweep):
 
     - IQ2_XXS: 16 rows over 2 warps (routed gate / up, 12 slots, split rows: 22.8 against 25.3 at 8 rows over
       4 warps; one warp per program was twice as slow);
@@ -943,8 +950,9 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1) -
       per step so that many loads are in flight."""
     unit = _fields(qtype)[4]
     units = k // unit
-    if qtype in MATVEC_TILES:
-        r, u, warps = MATVEC_TILES[qtype]
+    tiles = {**MATVEC_TILES, **MATVEC_TILES_PREPARED} if prepared else MATVEC_TILES
+    if qtype in tiles:
+        r, u, warps = tiles[qtype]
         u = _fit_units(units, u)
         return r, u, max(1, min(warps, u // 32))
     r = 4 if -(-n // 4) * slots >= 1024 else 2
@@ -991,7 +999,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
                                and xq.codes.shape == (x2.shape[0], k // 4)):
         raise ValueError("_launch: prepared int8 activations serve the IQ2_XXS matvec on int8 activations of x")
     if use_mv:
-        r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots)
+        r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots, xq is not None)
         if swiglu is not None and r % 2:
             raise ValueError(f"_launch: the fused SwiGLU splits a program's rows in two halves, got {r} rows")
         n_units = k // unit
