@@ -37,7 +37,9 @@ Int8-activation path (Q8_0, Q2_K and IQ2_XXS, the default for all three, see ``I
 ``int8=`` or DS4X_QUANT_ACT=float / int8 chooses): each program quantizes its x slice to int8, one scale per
 16 values (Q8_0: per 8, its unit; round to nearest), and multiplies codes with integer dot products
 (``dp4a``); the Q2_K min term uses the exact float sum of x. Relative error ~5e-3 to 8e-3 on random data
-(tests allow 2e-2). The weights are still exact; the CPU reference never quantizes activations.
+(tests allow 2e-2). The weights are still exact; the CPU reference never quantizes activations. The routed gate /
+up of a decode step (``quant_routed_swiglu``: both products and SwiGLU in one matvec launch) may instead read x
+quantized once beforehand by ``quantize_activations`` (the same quantization, so the same bits).
 
 Batch invariance: the matvec computes every (row, expert) pair alone with a configuration chosen
 without looking at the number of rows, so a row gets the same bits with 1 to ``MATVEC_MAX_ROWS``
