@@ -1,3 +1,0 @@
-"""ds4x: inference runtime for long-context sparse-attention MoE models."""
-
-__version__ = "0.1.0"
