@@ -18,24 +18,6 @@ import sys
 import torch
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """Median us of one call of ``fn``, ``reps`` calls captured in one CUDA graph."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median") / reps
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="*", default=["16,16,4,64", "16,16,8,64", "16,32,8,64", "32,16,8,64",
@@ -46,6 +28,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("attention_sweep needs a CUDA GPU", file=sys.stderr)
         return 2
+    from ds4x.bench.timing import graph_replay_us
     from ds4x.formats import rows_triton
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
@@ -79,7 +62,8 @@ def main() -> int:
             def call(cfg=cfg, sources=sources):
                 return attention_decode_triton(q, sources, sinks, dim**-0.5, nope, True, cfg)
             diff = float((call() - ref).abs().max() / ref.abs().max())
-            print(f"{name:<18} {','.join(map(str, cfg)):<24} {graph_us(call):8.1f} {diff:13.1e}", flush=True)
+            us = graph_replay_us([call] * 20)
+            print(f"{name:<18} {','.join(map(str, cfg)):<24} {us:8.1f} {diff:13.1e}", flush=True)
     return 0
 
 

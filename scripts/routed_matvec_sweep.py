@@ -24,26 +24,6 @@ DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
 COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §7
 
 
-def graph_us(fns: list, reps: int = 40) -> float:
-    """Median us of one call, all of ``fns`` captured in one CUDA graph."""
-    import triton.testing
-
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return 1000 * triton.testing.do_bench(graph.replay, warmup=5, rep=reps, return_mode="median") / len(fns)
-
-
 def tiles(specs: list[str]) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in s.split(",")) for s in specs]  # type: ignore[misc]
 
@@ -60,6 +40,7 @@ def main() -> int:
         print("routed_matvec_sweep needs a CUDA GPU", file=sys.stderr)
         return 2
     from ds4x.bench.ledger import append, environment
+    from ds4x.bench.timing import graph_replay_us
     from ds4x.formats.ggml import GGMLQuantizationType as T
     from ds4x.formats.ggml import random_blocks
     from ds4x.formats.ggml_tensor import GGMLTensor
@@ -95,7 +76,7 @@ def main() -> int:
         for what, configs, nbytes, call, shape, kernel in cases:
             ref = call(configs[0], id_sets[0]).float()
             for cfg in configs:
-                us = graph_us([lambda c=cfg, i=i, f=call: f(c, i) for i in id_sets])
+                us = graph_replay_us([lambda c=cfg, i=i, f=call: f(c, i) for i in id_sets], rep_ms=40)
                 diff = float((call(cfg, id_sets[0]).float() - ref).abs().max() / ref.abs().max())
                 gbs = nbytes / (us * 1e-6) / 1e9
                 print(f"{what:>17} {t:6d} {','.join(map(str, cfg)):>10} {us:8.2f} {gbs:7.0f} {gbs / COPY_GB_S:8.1%}"
@@ -107,7 +88,7 @@ def main() -> int:
                              "copy_bandwidth_gb_s": COPY_GB_S, "model": f"random GGML blocks, seed {args.seed}"})
                 if (what, t) not in best or us < best[(what, t)][1]:
                     best[(what, t)] = (cfg, us)
-        xq_us = graph_us([lambda x=x: qm.quantize_activations(x)])
+        xq_us = graph_replay_us([lambda x=x: qm.quantize_activations(x)])
         print(f"{'quantize x':>17} {t:6d} {'-':>10} {xq_us:8.2f}")
     print("fastest tile per product and token count:")
     for (what, t), (cfg, us) in best.items():
