@@ -368,3 +368,18 @@ def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
     prepared = qm.routed_swiglu_input(x, w13, 6)  # x quantized once beforehand (int8 activations): the same bits
     assert (prepared is not None) == qm.int8_activations(T.IQ2_XXS)
     assert torch.equal(qm.quant_routed_swiglu(x, w13, ids, limit, xq=prepared), got)
+
+
+def test_startup_line_names_the_routed_decode_kernels(monkeypatch):
+    # the startup log's kernel line says how a decode step's routed experts run, and follows the A/B switch
+    from ds4x.kernels import dispatch, routed_wgmma
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(routed_wgmma, "hopper", lambda device: True)
+    monkeypatch.setenv("DS4X_QUANT_ACT", "int8")
+    line = dispatch.describe(torch.device("cpu"), "packed")
+    assert "routed experts at decode: triton matvec" in line and "quantized once per token" in line
+    monkeypatch.setattr(qm, "PREPARED_ACTIVATIONS", False)
+    assert "quantized once per token" not in dispatch.describe(torch.device("cpu"), "packed")
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: False)
+    assert "routed experts at decode: torch reference" in dispatch.describe(torch.device("cpu"), "packed")

@@ -38,9 +38,14 @@ def describe(device: torch.device, cache_mode: str) -> str:
             decode += ("; on this Hopper GPU gluon wgmma kernels instead (attention: all heads per program for up to "
                        "64 heads of 512-value rows; indexer: up to 64 heads)")
     prefill = "triton (TF32; torch in reference mode)" if fast and cache_mode == "packed" else "torch reference"
-    routed = "torch reference"
+    routed = routed_decode = "torch reference"
     if use_triton(device):
-        from ds4x.kernels import routed_wgmma
+        from ds4x.formats.ggml import GGMLQuantizationType
+        from ds4x.kernels import quant_matmul, routed_wgmma
+
+        routed_decode = "triton matvec from the quantized blocks, gate / up and SwiGLU in one launch"
+        if quant_matmul.PREPARED_ACTIVATIONS and quant_matmul.int8_activations(GGMLQuantizationType.IQ2_XXS):
+            routed_decode += " (IQ2_XXS on int8 activations quantized once per token, beside the router)"
 
         routed = ("IQ2_XXS / Q2_K: tensor-core decode-once kernel (gluon wgmma) from a few pairs per expert; others: "
                   "bf16 decode + torch._grouped_mm" if routed_wgmma.hopper(device)
@@ -49,4 +54,5 @@ def describe(device: torch.device, cache_mode: str) -> str:
             f"; mHC pre/post, RMSNorm, RoPE, compressor emit (pool + norm + RoPE), MoE routing and SwiGLU, "
             f"row packing and Hadamard: {'triton fused' if use_triton(device) else 'torch reference'}"
             f"; prefill attention: {prefill}"
+            f"; routed experts at decode: {routed_decode}"
             f"; routed experts at prefill: {routed}")
