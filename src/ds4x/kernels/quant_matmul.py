@@ -1264,7 +1264,7 @@ def quant_routed_swiglu(x: torch.Tensor, w13: GGMLTensor, ids: torch.Tensor, lim
     if not _swiglu_serves(x, w13, t * kk, config):
         return None
     y = _launch(x, w13, ids, kk, t * kk, _pairs_per_expert(w13, 2 * t * kk), 2 * kk, config, "mv", int8,
-                ROUTED_MATVEC_MAX_ROWS.get(w13.qtype, MATVEC_MAX_ROWS), swiglu=limit, xq=xq)
+                swiglu=limit, xq=xq)
     return y.reshape(t, kk, w13.shape[1])
 
 
