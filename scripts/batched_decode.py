@@ -3,7 +3,10 @@
 aggregate tok/s for B sessions decoding together, each seeded at a frontier of ``--context`` tokens (no prefill),
 the step replayed from its CUDA graph, then a host read of each session's greedy token (the server samples each
 request alone); "replay ms" times the captured step alone (CUDA events, no host reads).
-``--profile`` breaks the largest batch's replayed step down by kernel group.
+``--profile`` breaks the largest batch's replayed step down by kernel group; ``--timeline DIR`` writes each replayed
+step's kernels (name, start, end, stream) to DIR/timeline_b{B}_{variant}.json and prints how much of the step no
+kernel runs (launch waits) and how much kernel time overlaps (graph branches), from one more pass after all the
+timings (in a process that has run the profiler, later launches are slower).
 
     PYTHONPATH=src python scripts/batched_decode.py                       # flash:q2, B = 1, 8, 32 at 4K (H200)
     PYTHONPATH=src python scripts/batched_decode.py -m tiny --device cpu --batches 1,4 --context 256   # dry run
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import statistics
 import time
@@ -33,7 +37,8 @@ from ds4x.runtime.batch import DecodeSlots
 from ds4x.runtime.engine import Engine, Session
 
 
-def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profile: bool) -> dict[str, float]:
+def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profile: bool,
+        timeline: Path | None = None) -> dict[str, Any]:
     pool = DecodeSlots(engine, context + steps + 16, "packed", chunk, batch)
     sessions = []
     for i in range(batch):
@@ -70,7 +75,16 @@ def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profil
         from ds4x.bench.profile import format_profile, profile_step
 
         print(format_profile(*profile_step(pool.steps[batch].graph.replay)))
-    return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first, "replay_ms": replay_ms}
+    overlap = None
+    if timeline is not None and pool.steps[batch].graph is not None:
+        from ds4x.bench.profile import kernel_timeline, overlap_summary
+
+        kernels = kernel_timeline(pool.steps[batch].graph.replay)
+        timeline.parent.mkdir(parents=True, exist_ok=True)
+        timeline.write_text(json.dumps(kernels))
+        overlap = overlap_summary(kernels)
+    return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first, "replay_ms": replay_ms,
+            "overlap": overlap}
 
 
 def parse_variant(spec: str) -> tuple[str, list[tuple[Any, str, Any]]]:
@@ -110,6 +124,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--timeline", type=Path, default=None, help="directory for each replayed step's kernel timeline")
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append to")
     ap.add_argument("--variant", action="append", default=[], help="'NAME: module.attr=EXPR; ...' (A/B, see above)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the defaults and the variants, alternating")
@@ -123,11 +138,22 @@ def main() -> int:
             with variant_applied(sets):
                 rows += [{**run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches)),
                           "variant": name} for b in batches]
+    if args.timeline is not None:  # after every timing: the profiler slows the launches of the process after it
+        for name, sets in variants:
+            with variant_applied(sets):
+                for b in batches:
+                    path = args.timeline / f"timeline_b{b}_{name.replace(' ', '_')}.json"
+                    overlap = run(engine, b, args.context, args.chunk, 3, False, path)["overlap"]
+                    next(r for r in rows if r["variant"] == name and r["batch"] == b)["overlap"] = overlap
     print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10}  variant  (context {args.context}, "
           f"{args.model})")
     for r in rows:
         replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.2f}"
         print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10}  {r['variant']}")
+        if r["overlap"] is not None:
+            o = r["overlap"]
+            print(f"      kernels {o['kernel_us']:.0f} us in a {o['span_us']:.0f} us span: busy {o['busy_us']:.0f}, "
+                  f"idle {o['idle_us']:.0f} (no kernel runs), overlapped {o['overlapped_us']:.0f}")
     if args.ledger is not None:
         env = environment()
         flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,

@@ -75,6 +75,36 @@ def profile_step(fn: Callable[[], Any], reps: int = 3) -> tuple[list[dict[str, A
     return sorted(groups.values(), key=lambda g: -g["us"]), wall_us
 
 
+def kernel_timeline(fn: Callable[[], Any], reps: int = 3) -> list[dict[str, Any]]:
+    """The kernels of the last of ``reps`` calls of ``fn`` under the profiler, in start order: name, start and end
+    (us from the call's first kernel) and stream, to see what a step waits on (``overlap_summary``)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            torch.cuda.synchronize()
+    kernels = sorted(((ev.time_range.start, ev.time_range.end, ev.name, getattr(ev, "device_resource_id", 0))
+                      for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    last = kernels[len(kernels) - len(kernels) // reps:]  # every call runs the same kernels (a replayed graph)
+    t0 = last[0][0]
+    return [{"name": n, "start": s - t0, "end": e - t0, "stream": st} for s, e, n, st in last]
+
+
+def overlap_summary(timeline: list[dict[str, Any]]) -> dict[str, float]:
+    """span (first start to last end), busy (the union of kernel intervals: some kernel runs) and idle (span -
+    busy: no kernel runs, the step waits on launches) in us, and the kernel time overlapped by other kernels."""
+    busy, reach = 0.0, float("-inf")
+    for k in sorted(timeline, key=lambda k: k["start"]):
+        start = max(k["start"], reach)
+        if k["end"] > start:
+            busy += k["end"] - start
+            reach = k["end"]
+    span = max(k["end"] for k in timeline) - min(k["start"] for k in timeline)
+    total = sum(k["end"] - k["start"] for k in timeline)
+    return {"span_us": span, "busy_us": busy, "idle_us": span - busy, "kernel_us": total, "overlapped_us": total - busy}
+
+
 def format_profile(rows: list[dict[str, Any]], wall_us: float) -> str:
     busy = sum(r["us"] for r in rows)
     lines = [f"{'group':<34} {'us':>9} {'share':>6} {'kernels':>8} {'GB/s':>7}"]
