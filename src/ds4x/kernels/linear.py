@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.kernels.prefetch import active as prefetch_active
-from ds4x.kernels.prefetch import prefetch_l2
 
 Weight = torch.Tensor | GGMLTensor
 
@@ -181,19 +179,6 @@ def routed_swiglu_input(x: torch.Tensor, w13: Weight, k: int) -> Any:
     if has_routed_kernel(w13) and not _ROWWISE.get():
         return _quant_kernels(w13).routed_swiglu_input(x, w13, k)
     return None
-
-
-def prefetch(weight: Weight, ids: torch.Tensor | None = None) -> None:
-    """Bring ``weight``'s bytes (with ``ids`` [...], only those experts of stacked experts [E, out, in]) into the
-    GPU's L2 ahead of the product that reads them (`ds4x.kernels.prefetch`; changes nothing, a no-op where the GPU
-    has no bulk prefetch and on the CPU)."""
-    data = weight.raw if isinstance(weight, GGMLTensor) else weight
-    if not prefetch_active(data.device):
-        return
-    if ids is None:
-        prefetch_l2(data)
-    else:
-        prefetch_l2(data, data[0].numel() * data.element_size(), ids)
 
 
 def embedding(weight: Weight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,17 +32,12 @@ from ds4x.kernels.attention import Slots, attention_decode_triton, attention_pre
 from ds4x.kernels.branches import Branch
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
-from ds4x.kernels.linear import grouped_linear, linear, prefetch
+from ds4x.kernels.linear import grouped_linear, linear
 from ds4x.kernels.select import select_topk, select_topk_radix
 from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
 from ds4x.model.projections import project, stacked_name
 from ds4x.model.rope import apply_rope, cos_sin, rms_norm_rope
-
-# the weights a decode step prefetches into L2 (`ds4x.kernels.prefetch`) as its cache work starts, and as its
-# output projections start (each read right after)
-PREFETCH_IN_DECODE: tuple[str, ...] = ("wo_a.weight",)
-PREFETCH_AT_OUTPUT: tuple[str, ...] = ()
 
 
 def _emit_windows(proj: RowStore, ape: torch.Tensor, windows: torch.Tensor, last: torch.Tensor, ratio: int,
@@ -270,12 +265,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             pieces.append((i, apply_rope(_attend_reference(step, q[r]), cos[r], sin[r], inverse=True,
                                          dtype=x.dtype)))
     out = pieces[0][1] if len(pieces) == 1 else torch.cat([t for _, t in sorted(pieces, key=lambda piece: piece[0])])
-    staged = [Branch(dev, lambda n=n: prefetch(w[p + n])) for n in PREFETCH_AT_OUTPUT] if decode else []
     grouped = grouped_linear(out.reshape(N, cfg.o_groups, -1), w[p + "wo_a.weight"], cfg.o_groups)
-    out = linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
-    for b in staged:
-        b.join()
-    return out
+    return linear(grouped.reshape(N, -1), w[p + "wo_b.weight"])
 
 
 @dataclass
@@ -348,9 +339,6 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
     # in a captured step the rows' writes are a branch beside the indexer and the selection (which stays on the
     # capturing stream: its programs meet at grid barriers)
     writes = Branch(pos.device, write_rows)
-    # the output projections' weights move into L2 while the row writes, the selection and the attention below
-    # read little memory (a graph branch: nothing on the path waits for it until the step's end)
-    staged = [Branch(pos.device, lambda n=n: prefetch(w[p + n])) for n in PREFETCH_IN_DECODE]
     index = None
     if kind == CSA:
         idx, index_w = inputs.idx.join()
@@ -370,11 +358,8 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
     elif kind == CSA:
         assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))
-    out = attention_decode_triton(inputs.q.join()[rows], sources, w[p + "attn_sink"], cfg.head_dim**-0.5,
-                                  cfg.nope_head_dim, packed, inverse_rope=inverse_rope)
-    for b in staged:
-        b.join()
-    return out
+    return attention_decode_triton(inputs.q.join()[rows], sources, w[p + "attn_sink"], cfg.head_dim**-0.5,
+                                   cfg.nope_head_dim, packed, inverse_rope=inverse_rope)
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

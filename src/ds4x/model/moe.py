@@ -15,7 +15,6 @@ from ds4x.kernels.linear import (
     Weight,
     has_routed_kernel,
     linear,
-    prefetch,
     routed_linear,
     routed_swiglu,
     routed_swiglu_input,
@@ -94,11 +93,6 @@ def stacked_slots(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     return (ids.unsqueeze(1) + _gate_up_offsets(n_experts, ids.device, ids.dtype)).view(t, 2 * k)
 
 
-# at most this many (row, slot) pairs prefetch their down experts (one token's 6 Flash experts in the q2 mix are
-# 16.5 MB; a batch's many experts would not stay in L2)
-PREFETCH_DOWN_MAX_PAIRS = 8
-
-
 def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: torch.Tensor,
                     limit: float, w13: Weight | None = None, stacked_ids: torch.Tensor | None = None,
                     prepared: Any = None) -> torch.Tensor:
@@ -109,8 +103,6 @@ def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: to
     routed matvec serves it (decode steps), one launch that also applies SwiGLU; ``stacked_ids``: its slots
     [T, 2k] if the router wrote them (else `stacked_slots` here); ``prepared``: `routed_swiglu_input` of x."""
     t, k = ids.shape
-    # a few pairs' down experts move into L2 while the gate / up launch (bound by its decode, not by DRAM) runs
-    staged = Branch(x.device, lambda: prefetch(w2, ids)) if t * k <= PREFETCH_DOWN_MAX_PAIRS else None
     h = routed_swiglu(x, w13, ids, limit, prepared) if w13 is not None else None  # [T, k, I], one launch (decode)
     if h is None:
         if w13 is not None:  # slots j < k pick w1[ids], slots k + j pick w3[ids] = w13[ids + E]
@@ -120,10 +112,7 @@ def experts_by_slot(x: torch.Tensor, w1: Weight, w3: Weight, w2: Weight, ids: to
         else:
             gate, up = routed_linear(x, w1, ids), routed_linear(x, w3, ids)
         h = swiglu(gate, up, limit)  # [T, k, I]
-    out = routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
-    if staged is not None:
-        staged.join()
-    return out
+    return routed_linear(h.reshape(t * k, -1), w2, ids.reshape(t * k, 1)).view(t, k, -1)
 
 
 class MoEParts(NamedTuple):
