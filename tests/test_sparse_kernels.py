@@ -118,14 +118,15 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, monkeypatch):
-    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level): scores whose
-    order-preserving codes agree in the top one, two or three bytes and differ below, exact ties at the k-th,
-    negative scores and -0.0 / +0.0."""
+@pytest.mark.parametrize(("bits", "packed"), [(8, True), (4, False)])
+def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, monkeypatch):
+    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level, the one-program
+    select with its counts packed or not): scores whose order-preserving codes agree in the top one, two or three
+    bytes and differ below, exact ties at the k-th, negative scores and -0.0 / +0.0."""
     from ds4x.kernels import select
 
     monkeypatch.setattr(select, "RADIX_BITS", bits)
+    monkeypatch.setattr(select, "SMALL_PACKED", packed)
     g = torch.Generator().manual_seed(6)
     base = torch.tensor(1.5).view(torch.int32)
     for low_bits in (8, 16, 24):  # codes differ only in their low 8 / 16 / 24 bits

@@ -171,6 +171,7 @@ SMALL_ROWS = 2048
 SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
 SMALL_WARPS: int | None = None
+SMALL_PACKED = True  # a step's candidate counts packed in one int64 (one reduction); False: a vector of counts
 RADIX_WARPS = 4
 # Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of
 # 256). H200, 262,144 scores: 8 bits 22.1 us, 4 bits 24.2 (with the early exit 19.4 / 19.3; slower at 4,160 and
@@ -208,7 +209,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         tile = max(16, 1 << (n - 1).bit_length())
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
                                  index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
-                                 KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None,
+                                 KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None, PACKED=SMALL_PACKED,
                                  num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16))
         return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused

@@ -296,7 +296,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
 
 @triton.jit
 def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid_ptr, pad, TILE: tl.constexpr,
-                       KP: tl.constexpr, BITS: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+                       KP: tl.constexpr, BITS: tl.constexpr, DEVICE_COUNT: tl.constexpr, PACKED: tl.constexpr):
     # One program per row of scores holds all of them: the k-th largest order-preserving code is built BITS bits
     # at a time from the top (the largest candidate that at least `need` codes reach), then the selection is
     # listed as radix_kernel lists it. No grid barriers: a few short reductions per row.
@@ -313,21 +313,44 @@ def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid
     s = tl.load(scores_ptr + rows, mask=vis, other=0.0) + 0.0  # -0.0 -> +0.0
     b = s.to(tl.int32, bitcast=True)
     key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed order-preserving code: radix_kernel's u - 2**31
-    c = tl.arange(0, 1 << BITS).to(tl.int64)
     kth = tl.full([], 0, tl.int64)  # in u = key + 2**31 terms, built from the top bit down
-    for step in tl.static_range(32 // BITS):  # bits [32 - BITS * (step + 1), 32 - BITS * step) of the k-th code
-        cand = ((kth | (c << (32 - BITS * (step + 1)))) - 2147483648).to(tl.int32)  # [C] candidates, signed codes
-        reach = vis[None, :] & (key[None, :] >= cand[:, None])
-        cnt = tl.sum(reach.to(tl.int32), axis=1)
-        kth = kth | (tl.max(tl.where(cnt >= need, c, 0), axis=0) << (32 - BITS * (step + 1)))
+    if PACKED:
+        # the counts of the 2**BITS - 1 candidates above the prefix, each in a field of F bits of one int64, so that
+        # a step is one scalar reduction (a reduction of a [C] vector of counts costs several barriers more)
+        F: tl.constexpr = TILE.bit_length()
+        for step in tl.static_range(32 // BITS):
+            packed = tl.zeros_like(key).to(tl.int64)
+            for c in tl.static_range(1, 1 << BITS):
+                cand = ((kth | (c << (32 - BITS * (step + 1)))) - 2147483648).to(tl.int32)
+                packed += (vis & (key >= cand)).to(tl.int64) << (F * (c - 1))
+            total = tl.sum(packed, axis=0)
+            digit = tl.full([], 0, tl.int64)
+            for c in tl.static_range(1, 1 << BITS):
+                digit += (((total >> (F * (c - 1))) & ((1 << F) - 1)) >= need).to(tl.int64)
+            kth = kth | (digit << (32 - BITS * (step + 1)))
+    else:
+        c = tl.arange(0, 1 << BITS).to(tl.int64)
+        for step in tl.static_range(32 // BITS):  # bits [32 - BITS * (step + 1), 32 - BITS * step) of the k-th code
+            cand = ((kth | (c << (32 - BITS * (step + 1)))) - 2147483648).to(tl.int32)  # [C] candidates, signed codes
+            reach = vis[None, :] & (key[None, :] >= cand[:, None])
+            cnt = tl.sum(reach.to(tl.int32), axis=1)
+            kth = kth | (tl.max(tl.where(cnt >= need, c, 0), axis=0) << (32 - BITS * (step + 1)))
     kth32 = (kth - 2147483648).to(tl.int32)
     gt = vis & (key > kth32)
     eq = vis & (key == kth32)
     ties_taken = need - tl.sum(gt.to(tl.int32), 0)
     eq_i = eq.to(tl.int32)
-    sel = gt | (eq & (tl.cumsum(eq_i, 0) - eq_i < ties_taken))
-    sel_i = sel.to(tl.int32)
-    slot = tl.cumsum(sel_i, 0) - sel_i
+    if PACKED:
+        # one scan of both counts (rows above in the low 16 bits, rows equal above them): the ties taken are the
+        # first ties_taken equal rows, so a row's slot is the rows above before it plus min(equal rows, ties_taken)
+        both = tl.cumsum(gt.to(tl.int32) | (eq_i << 16), 0)
+        n_eq = both >> 16
+        sel = gt | (eq & (n_eq - eq_i < ties_taken))
+        slot = (both & 0xFFFF) + tl.minimum(n_eq, ties_taken) - sel.to(tl.int32)
+    else:
+        sel = gt | (eq & (tl.cumsum(eq_i, 0) - eq_i < ties_taken))
+        sel_i = sel.to(tl.int32)
+        slot = tl.cumsum(sel_i, 0) - sel_i
     tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
     tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
     rest = need + tl.arange(0, KP)
