@@ -83,6 +83,33 @@ def test_post_computes_the_next_blocks_mixing(t, hd, dtype):
                         cfg.hc_sinkhorn_iters, partials)
 
 
+@pytest.mark.parametrize("t,hd,dtype,ahead", [(1, 256, torch.bfloat16, True), (3, 320, torch.float32, False),
+                                              (2, 96, torch.bfloat16, False)])
+def test_pre_applies_the_blocks_rms_norm(t, hd, dtype, ahead):
+    """hc_pre with the block's norm weights: the RMSNorm of the collapse in the same launch, its mean square from the
+    streams' Gram matrix (partials computed by hc_pre itself or ahead by hc_post), against the reference collapse
+    followed by the norm: the same to the rounding of the working dtype."""
+    cfg = tiny_config().replace(hidden_size=hd)
+    n = cfg.hc_mult
+    streams, fn, base, scale = _inputs(t, n, hd, seed=31 + hd, dtype=dtype)
+    norm = 1 + torch.randn(hd, generator=torch.Generator().manual_seed(5)) * 0.2
+    partials = None
+    if ahead:  # the streams as the previous block's hc_post leaves them, with the partials it computed
+        _, fn0, base0, scale0 = _inputs(t, n, hd, seed=30)
+        _, post0, comb0 = hc_pre(streams.float(), fn0, base0, scale0, cfg)
+        block_out = torch.randn(t, hd, generator=torch.Generator().manual_seed(6)).to(dtype)
+        new, partials = hk.hc_post_fused(streams.to(DEV), block_out.to(DEV), post0.to(DEV), comb0.to(DEV),
+                                         next_fn=fn.to(DEV))
+        streams = new.cpu()
+    got = hk.hc_pre_fused(streams.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
+                          cfg.hc_sinkhorn_iters, partials, norm.to(DEV))
+    want = hc_pre(streams, fn, base, scale, cfg, norm=norm)
+    assert got[0].dtype == dtype
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, b, what in zip(got, want, ("normalised block input", "post", "comb"), strict=True):
+        torch.testing.assert_close(a.float().cpu(), b.float(), rtol=tol, atol=tol, msg=what)
+
+
 def test_bf16_streams_round_once():
     cfg = tiny_config().replace(hidden_size=256)
     streams, fn, base, scale = _inputs(2, cfg.hc_mult, 256, seed=3, dtype=torch.bfloat16)
@@ -147,6 +174,6 @@ def test_post_sums_the_moe_parts_with_the_combine_bits(t, hd, dtype, mix):
     got, got_mix = hk.hc_post_fused(args[0], shared, *args[1:], next_fn, routed=(routed, weights))
     assert torch.equal(got, want)
     if mix:
-        assert torch.equal(got_mix.mix, want_mix.mix) and torch.equal(got_mix.sq, want_mix.sq)
+        assert all(torch.equal(a, b) for a, b in zip(got_mix, want_mix, strict=True))
     ref = hc_post(streams, MoEParts(routed.cpu(), weights.cpu(), shared.cpu()), post, comb)[0]
     torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -2,15 +2,17 @@
 (:mod:`ds4x.model.hyper`) launches about a hundred small ops per call (twenty Sinkhorn iterations on 4x4
 matrices, sigmoids, a softmax, the collapse), which dominates the launch count of a decode step.
 
-- ``hc_pre_fused``: split-K mixing dots ``streams @ fn.T`` and sums of squares (one program per 256 values of
-  a token's flattened streams), then one program per (token, block of the hidden size) sums the partials in
-  a fixed order, computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and collapses
-  its block. The RMS factor is applied after the dots (``r * (x @ fn.T)`` instead of ``(r * x) @ fn.T``: the
-  same value up to rounding). A decode step has one token: a single program per token was latency bound.
+- ``hc_pre_fused``: the mixing partials over blocks of the hidden size (dots ``streams @ fn.T``, sums of squares
+  and the streams' Gram matrix), then one program per (token, block of the hidden size) sums the partials in a
+  fixed order, computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and collapses its
+  block, optionally RMS-normalised for the block (its mean square is ``pre^T G pre / H``, so no program needs
+  another's block and the norm needs no launch). The RMS factor is applied after the dots (``r * (x @ fn.T)``
+  instead of ``(r * x) @ fn.T``: the same value up to rounding). A decode step has one token: a single program per
+  token was latency bound.
 - ``hc_post_fused``: ``out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]`` in float32, one
-  rounding to the streams' dtype. Given the next block's ``fn`` it also computes that block's mixing dots and
-  sums of squares over its part of the new streams (as stored, after the rounding) and returns them as
-  :class:`MixPartials`, so the next ``hc_pre_fused`` skips its mixing launch.
+  rounding to the streams' dtype. Given the next block's ``fn`` it also computes that block's mixing partials
+  over its part of the new streams (as stored, after the rounding) and returns them as :class:`MixPartials`, so
+  the next ``hc_pre_fused`` skips its mixing launch.
 
 Both agree with the reference to float32 rounding (the order of the sums differs), not bit for bit; the
 decode step uses them only on CUDA (``DS4X_KERNELS=reference`` keeps the reference). The interpreter
@@ -31,26 +33,41 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _hc_mix_kernel(streams, fn, mix_part, sq_part, K: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
-                       CH: tl.constexpr, S: tl.constexpr):
-        # program (token, chunk of the flattened streams): partial mixing dots and partial sum of squares; the
-        # chunks are summed in a fixed order by _hc_pre_kernel (no atomics: replays give the same bits)
-        t = tl.program_id(0)
-        s = tl.program_id(1)
-        k = s * CH + tl.arange(0, CH)
-        km = k < K
-        x = tl.load(streams + t * K + k, mask=km, other=0.0).to(tl.float32)
-        m = tl.arange(0, MP)
-        f = tl.load(fn + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & km[None, :], other=0.0).to(tl.float32)
-        tl.store(mix_part + (t * S + s) * MP + m, tl.sum(f * x[None, :], axis=1))
-        tl.store(sq_part + t * S + s, tl.sum(x * x, axis=0))
+    def _mix_partials(y, fn, mix_part, sq_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
+                      M: tl.constexpr, MP: tl.constexpr):
+        # one block h of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with fn [M, N H],
+        # sum of squares and Gram matrix y y^T, stored as chunk hb of s (summed in chunk order by _hc_pre_kernel)
+        j = tl.arange(0, N)
+        r = tl.arange(0, MP)
+        f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
+                    mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
+        chunk = t * s + hb
+        tl.store(mix_part + chunk * MP + r, tl.sum(tl.sum(f * y[None, :, :], axis=2), axis=1))
+        tl.store(sq_part + chunk, tl.sum(tl.sum(y * y, axis=1), axis=0))
+        nn = j[:, None] * N + j[None, :]
+        tl.store(gram_part + chunk * N * N + nn, tl.sum(y[:, None, :] * y[None, :, :], axis=2))
 
     @triton.jit
-    def _hc_pre_kernel(streams, mix_part, sq_part, base, scale, out, post_out, comb_out, H: tl.constexpr, rms_eps,
-                       hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr, S: tl.constexpr,
-                       SP: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _hc_mix_kernel(streams, fn, mix_part, sq_part, gram_part, H: tl.constexpr, N: tl.constexpr,
+                       M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr):
+        # program (token, block of the hidden size): the block's mixing partials over all N streams (no atomics:
+        # replays give the same bits)
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = h < H
+        j = tl.arange(0, N)
+        y = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        _mix_partials(y, fn, mix_part, sq_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
+
+    @triton.jit
+    def _hc_pre_kernel(streams, mix_part, sq_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
+                       H: tl.constexpr, rms_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr,
+                       S: tl.constexpr, SP: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
         # program (token, block of the hidden size): every program of a token derives the same pre / post /
-        # comb from the partials (4x4 work, cheaper than another launch), then collapses its block
+        # comb from the partials (4x4 work, cheaper than another launch), then collapses its block. NORM: the
+        # block input's RMSNorm too (weights norm_w): its mean square is pre^T G pre / H for the streams' Gram
+        # matrix G (summed from the partials), so no program needs the others' blocks
         t = tl.program_id(0)
         hb = tl.program_id(1)
         j = tl.arange(0, N)
@@ -81,14 +98,21 @@ if HAVE_TRITON:
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        tl.store(out + t * H + h, tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty), mask=m)
+        y = tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty)
+        if NORM:  # the RMSNorm kernel's arithmetic on the rounded collapse, with the Gram matrix's mean square
+            gram = tl.sum(tl.load(gram_part + (t * S + sp)[:, None, None] * (N * N) + nn[None, :, :],
+                                  mask=s_ok[:, None, None], other=0.0), axis=0)
+            ms = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0) / H
+            v = y.to(tl.float32) * (1.0 / tl.sqrt(ms + rms_eps))
+            y = (tl.load(norm_w + h, mask=m, other=0.0).to(tl.float32) * v).to(out.dtype.element_ty)
+        tl.store(out + t * H + h, y, mask=m)
 
     @triton.jit
-    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, sq_part,
+    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, sq_part, gram_part,
                         H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr,
                         MP: tl.constexpr, K: tl.constexpr):
-        # program (token, block of the hidden size); with MIX also the next block's partial mixing dots and sum of
-        # squares over this block of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
+        # program (token, block of the hidden size); with MIX also the next block's mixing partials over this block
+        # of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
         # K > 0: block_out is the shared expert's output and the block's output is first summed with the K routed
         # outputs [T, K, H] by their weights [T, K], rounded to block_out's dtype (the MoE combine's arithmetic)
         t = tl.program_id(0)
@@ -110,32 +134,36 @@ if HAVE_TRITON:
         tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
         if MIX:
             yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads them
-            r = tl.arange(0, MP)
-            f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
-                        mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
-            s = tl.num_programs(1)
-            tl.store(mix_part + (t * s + hb) * MP + r, tl.sum(tl.sum(f * yf[None, :, :], axis=2), axis=1))
-            tl.store(sq_part + t * s + hb, tl.sum(tl.sum(yf * yf, axis=1), axis=0))
+            _mix_partials(yf, fn, mix_part, sq_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
 
 
-# launch shapes: values of the flattened streams per mixing program, hidden values per collapse program, warps.
-# The collapse programs run the 4x4 Sinkhorn chain (20 iterations of small reductions) before collapsing: one
-# warp keeps its reductions in shuffles. H200, Flash (4 x 4096 streams), us per hc_pre_fused call with collapse
-# warps 4 / 2 / 1: 10.5 / 11.0 / 6.95 at 1 token, 23.2 / 19.8 / 13.9 at 32 tokens (mixing 256 values, 4 warps).
-MIX_CHUNK, MIX_WARPS = 256, 4
+# launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
+# (20 iterations of small reductions) before collapsing: one warp keeps its reductions in shuffles. H200, Flash
+# (4 x 4096 streams), us per hc_pre_fused call with collapse warps 4 / 2 / 1: 10.5 / 11.0 / 6.95 at 1 token, 23.2 /
+# 19.8 / 13.9 at 32 tokens (mixing then 256 values of the flattened streams a program, 4 warps).
 PRE_BLOCK, PRE_WARPS = 256, 1
-# hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing dots (its fn tile
-# is [mixes, n, block] in registers)
+# hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing partials (its fn
+# tile is [mixes, n, block] in registers), and so per mixing program (the same chunks either way)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
 MIX_AHEAD = True  # the model's hc_post computes the next block's mixing partials (False: each hc_pre mixes itself)
+NORM_IN_PRE = True  # the model's hc_pre applies the block's RMSNorm in its launch (False: the norm kernel after it)
 
 
 class MixPartials(NamedTuple):
-    """A block's mixing dots and sums of squares over chunks of its input streams, computed ahead (by the
-    previous block's ``hc_post_fused``): mix [T, S, MP], sq [T, S], summed in chunk order by ``hc_pre_fused``."""
+    """A block's mixing partials over chunks (blocks of the hidden size) of its input streams: the mixing dots
+    mix [T, S, MP], sums of squares sq [T, S] and Gram matrices gram [T, S, n n] of the n streams, summed in chunk
+    order by ``hc_pre_fused``; computed by the previous block's ``hc_post_fused`` (or by ``hc_pre_fused``)."""
 
     mix: torch.Tensor
     sq: torch.Tensor
+    gram: torch.Tensor
+
+
+def _new_partials(t: int, s: int, mp: int, n: int, device: torch.device) -> MixPartials:
+    def new(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=torch.float32, device=device)
+
+    return MixPartials(new(t, s, mp), new(t, s), new(t, s, n * n))
 
 
 def _kernels() -> Any:
@@ -151,37 +179,38 @@ def supported(streams: torch.Tensor, n: int) -> bool:
 
 
 def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
-                 hc_eps: float, iters: int, partials: MixPartials | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 hc_eps: float, iters: int, partials: MixPartials | None = None,
+                 norm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32.
 
-    Two launches, both spread over the GPU: split-K mixing dots straight from the streams and ``fn`` in their
-    stored dtypes, then the per-token mHC math and the collapse by blocks of the hidden size. ``partials``: the
-    mixing dots already computed for these streams and this ``fn`` (by ``hc_post_fused``): one launch."""
+    Two launches, both spread over the GPU: the mixing partials (dots, sums of squares, Gram matrices) straight
+    from the streams and ``fn`` in their stored dtypes, then the per-token mHC math and the collapse by blocks of
+    the hidden size. ``partials``: those of these streams and this ``fn`` computed already (by ``hc_post_fused``):
+    one launch. ``norm_weight``: the block input comes RMS-normalised with these weights (eps ``rms_eps``), the
+    mean square taken from the Gram matrices (pre^T G pre / H: the unrounded collapse's, where the norm kernel
+    reads the rounded one; the same to float32 rounding), so the norm needs no launch of its own."""
     t, n, hd = streams.shape
     m = fn.shape[0]
     streams = streams.contiguous()
     mp = triton.next_power_of_2(m)
     kern = _kernels()
     if partials is None:
-        k = n * hd
-        s = triton.cdiv(k, MIX_CHUNK)
-        partials = MixPartials(torch.empty(t, s, mp, dtype=torch.float32, device=streams.device),
-                               torch.empty(t, s, dtype=torch.float32, device=streams.device))
-        kern._hc_mix_kernel[(t, s)](streams, fn.contiguous(), partials.mix, partials.sq, K=k, M=m, MP=mp,
-                                    CH=MIX_CHUNK, S=s, num_warps=MIX_WARPS)
-    mix_part, sq_part = partials
-    s = sq_part.shape[1]
-    if mix_part.shape != (t, s, mp) or sq_part.shape != (t, s):
-        raise ValueError(f"hc_pre_fused: partials {list(mix_part.shape)} / {list(sq_part.shape)} do not fit {t} "
-                         f"tokens and {m} mixes")
+        partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
+        kern._hc_mix_kernel[(t, partials.sq.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
+                                                       BLOCK_H=POST_MIX_BLOCK)
+    s = partials.sq.shape[1]
+    if partials.mix.shape != (t, s, mp) or partials.sq.shape[0] != t or partials.gram.shape != (t, s, n * n):
+        raise ValueError(f"hc_pre_fused: partials {[list(p.shape) for p in partials]} do not fit {t} tokens, {n} "
+                         f"streams and {m} mixes")
     dev = streams.device
     out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
     kern._hc_pre_kernel[(t, triton.cdiv(hd, PRE_BLOCK))](
-        streams, mix_part, sq_part, base.contiguous(), scale.contiguous(), out, post, comb, hd, rms_eps, hc_eps,
-        ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK, num_warps=PRE_WARPS)
+        streams, *partials, base.contiguous(), scale.contiguous(),
+        norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
+        ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
+        NORM=norm_weight is not None, num_warps=PRE_WARPS)
     return out, post, comb
 
 
@@ -198,14 +227,11 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
     s = triton.cdiv(hd, block)
     m = next_fn.shape[0] if next_fn is not None else 1
     mp = triton.next_power_of_2(m)
-    partials = None
-    if next_fn is not None:
-        partials = MixPartials(torch.empty(t, s, mp, dtype=torch.float32, device=streams.device),
-                               torch.empty(t, s, dtype=torch.float32, device=streams.device))
+    partials = _new_partials(t, s, mp, n, streams.device) if next_fn is not None else None
     y, y_w = routed if routed is not None else (out, out)  # unread without routed outputs
     _kernels()._hc_post_kernel[(t, s)](
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
         comb.float().contiguous(), out, next_fn.contiguous() if next_fn is not None else out,
-        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None, M=m,
-        MP=mp, K=y.shape[1] if routed is not None else 0)
+        *(partials if partials is not None else (out, out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
+        M=m, MP=mp, K=y.shape[1] if routed is not None else 0)
     return out, partials

@@ -26,13 +26,16 @@ def use_fused(streams: torch.Tensor) -> bool:
 
 def hc_pre(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig,
-    partials: fused.MixPartials | None = None,
+    partials: fused.MixPartials | None = None, norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n]). ``partials``: the mixing dots of
-    these streams with ``fn`` that the previous ``hc_post`` computed on the fused path (None: computed here)."""
+    """streams [T, n, H] -> (block input [T, H], post [T, n], comb [T, n, n]). ``partials``: the mixing partials of
+    these streams with ``fn`` that the previous ``hc_post`` computed on the fused path (None: computed here).
+    ``norm``: the block input comes RMS-normalised with these weights (on the fused path in the same launch)."""
     if use_fused(streams):
-        return fused.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                                  partials)
+        in_launch = norm is not None and fused.NORM_IN_PRE
+        x, post, comb = fused.hc_pre_fused(streams, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps,
+                                           cfg.hc_sinkhorn_iters, partials, norm if in_launch else None)
+        return (x if in_launch or norm is None else rms_norm(x, norm, cfg.rms_norm_eps)), post, comb
     n = cfg.hc_mult
     flat = rms_norm(streams.flatten(1).float(), None, cfg.rms_norm_eps)
     mixes = linear(flat, fn.float())
@@ -47,7 +50,7 @@ def hc_pre(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return collapsed, post, comb
+    return (collapsed if norm is None else rms_norm(collapsed, norm, cfg.rms_norm_eps)), post, comb
 
 
 def hc_post(streams: torch.Tensor, block_out: torch.Tensor | MoEParts, post: torch.Tensor, comb: torch.Tensor,

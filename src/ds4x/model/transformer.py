@@ -95,16 +95,14 @@ class Transformer:
         mix = None  # the next block's mixing partials, from the fused hc_post before it
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            block_in, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"],
-                                          w[p + "hc_attn_scale"], cfg, mix)
-            h = rms_norm(block_in, w[p + "attn_norm.weight"], cfg.rms_norm_eps)
+            h, post, comb = hc_pre(streams, w[p + "hc_attn_fn"], w[p + "hc_attn_base"], w[p + "hc_attn_scale"], cfg,
+                                   mix, w[p + "attn_norm.weight"])
             kind = rope_kind(cfg, i)
             out = attention(h, w, i, positions, cfg, segments, self.rope[kind], rope_at_positions[kind], reference,
                             derived)
             streams, mix = hc_post(streams, out, post, comb, w[p + "hc_ffn_fn"])
-            block_in, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"],
-                                          w[p + "hc_ffn_scale"], cfg, mix)
-            h = rms_norm(block_in, w[p + "ffn_norm.weight"], cfg.rms_norm_eps)
+            h, post, comb = hc_pre(streams, w[p + "hc_ffn_fn"], w[p + "hc_ffn_base"], w[p + "hc_ffn_scale"], cfg,
+                                   mix, w[p + "ffn_norm.weight"])
             out = moe(h, w, p + "ffn.", ids, cfg, cfg.is_hash_layer(i), parts=True)  # summed by hc_post
             last = i + 1 == cfg.num_layers
             streams, mix = hc_post(streams, out, post, comb, None if last else w[f"layers.{i + 1}.hc_attn_fn"])
