@@ -43,37 +43,55 @@ class CapturedStep:
     def __init__(self, model: Transformer, caches: Sequence[ModelCache]):
         self.model, self.caches = model, list(caches)
         n = len(self.caches)
-        self.tokens = torch.zeros(n, dtype=torch.long, device=model.device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=model.device)
+        # the step's inputs, tokens then positions: written on the host into page-locked memory, copied to the
+        # device by the step itself (the graph's first node), so the host does no copy call before a replay (a
+        # step's time counts from the previous one's end, so every microsecond the host spends before the
+        # replay is the GPU's idle time)
+        cuda = model.device.type == "cuda"
+        self.host_inputs = torch.zeros(2, n, dtype=torch.long, pin_memory=cuda)
+        self._host_view = self.host_inputs.numpy()
+        self.inputs = torch.zeros(2, n, dtype=torch.long, device=model.device)
+        self.tokens, self.positions = self.inputs[0], self.inputs[1]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
+        self._consumed: torch.cuda.Event | None = None  # recorded after the last step that read host_inputs
         # eager where graphs are off, or once a capture failed
         self.eager = not all(graphs_enabled(model.device, c.mode) for c in self.caches)
 
+    def _step(self) -> torch.Tensor:
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
+        return self.model.decode_step(self.tokens, self.positions, self.caches)
+
     def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Float32 logits [n, V], owned by the caller (the graph's buffer is copied)."""
-        # the graph reads these buffers in place; a copy from pageable memory is staged at once (no sync)
-        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=True)
-        self.positions.copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        if self._consumed is not None:  # the last step must have read host_inputs (normally it has long since)
+            self._consumed.synchronize()
+        self._host_view[0] = tokens
+        self._host_view[1] = positions
         if self.eager:
-            return self.model.decode_step(self.tokens, self.positions, self.caches)
-        if self.graph is None:
-            return self._first_step()
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits.clone()  # the buffer is overwritten by the next replay
+            out = self._step()
+        elif self.graph is None:
+            out = self._first_step()
+        else:
+            self.graph.replay()
+            assert self.logits is not None
+            out = self.logits.clone()  # the buffer is overwritten by the next replay
+        if self.host_inputs.is_pinned():
+            self._consumed = self._consumed or torch.cuda.Event()
+            self._consumed.record()
+        return out
 
     def _first_step(self) -> torch.Tensor:
         dev = self.model.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):  # eager, off the default stream as capture requires
-            out = self.model.decode_step(self.tokens, self.positions, self.caches)
+            out = self._step()
         torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.logits = self.model.decode_step(self.tokens, self.positions, self.caches)
+                self.logits = self._step()
         except RuntimeError as e:  # an op that syncs with the host, or no room for the graph
             first: BaseException = e
             while first.__context__ is not None:  # the op that broke the capture, not the end-of-capture error
