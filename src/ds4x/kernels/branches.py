@@ -44,7 +44,7 @@ class Branch(Generic[T]):
     branch. Every branch must be joined by the capturing stream before the capture ends (joins are idempotent),
     and the branch keeps ``fn`` (and so every tensor its closure reads) alive until then."""
 
-    def __init__(self, device: torch.device, fn: Callable[[], T]):
+    def __init__(self, device: torch.device, fn: Callable[[], T], after: torch.cuda.Event | None = None):
         self._done: torch.cuda.Event | None = None
         self._fn: Callable[[], T] | None = None
         if not _capturing(device):
@@ -55,7 +55,11 @@ class Branch(Generic[T]):
         k = _turn.get(device, 0)
         _turn[device] = (k + 1) % SIDE_STREAMS
         side = _side_stream(device, k)
-        side.wait_stream(torch.cuda.current_stream(device))  # fork: the piece sees everything captured before it
+        # fork: the piece sees everything captured before it, or before ``after`` (a `fork_point`)
+        if after is not None:
+            side.wait_event(after)
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self._result = fn()
         self._done = torch.cuda.Event()
@@ -66,6 +70,18 @@ class Branch(Generic[T]):
         if self._done is not None:
             torch.cuda.current_stream().wait_event(self._done)
         return self._result
+
+
+def fork_point(device: torch.device) -> torch.cuda.Event | None:
+    """During a capture, an event marking what the current stream has captured so far: a `Branch` created later with
+    ``after=`` it depends on that work only, not on what the stream captures in between. The graph launches ready
+    pieces in the order they were captured, and a large grid holds the SMs until its last programs are placed, so
+    a piece off the step's critical path, forked early but captured after the critical work, no longer delays it."""
+    if not _capturing(device):
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def concurrently(device: torch.device, *pieces: Callable[[], Any]) -> list[Any]:

@@ -29,7 +29,7 @@ import torch
 from ds4x.config import CSA, HCA, ModelConfig
 from ds4x.kernels import compressor
 from ds4x.kernels.attention import Slots, attention_decode_triton, attention_prefill_triton
-from ds4x.kernels.branches import Branch
+from ds4x.kernels.branches import Branch, fork_point
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear
@@ -38,6 +38,9 @@ from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
 from ds4x.model.projections import project, stacked_name
 from ds4x.model.rope import apply_rope, cos_sin, rms_norm_rope
+
+# capture a step's critical work before the large pieces beside it (`fork_point`); False: the order before (A/B)
+LAUNCH_CRITICAL_FIRST = True
 
 
 def _emit_windows(proj: RowStore, ape: torch.Tensor, windows: torch.Tensor, last: torch.Tensor, ratio: int,
@@ -205,17 +208,22 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     # beside the indexer query (on the capturing stream, which goes on to the selection)
     comp_b, idx_b = Branch(dev, compressor_input), Branch(dev, indexer_input)
     q_low, kv_low = project(x, w, (p + "wq_a.weight", p + "wkv.weight"))
+    kv_b = Branch(dev, lambda: rms_norm_rope(kv_low, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin))
     q_res = rms_norm(q_low, w[p + "q_norm.weight"], cfg.rms_norm_eps)
 
     def attention_q() -> torch.Tensor:  # working dtype: the kernels read it as is
         return rms_norm_rope(linear(q_res, w[p + "wq_b.weight"]).view(N, nh, hd), None, cfg.rms_norm_eps, cos, sin)
 
-    q_b = Branch(dev, attention_q)
-    kv_b = Branch(dev, lambda: rms_norm_rope(kv_low, w[p + "kv_norm.weight"], cfg.rms_norm_eps, cos, sin))
+    # the attention query's wq_b (a 35 MB matrix: its grid fills the GPU) is read only by the attention, after the
+    # selection: it forks from q_res but is captured after the indexer query, which the selection waits for
+    q_ready = fork_point(dev) if LAUNCH_CRITICAL_FIRST else None
+    q_b = None if LAUNCH_CRITICAL_FIRST else Branch(dev, attention_q)
     index_q = None
     if kind == CSA:
         index_q = apply_rope(linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim),
                              cos, sin)
+    if q_b is None:
+        q_b = Branch(dev, attention_q, after=q_ready)
     inputs = _LayerInputs(q_b, kv_b, comp_b, idx_b, index_q)
 
     pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
@@ -328,17 +336,21 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
     packed = cache.mode == "packed"
 
-    def write_rows() -> None:
-        st.raw.write_at(pos, inputs.kv.join()[rows])
+    def write_compressed() -> None:
         comp = inputs.comp.join()
         if comp is not None:
             assert st.comp_proj is not None and st.comp_rows is not None
             _compress(comp[rows], st.comp_proj, st.comp_rows, w[p + "compressor.ape"], w[p + "compressor.norm.weight"],
                       pos, windows, ratio, kind == CSA, cfg.head_dim, cfg, rope)
 
-    # in a captured step the rows' writes are a branch beside the indexer and the selection (which stays on the
-    # capturing stream: its programs meet at grid barriers)
-    writes = Branch(pos.device, write_rows)
+    def write_raw() -> None:
+        st.raw.write_at(pos, inputs.kv.join()[rows])
+
+    # in a captured step the rows' writes are branches beside the indexer and the selection (which stays on the
+    # capturing stream: its programs meet at grid barriers); the compressor's chain (ring write, emit, row pack)
+    # is the longer and waits for nothing the raw row needs, so it is a branch of its own, captured first
+    writes = ([Branch(pos.device, write_compressed), Branch(pos.device, write_raw)] if LAUNCH_CRITICAL_FIRST
+              else [Branch(pos.device, lambda: (write_raw(), write_compressed()))])
     index = None
     if kind == CSA:
         idx, index_w = inputs.idx.join()
@@ -349,7 +361,8 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
         scores = indexer_scores_triton(cache.indexer_query(inputs.index_q[rows]), index_w[rows], st.idx_rows.data,
                                        n_rows, packed)
         index = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1)[0]  # unfilled slots: no row
-    writes.join()
+    for b in writes:
+        b.join()
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
         (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
     if kind == HCA:
