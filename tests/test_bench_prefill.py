@@ -4,7 +4,7 @@ import hashlib
 import json
 
 from ds4x.bench.prefill import FIXTURE_SHA256, PrefillBenchConfig, fixture_ids, fixture_text, run_prefill_bench
-from ds4x.bench.profile import OTHER, format_profile, kernel_group
+from ds4x.bench.profile import OTHER, format_profile, kernel_group, overlap_summary
 from ds4x.kernels.quant_matmul import int8_activation_types
 from ds4x.runtime.engine import Engine
 
@@ -46,3 +46,11 @@ def test_kernel_groups():
     text = format_profile([{"group": "attention", "us": 30.0, "kernels": 2, "bytes": 3e6,
                             "top": [{"name": "_attn", "us": 30.0, "launches": 2}]}], wall_us=50.0)
     assert "attention" in text and "100.0%" in text and "_attn" in text
+
+
+def test_overlap_summary_splits_the_span_into_busy_idle_and_overlapped_time():
+    """Kernels [0, 4) and [2, 6) overlap by 2 us, then none runs until [8, 9): a 9 us span, 7 busy, 2 idle."""
+    timeline = [{"name": "a", "start": 0.0, "end": 4.0}, {"name": "b", "start": 2.0, "end": 6.0},
+                {"name": "c", "start": 8.0, "end": 9.0}, {"name": "d", "start": 2.5, "end": 3.0}]
+    assert overlap_summary(timeline) == {"span_us": 9.0, "busy_us": 7.0, "idle_us": 2.0, "kernel_us": 9.5,
+                                         "overlapped_us": 2.5}
