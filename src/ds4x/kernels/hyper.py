@@ -2,13 +2,13 @@
 (:mod:`ds4x.model.hyper`) launches about a hundred small ops per call (twenty Sinkhorn iterations on 4x4
 matrices, sigmoids, a softmax, the collapse), which dominates the launch count of a decode step.
 
-- ``hc_pre_fused``: the mixing partials over blocks of the hidden size (dots ``streams @ fn.T``, sums of squares
-  and the streams' Gram matrix), then one program per (token, block of the hidden size) sums the partials in a
-  fixed order, computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and collapses its
-  block, optionally RMS-normalised for the block (its mean square is ``pre^T G pre / H``, so no program needs
-  another's block and the norm needs no launch). The RMS factor is applied after the dots (``r * (x @ fn.T)``
-  instead of ``(r * x) @ fn.T``: the same value up to rounding). A decode step has one token: a single program per
-  token was latency bound.
+- ``hc_pre_fused``: the mixing partials over blocks of the hidden size (dots ``streams @ fn.T`` and the streams'
+  Gram matrix, whose trace is their sum of squares), then one program per (token, block of the hidden size) sums
+  the partials in a fixed order, computes ``r``, ``pre``, ``post``, ``comb`` (softmax + Sinkhorn in registers) and
+  collapses its block, optionally RMS-normalised for the block (its mean square is ``pre^T G pre / H``, so no
+  program needs another's block and the norm needs no launch). The RMS factor is applied after the dots
+  (``r * (x @ fn.T)`` instead of ``(r * x) @ fn.T``: the same value up to rounding). A decode step has one token:
+  a single program per token was latency bound.
 - ``hc_post_fused``: ``out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]`` in float32, one
   rounding to the streams' dtype. Given the next block's ``fn`` it also computes that block's mixing partials
   over its part of the new streams (as stored, after the rounding) and returns them as :class:`MixPartials`, so
@@ -33,22 +33,22 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _mix_partials(y, fn, mix_part, sq_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
+    def _mix_partials(y, fn, mix_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
                       M: tl.constexpr, MP: tl.constexpr):
-        # one block h of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with fn [M, N H],
-        # sum of squares and Gram matrix y y^T, stored as chunk hb of s (summed in chunk order by _hc_pre_kernel)
+        # one block h of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with fn [M, N H]
+        # and Gram matrix y y^T (whose trace is the sum of squares), stored as chunk hb of s (summed in chunk order
+        # by _hc_pre_kernel)
         j = tl.arange(0, N)
         r = tl.arange(0, MP)
         f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
                     mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
         chunk = t * s + hb
         tl.store(mix_part + chunk * MP + r, tl.sum(tl.sum(f * y[None, :, :], axis=2), axis=1))
-        tl.store(sq_part + chunk, tl.sum(tl.sum(y * y, axis=1), axis=0))
         nn = j[:, None] * N + j[None, :]
         tl.store(gram_part + chunk * N * N + nn, tl.sum(y[:, None, :] * y[None, :, :], axis=2))
 
     @triton.jit
-    def _hc_mix_kernel(streams, fn, mix_part, sq_part, gram_part, H: tl.constexpr, N: tl.constexpr,
+    def _hc_mix_kernel(streams, fn, mix_part, gram_part, H: tl.constexpr, N: tl.constexpr,
                        M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr):
         # program (token, block of the hidden size): the block's mixing partials over all N streams (no atomics:
         # replays give the same bits)
@@ -58,10 +58,10 @@ if HAVE_TRITON:
         m = h < H
         j = tl.arange(0, N)
         y = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        _mix_partials(y, fn, mix_part, sq_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
+        _mix_partials(y, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
 
     @triton.jit
-    def _hc_pre_kernel(streams, mix_part, sq_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
+    def _hc_pre_kernel(streams, mix_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
                        H: tl.constexpr, rms_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr,
                        S: tl.constexpr, SP: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
         # program (token, block of the hidden size): every program of a token derives the same pre / post /
@@ -73,14 +73,17 @@ if HAVE_TRITON:
         j = tl.arange(0, N)
         sp = tl.arange(0, SP)
         s_ok = sp < S
-        r = 1.0 / tl.sqrt(tl.sum(tl.load(sq_part + t * S + sp, mask=s_ok, other=0.0), axis=0) / (N * H) + rms_eps)
+        nn = j[:, None] * N + j[None, :]  # [row i, column k]
+        gram = tl.sum(tl.load(gram_part + (t * S + sp)[:, None, None] * (N * N) + nn[None, :, :],
+                              mask=s_ok[:, None, None], other=0.0), axis=0)
+        sq = tl.sum(tl.sum(tl.where(j[:, None] == j[None, :], gram, 0.0), axis=1), axis=0)  # trace: sum of squares
+        r = 1.0 / tl.sqrt(sq / (N * H) + rms_eps)
         part = mix_part + t * S * MP + sp * MP  # [SP] pointers to each chunk's mixing dots
         s0 = tl.load(scale).to(tl.float32)
         s1 = tl.load(scale + 1).to(tl.float32)
         s2 = tl.load(scale + 2).to(tl.float32)
         pre_dot = tl.sum(tl.load(part[:, None] + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
         post_dot = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
-        nn = j[:, None] * N + j[None, :]  # [row i, column k]
         comb_dot = tl.sum(tl.load(part[:, None, None] + 2 * N + nn[None, :, :], mask=s_ok[:, None, None], other=0.0),
                           axis=0)
         pre = tl.sigmoid(pre_dot * r * s0 + tl.load(base + j).to(tl.float32)) + hc_eps
@@ -100,15 +103,13 @@ if HAVE_TRITON:
         x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
         y = tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty)
         if NORM:  # the RMSNorm kernel's arithmetic on the rounded collapse, with the Gram matrix's mean square
-            gram = tl.sum(tl.load(gram_part + (t * S + sp)[:, None, None] * (N * N) + nn[None, :, :],
-                                  mask=s_ok[:, None, None], other=0.0), axis=0)
             ms = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0) / H
             v = y.to(tl.float32) * (1.0 / tl.sqrt(ms + rms_eps))
             y = (tl.load(norm_w + h, mask=m, other=0.0).to(tl.float32) * v).to(out.dtype.element_ty)
         tl.store(out + t * H + h, y, mask=m)
 
     @triton.jit
-    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, sq_part, gram_part,
+    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, gram_part,
                         H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr,
                         MP: tl.constexpr, K: tl.constexpr):
         # program (token, block of the hidden size); with MIX also the next block's mixing partials over this block
@@ -134,7 +135,7 @@ if HAVE_TRITON:
         tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
         if MIX:
             yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads them
-            _mix_partials(yf, fn, mix_part, sq_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
+            _mix_partials(yf, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
 
 
 # launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
@@ -151,11 +152,11 @@ NORM_IN_PRE = True  # the model's hc_pre applies the block's RMSNorm in its laun
 
 class MixPartials(NamedTuple):
     """A block's mixing partials over chunks (blocks of the hidden size) of its input streams: the mixing dots
-    mix [T, S, MP], sums of squares sq [T, S] and Gram matrices gram [T, S, n n] of the n streams, summed in chunk
-    order by ``hc_pre_fused``; computed by the previous block's ``hc_post_fused`` (or by ``hc_pre_fused``)."""
+    mix [T, S, MP] and the Gram matrices gram [T, S, n n] of the n streams (their traces: the sums of squares),
+    summed in chunk order by ``hc_pre_fused``; computed by the previous block's ``hc_post_fused`` (or by
+    ``hc_pre_fused``)."""
 
     mix: torch.Tensor
-    sq: torch.Tensor
     gram: torch.Tensor
 
 
@@ -163,7 +164,7 @@ def _new_partials(t: int, s: int, mp: int, n: int, device: torch.device) -> MixP
     def new(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=torch.float32, device=device)
 
-    return MixPartials(new(t, s, mp), new(t, s), new(t, s, n * n))
+    return MixPartials(new(t, s, mp), new(t, s, n * n))
 
 
 def _kernels() -> Any:
@@ -183,7 +184,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
                  norm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, H] -> (block input [T, H] in streams' dtype, post [T, n], comb [T, n, n]) float32.
 
-    Two launches, both spread over the GPU: the mixing partials (dots, sums of squares, Gram matrices) straight
+    Two launches, both spread over the GPU: the mixing partials (dots and Gram matrices) straight
     from the streams and ``fn`` in their stored dtypes, then the per-token mHC math and the collapse by blocks of
     the hidden size. ``partials``: those of these streams and this ``fn`` computed already (by ``hc_post_fused``):
     one launch. ``norm_weight``: the block input comes RMS-normalised with these weights (eps ``rms_eps``), the
@@ -196,10 +197,10 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     kern = _kernels()
     if partials is None:
         partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
-        kern._hc_mix_kernel[(t, partials.sq.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
+        kern._hc_mix_kernel[(t, partials.gram.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
                                                        BLOCK_H=POST_MIX_BLOCK)
-    s = partials.sq.shape[1]
-    if partials.mix.shape != (t, s, mp) or partials.sq.shape[0] != t or partials.gram.shape != (t, s, n * n):
+    s = partials.gram.shape[1]
+    if partials.mix.shape != (t, s, mp) or partials.gram.shape != (t, s, n * n):
         raise ValueError(f"hc_pre_fused: partials {[list(p.shape) for p in partials]} do not fit {t} tokens, {n} "
                          f"streams and {m} mixes")
     dev = streams.device
@@ -232,6 +233,6 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
     _kernels()._hc_post_kernel[(t, s)](
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
         comb.float().contiguous(), out, next_fn.contiguous() if next_fn is not None else out,
-        *(partials if partials is not None else (out, out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
+        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
         M=m, MP=mp, K=y.shape[1] if routed is not None else 0)
     return out, partials

@@ -216,14 +216,13 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
 
     # the attention query's wq_b (a 35 MB matrix: its grid fills the GPU) is read only by the attention, after the
     # selection: it forks from q_res but is captured after the indexer query, which the selection waits for
-    q_ready = fork_point(dev) if LAUNCH_CRITICAL_FIRST else None
+    q_ready = fork_point(dev)
     q_b = None if LAUNCH_CRITICAL_FIRST else Branch(dev, attention_q)
     index_q = None
     if kind == CSA:
         index_q = apply_rope(linear(q_res, w[ip + "wq_b.weight"]).view(N, cfg.index_n_heads, cfg.index_head_dim),
                              cos, sin)
-    if q_b is None:
-        q_b = Branch(dev, attention_q, after=q_ready)
+    q_b = q_b or Branch(dev, attention_q, after=q_ready)
     inputs = _LayerInputs(q_b, kv_b, comp_b, idx_b, index_q)
 
     pieces: list[tuple[int, torch.Tensor]] = []  # (first segment number, the outputs of its rows), in any order
