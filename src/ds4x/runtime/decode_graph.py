@@ -54,7 +54,8 @@ class CapturedStep:
         self.tokens, self.positions = self.inputs[0], self.inputs[1]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
-        self._consumed: torch.cuda.Event | None = None  # recorded after the last step that read host_inputs
+        # recorded after each step, which reads host_inputs (CUDA only: on the CPU the copy is done when it returns)
+        self._consumed = torch.cuda.Event() if cuda else None
         # eager where graphs are off, or once a capture failed
         self.eager = not all(graphs_enabled(model.device, c.mode) for c in self.caches)
 
@@ -65,7 +66,7 @@ class CapturedStep:
     def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Float32 logits [n, V], owned by the caller (the graph's buffer is copied)."""
         if self._consumed is not None:  # the last step must have read host_inputs (normally it has long since)
-            self._consumed.synchronize()
+            self._consumed.synchronize()  # returns at once before the first record
         self._host_view[0] = tokens
         self._host_view[1] = positions
         if self.eager:
@@ -76,8 +77,7 @@ class CapturedStep:
             self.graph.replay()
             assert self.logits is not None
             out = self.logits.clone()  # the buffer is overwritten by the next replay
-        if self.host_inputs.is_pinned():
-            self._consumed = self._consumed or torch.cuda.Event()
+        if self._consumed is not None:
             self._consumed.record()
         return out
 
