@@ -5,7 +5,7 @@
 - attention of a chunk of queries over packed rows (``attention_prefill_triton``): blockings, against the torch
   reference on one layer's shapes (window 128 + CSA top-512, or HCA prefix rows).
 
-    PYTHONPATH=src python scripts/prefill_sweep.py [tokens ...]
+    PYTHONPATH=src python scripts/prefill_sweep.py [--attention] [tokens ...]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def attention(token_counts: list[int]) -> None:
 def _attention_case(tokens: int, gen: torch.Generator) -> list[tuple]:
     """One CSA and one HCA layer's attention for a chunk of ``tokens`` queries after a context of 2 x tokens."""
     from ds4x.formats import pack_kv_rows, unpack_kv_rows
+    from ds4x.kernels import attention as attention_module
     from ds4x.kernels.attention import attention_prefill_triton
 
     dev = torch.device("cuda")
@@ -110,25 +111,34 @@ def _attention_case(tokens: int, gen: torch.Generator) -> list[tuple]:
         keys = torch.cat([window_keys, plain_comp[: kw["n_rows"]]])
         return torch.einsum("thk,kd->thd", torch.einsum("thd,kd->thk", q, keys).softmax(-1), keys)
 
-    def kernel(kw: dict, config: tuple[int, int, int]) -> torch.Tensor:
+    def kernel(kw: dict, config: tuple[int, int, int] | int) -> torch.Tensor:
+        # an int: the Hopper decode kernel over the chunk with at most that many splits per query and source
+        if isinstance(config, int):
+            attention_module.PREFILL_SPLITS = config
         return attention_prefill_triton(q, positions, (ring_rows, ring, w), comp, sinks, dim**-0.5, dim - 64,
-                                        config=config, **kw)
+                                        config=None if isinstance(config, int) else config, **kw)
 
     table = []
+    default_splits = attention_module.PREFILL_SPLITS
     for name, kw in {"csa": {"index": index}, "hca": {"ratio": 128, "n_rows": (p0 + tokens) // 128}}.items():
         table.append((name, tokens, "torch reference (shape of the work)", _ms(lambda kw=kw: reference(kw)), ""))
         first = None
-        for cfg in ((16, 16, 4), (16, 16, 8), (32, 16, 8), (16, 32, 8)):
+        for cfg in ((16, 16, 4), (16, 16, 8), 1, 2, 4):
+            label = f"wgmma, {cfg} split(s) per source" if isinstance(cfg, int) else f"triton {cfg}"
             try:
                 out = kernel(kw, cfg)
                 first = out if first is None else first
-                table.append((name, tokens, f"triton {cfg}", _ms(lambda kw=kw, c=cfg: kernel(kw, c)),
-                              f"max diff vs first {float((out - first).abs().max()):.1e}"))
+                table.append((name, tokens, label, _ms(lambda kw=kw, c=cfg: kernel(kw, c)),
+                              f"relative difference to the first {float((out - first).norm() / first.norm()):.1e}"))
             except Exception as exc:  # noqa: BLE001
-                table.append((name, tokens, f"triton {cfg}", float("nan"), f"{type(exc).__name__}: {exc}"[:80]))
+                table.append((name, tokens, label, float("nan"), f"{type(exc).__name__}: {exc}"[:80]))
+        attention_module.PREFILL_SPLITS = default_splits
     return table
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [2048, 4096])
-    attention([int(a) for a in sys.argv[1:]] or [2048, 4096])
+    only_attention = sys.argv[1:2] == ["--attention"]
+    counts = [int(a) for a in sys.argv[1 + only_attention:]] or [2048, 4096]
+    if not only_attention:
+        main(counts)
+    attention(counts)

@@ -289,7 +289,9 @@ def _prefill_reference(q, positions, ring_rows, ring, w, sinks, scale, extra):
 @pytest.mark.parametrize("dim, heads", [(128, 16), (512, 20)])
 def test_prefill_attention_kernel_matches_reference(dim, heads):
     """Many queries at once: each over the W ring slots ending at its position, plus per-query picked rows (CSA)
-    or the compressed rows closed by its position (HCA), with the sink; TF32 products."""
+    or the compressed rows closed by its position (HCA), with the sink; TF32 products (on Hopper also the decode
+    kernel run over the chunk, with decode's precision)."""
+    from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_prefill_triton
 
     if dim == 512 and not torch.cuda.is_available():
@@ -321,6 +323,12 @@ def test_prefill_attention_kernel_matches_reference(dim, heads):
         half = attention_prefill_triton(q.bfloat16(), positions, (ring_rows, ring, w), comp if kw else None, sinks,
                                         dim**-0.5, dim - 64, **kw, config=(16, 16, 4))
         assert half.dtype == torch.float32 and torch.equal(half, out), name  # q holds bf16 values
+        if attention_wgmma.available(q, heads, dim, dim - 64):  # Hopper: the decode kernel over the chunk's queries
+            wide = attention_prefill_triton(q, positions, (ring_rows, ring, w), comp if kw else None, sinks,
+                                            dim**-0.5, dim - 64, **kw)
+            assert float((wide.cpu().double() - ref).norm() / ref.norm()) < 1e-4, name  # decode's precision
+            assert torch.equal(wide, attention_prefill_triton(q.bfloat16(), positions, (ring_rows, ring, w),
+                                                              comp if kw else None, sinks, dim**-0.5, dim - 64, **kw))
 
 
 @pytest.mark.gpu

@@ -80,7 +80,8 @@ WGMMA_CONFIG = (16, 128)
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
                             config: tuple[int, int, int, int] | None = None,
-                            inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
+                            inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None,
+                            splits: int | None = None) -> torch.Tensor:
     """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
     explicit index tensor [n] with -1 = skip) -> out [H, D] float32. ``inverse_rope`` (cos, sin [B, 32] float32
     of each query's position, dtype): the output comes back with the inverse RoPE of its 64 RoPE dims applied by
@@ -96,6 +97,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     Without ``config``, Hopper GPUs run `ds4x.kernels.attention_wgmma` where it applies (see ``WGMMA_CONFIG``).
     ``config`` (the Triton kernel): (rows per block, heads per program, warps, most splits per source) instead of
     ``DECODE_CONFIG`` (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile).
+    ``splits``: the most splits per source instead of the configuration's (a prefill chunk has programs enough
+    with one per query and source, and its partial states would not fit at decode's 128).
     Packed and native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
@@ -132,14 +135,15 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     else:
         block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
-    per_split, splits = [], []
+    max_splits = splits or max_splits
+    per_split, n_splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))
         per_split.append(-(-n_blocks // max_splits))
-        splits.append(-(-n_blocks // per_split[-1]))
+        n_splits.append(-(-n_blocks // per_split[-1]))
     if len(slots) == 1:  # source B repeats A and is never reached
-        rows_of, slots, per_split, splits = rows_of * 2, slots * 2, per_split * 2, [splits[0], 0]
-    n_split = sum(splits)
+        rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, per_split * 2, [n_splits[0], 0]
+    n_split = sum(n_splits)
     m = torch.empty(B, n_split, hp, device=q.device)
     l = torch.empty(B, n_split, hp, device=q.device)
     acc = torch.empty(B, n_split, hp, D, device=q.device)
@@ -160,11 +164,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
         attention_wgmma.partial_kernel[(n_split, 1, B)](
-            qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc, scale,
-            store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
+            qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
+            scale, store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
             MODE_B=slots[1].mode, num_warps=warps, **pdl)
     else:
-        partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, splits[0], per_split[0], rb, ib, pb, nb,
+        partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb,
                                                gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
                                                index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
                                                NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
@@ -188,6 +192,13 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 # (scripts/prefill_sweep.py), ms CSA (window + top-512) / HCA: (16, 16, 4) 11.1 / 3.2, (16, 16, 8) 18.4 / 8.0,
 # (32, 16, 8) 13.6 / 4.6, (16, 32, 8) 38.8 / 14.6; the torch reference path 19.8 / 21.5.
 PREFILL_CONFIG = (16, 16, 4)
+# On Hopper a chunk's queries run the decode kernel of `ds4x.kernels.attention_wgmma` as a batch (all heads per
+# program, products on the tensor cores, decode's precision): at most PREFILL_SPLITS programs per query and row
+# source, PREFILL_QUERIES queries per launch (their partial states: 128 KB per program). PREFILL_WGMMA=False keeps
+# the Triton prefill kernel.
+PREFILL_WGMMA = True
+PREFILL_SPLITS = 1
+PREFILL_QUERIES = 4096
 
 
 def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
@@ -201,13 +212,19 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
     0). ``compressed``: packed compressed rows, offered per query either by ``index`` [T, k] (-1 = none) or as
     the first ``n_rows`` rows of which a query sees (position + 1) // ``ratio``. The products run in TF32 (the
     stored values and bf16-valued queries exactly, probabilities to 10 bits): the ``default`` prefill mode's
-    precision, not the decode kernel's bits."""
+    precision, not the decode kernel's bits. Without ``config``, Hopper GPUs run the decode kernel's Gluon partial
+    pass and merge over the chunk as a batch of queries instead (``PREFILL_WGMMA``): decode's precision (about
+    1e-5 relative), not its bits (one split per source where a decode step cuts the rows into many)."""
     from ds4x.kernels.triton_attention import prefill_kernel
 
     T, H, D = q.shape
     if D % 64 or D - nope != 64 or D & (D - 1):
         raise ValueError(f"the prefill kernel handles rows of a power-of-two width with 64 RoPE dims; got {D} "
                          f"values, {nope} non-RoPE")
+    from ds4x.kernels import attention_wgmma
+
+    if config is None and PREFILL_WGMMA and attention_wgmma.available(q, H, D, nope):
+        return _prefill_wide(q, positions, window, compressed, sinks, scale, nope, index, ratio, n_rows)
     block, hb, warps = config if config is not None else PREFILL_CONFIG
     hb = min(max(16, 1 << (H - 1).bit_length()), max(16, hb))
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -226,3 +243,24 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
                                      n_rows, max(1, ratio), src.stride(0), sinks, out, scale, H=H, HB=hb, D=D,
                                      NOPE=nope, W=w, K=k, BLOCK=block, SRC=src_mode, num_warps=warps)
     return out
+
+
+def _prefill_wide(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
+                  compressed: torch.Tensor | None, sinks: torch.Tensor, scale: float, nope: int,
+                  index: torch.Tensor | None, ratio: int, n_rows: int) -> torch.Tensor:
+    """`attention_prefill_triton` through `attention_decode_triton`'s Hopper kernel: each query of the chunk is one
+    query of a batch whose stores are all the same (stride-0 views), so no row is copied."""
+    rows, ring, w = window
+    T = q.shape[0]
+    pieces = []
+    for a in range(0, T, PREFILL_QUERIES):
+        sl = slice(a, min(T, a + PREFILL_QUERIES))
+        n, pos = sl.stop - sl.start, positions[sl].contiguous()
+        sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
+            (rows.expand(n, *rows.shape), Slots(w, position=pos, ring=ring))]
+        if compressed is not None:
+            slots = (Slots(index.shape[1], index=index[sl].contiguous()) if index is not None
+                     else Slots(n_rows, position=pos, ratio=max(1, ratio)))
+            sources.append((compressed.expand(n, *compressed.shape), slots))
+        pieces.append(attention_decode_triton(q[sl], sources, sinks, scale, nope, True, splits=PREFILL_SPLITS))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
