@@ -83,7 +83,6 @@ def attention(token_counts: list[int]) -> None:
 def _attention_case(tokens: int, gen: torch.Generator) -> list[tuple]:
     """One CSA and one HCA layer's attention for a chunk of ``tokens`` queries after a context of 2 x tokens."""
     from ds4x.formats import pack_kv_rows, unpack_kv_rows
-    from ds4x.kernels import attention as attention_module
     from ds4x.kernels.attention import attention_prefill_triton
 
     dev = torch.device("cuda")
@@ -111,20 +110,17 @@ def _attention_case(tokens: int, gen: torch.Generator) -> list[tuple]:
         keys = torch.cat([window_keys, plain_comp[: kw["n_rows"]]])
         return torch.einsum("thk,kd->thd", torch.einsum("thd,kd->thk", q, keys).softmax(-1), keys)
 
-    def kernel(kw: dict, config: tuple[int, int, int] | int) -> torch.Tensor:
-        # an int: the Hopper decode kernel over the chunk with at most that many splits per query and source
-        if isinstance(config, int):
-            attention_module.PREFILL_SPLITS = config
+    def kernel(kw: dict, config: tuple[int, int, int] | None) -> torch.Tensor:
+        # None: on Hopper the decode kernel over the chunk in one pass
         return attention_prefill_triton(q, positions, (ring_rows, ring, w), comp, sinks, dim**-0.5, dim - 64,
-                                        config=None if isinstance(config, int) else config, **kw)
+                                        config=config, **kw)
 
     table = []
-    default_splits = attention_module.PREFILL_SPLITS
     for name, kw in {"csa": {"index": index}, "hca": {"ratio": 128, "n_rows": (p0 + tokens) // 128}}.items():
         table.append((name, tokens, "torch reference (shape of the work)", _ms(lambda kw=kw: reference(kw)), ""))
         first = None
-        for cfg in ((16, 16, 4), (16, 16, 8), 1, 2, 4):
-            label = f"wgmma, {cfg} split(s) per source" if isinstance(cfg, int) else f"triton {cfg}"
+        for cfg in ((16, 16, 4), (16, 16, 8), None):
+            label = f"triton {cfg}" if cfg else "wgmma, one pass (default on Hopper)"
             try:
                 out = kernel(kw, cfg)
                 first = out if first is None else first
@@ -132,7 +128,6 @@ def _attention_case(tokens: int, gen: torch.Generator) -> list[tuple]:
                               f"relative difference to the first {float((out - first).norm() / first.norm()):.1e}"))
             except Exception as exc:  # noqa: BLE001
                 table.append((name, tokens, label, float("nan"), f"{type(exc).__name__}: {exc}"[:80]))
-        attention_module.PREFILL_SPLITS = default_splits
     return table
 
 

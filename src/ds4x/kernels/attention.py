@@ -81,7 +81,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
                             config: tuple[int, int, int, int] | None = None,
                             inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None,
-                            splits: int | None = None) -> torch.Tensor:
+                            one_pass: bool = False) -> torch.Tensor:
     """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
     explicit index tensor [n] with -1 = skip) -> out [H, D] float32. ``inverse_rope`` (cos, sin [B, 32] float32
     of each query's position, dtype): the output comes back with the inverse RoPE of its 64 RoPE dims applied by
@@ -97,8 +97,9 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     Without ``config``, Hopper GPUs run `ds4x.kernels.attention_wgmma` where it applies (see ``WGMMA_CONFIG``).
     ``config`` (the Triton kernel): (rows per block, heads per program, warps, most splits per source) instead of
     ``DECODE_CONFIG`` (heads per program 16 to ``MAX_HEADS_PER_PROGRAM``; 16 is the smallest tensor-core tile).
-    ``splits``: the most splits per source instead of the configuration's (a prefill chunk has programs enough
-    with one per query and source, and its partial states would not fit at decode's 128).
+    ``one_pass`` (the Hopper kernel, no ``inverse_rope``): one program per query runs all its rows and applies the
+    sink, no merge launch: for a prefill chunk, which has programs enough with one per query (and whose partial
+    states, 128 KB per program, would not fit at decode's splits).
     Packed and native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
     from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
@@ -135,7 +136,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     else:
         block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
-    max_splits = splits or max_splits
+    if one_pass:
+        if not wide or inverse_rope is not None:
+            raise ValueError("one_pass runs the Hopper kernel (config None, WGMMA on, a query it serves) and "
+                             "leaves the inverse RoPE to the caller")
+        max_splits = 1
     per_split, n_splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))
@@ -144,10 +149,15 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if len(slots) == 1:  # source B repeats A and is never reached
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, per_split * 2, [n_splits[0], 0]
     n_split = sum(n_splits)
-    m = torch.empty(B, n_split, hp, device=q.device)
-    l = torch.empty(B, n_split, hp, device=q.device)
-    acc = torch.empty(B, n_split, hp, D, device=q.device)
     qc = q.contiguous()
+    if one_pass:
+        out = torch.empty(B, H, D, device=q.device)
+        m = l = acc = out  # unwritten
+    else:
+        m = torch.empty(B, n_split, hp, device=q.device)
+        l = torch.empty(B, n_split, hp, device=q.device)
+        acc = torch.empty(B, n_split, hp, D, device=q.device)
+        out = m  # unwritten by the partial pass
     args = []
     for rows, s in zip(rows_of, slots, strict=True):
         pos = s.position if s.position is not None else qc  # an unread pointer in mode 0
@@ -163,10 +173,12 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
-        attention_wgmma.partial_kernel[(n_split, 1, B)](
+        attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
-            scale, store_a, store_b, index_a, index_b, n_split, H=H, D=D, NOPE=nope, BLOCK=block, MODE_A=slots[0].mode,
-            MODE_B=slots[1].mode, num_warps=warps, **pdl)
+            scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
+            MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, **pdl)
+        if one_pass:
+            return out if batched else out[0]
     else:
         partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb,
                                                gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
@@ -192,13 +204,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 # (scripts/prefill_sweep.py), ms CSA (window + top-512) / HCA: (16, 16, 4) 11.1 / 3.2, (16, 16, 8) 18.4 / 8.0,
 # (32, 16, 8) 13.6 / 4.6, (16, 32, 8) 38.8 / 14.6; the torch reference path 19.8 / 21.5.
 PREFILL_CONFIG = (16, 16, 4)
-# On Hopper a chunk's queries run the decode kernel of `ds4x.kernels.attention_wgmma` as a batch (all heads per
-# program, products on the tensor cores, decode's precision): at most PREFILL_SPLITS programs per query and row
-# source, PREFILL_QUERIES queries per launch (their partial states: 128 KB per program). PREFILL_WGMMA=False keeps
-# the Triton prefill kernel.
+# On Hopper a chunk's queries run the decode kernel of `ds4x.kernels.attention_wgmma` as a batch in one pass (all
+# heads and all rows of a query per program, products on the tensor cores, decode's precision, the sink applied in
+# the same launch). PREFILL_WGMMA=False keeps the Triton prefill kernel.
 PREFILL_WGMMA = True
-PREFILL_SPLITS = 1
-PREFILL_QUERIES = 4096
 
 
 def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
@@ -248,19 +257,15 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
 def _prefill_wide(q: torch.Tensor, positions: torch.Tensor, window: tuple[torch.Tensor, int, int],
                   compressed: torch.Tensor | None, sinks: torch.Tensor, scale: float, nope: int,
                   index: torch.Tensor | None, ratio: int, n_rows: int) -> torch.Tensor:
-    """`attention_prefill_triton` through `attention_decode_triton`'s Hopper kernel: each query of the chunk is one
-    query of a batch whose stores are all the same (stride-0 views), so no row is copied."""
+    """`attention_prefill_triton` through `attention_decode_triton`'s Hopper kernel in one pass: each query of the
+    chunk is one query of a batch whose stores are all the same (stride-0 views), so no row is copied."""
     rows, ring, w = window
     T = q.shape[0]
-    pieces = []
-    for a in range(0, T, PREFILL_QUERIES):
-        sl = slice(a, min(T, a + PREFILL_QUERIES))
-        n, pos = sl.stop - sl.start, positions[sl].contiguous()
-        sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
-            (rows.expand(n, *rows.shape), Slots(w, position=pos, ring=ring))]
-        if compressed is not None:
-            slots = (Slots(index.shape[1], index=index[sl].contiguous()) if index is not None
-                     else Slots(n_rows, position=pos, ratio=max(1, ratio)))
-            sources.append((compressed.expand(n, *compressed.shape), slots))
-        pieces.append(attention_decode_triton(q[sl], sources, sinks, scale, nope, True, splits=PREFILL_SPLITS))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    pos = positions.contiguous()
+    sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
+        (rows.expand(T, *rows.shape), Slots(w, position=pos, ring=ring))]
+    if compressed is not None:
+        slots = (Slots(index.shape[1], index=index.contiguous()) if index is not None
+                 else Slots(n_rows, position=pos, ratio=max(1, ratio)))
+        sources.append((compressed.expand(T, *compressed.shape), slots))
+    return attention_decode_triton(q, sources, sinks, scale, nope, True, one_pass=True)

@@ -107,13 +107,27 @@ if HAVE_GLUON:
         klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
 
     @gluon.jit
+    def _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, live,
+                    BLOCK: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr):
+        # the stored rows of a program's block i: blocks 0 .. na-1 are source A's a0, a0 + 1, ..., the rest source
+        # B's b0, b0 + 1, ...
+        if i < na:
+            idx = _slot_rows(idx_a, pos_a, n_a, ring_a, (a0 + i) * BLOCK + slots, live, MODE_A)
+        else:
+            idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live, MODE_B)
+        return idx
+
+    @gluon.jit
     def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
                        rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
-                       store_a, store_b, index_a, index_b, n_split,
+                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
+                       WHOLE: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
-        triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512]."""
+        triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
+        WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
+        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
@@ -136,18 +150,27 @@ if HAVE_GLUON:
 
         split = gl.program_id(0)
         b = gl.program_id(2).to(gl.int64)
-        first = split < splits_a
-        if first:
-            rows_ptr, n, ring, stride, block0, n_blocks = (rows_a + b * store_a, n_a, ring_a, stride_a,
-                                                           split * blocks_a, blocks_a)
+        # the program's blocks: na of source A from block a0, then nb of source B from block b0
+        zero = split * 0  # a runtime zero: both branches below define tensors
+        if WHOLE:
+            a0, na, b0, nb = zero, blocks_a + zero, zero, blocks_b + zero
+        elif split < splits_a:
+            a0, na, b0, nb = split * blocks_a, blocks_a + zero, zero, zero
         else:
-            rows_ptr, n, ring, stride, block0, n_blocks = (rows_b + b * store_b, n_b, ring_b, stride_b,
-                                                           (split - splits_a) * blocks_b, blocks_b)
+            a0, na, b0, nb = zero, zero, (split - splits_a) * blocks_b, blocks_b + zero
+        rows_a += b * store_a
+        rows_b += b * store_b
+        idx_a += b * index_a
+        idx_b += b * index_b
+        pos_a += b
+        pos_b += b
         slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        if first:
-            idx = _slot_rows(idx_a + b * index_a, pos_a + b, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE_A)
+        idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
+                          BLOCK, MODE_A, MODE_B)
+        if na > 0:
+            rows_ptr, stride = rows_a, stride_a
         else:
-            idx = _slot_rows(idx_b + b * index_b, pos_b + b, n, ring, block0 * BLOCK + slots, n_blocks > 0, MODE_B)
+            rows_ptr, stride = rows_b, stride_b
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
         q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
@@ -165,16 +188,16 @@ if HAVE_GLUON:
         l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
         o = gl.zeros([HP, D], gl.float32, O_ACC)
         o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
-        for i in range(n_blocks):
+        for i in range(na + nb):
             gl.thread_barrier()  # every warp is past the products that read the previous tiles
             _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
             ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
-            if first:
-                idx = _slot_rows(idx_a + b * index_a, pos_a + b, n, ring, (block0 + i + 1) * BLOCK + slots,
-                                 i + 1 < n_blocks, MODE_A)
+            idx = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
+                              i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+            if i + 1 < na:
+                rows_ptr, stride = rows_a, stride_a
             else:
-                idx = _slot_rows(idx_b + b * index_b, pos_b + b, n, ring, (block0 + i + 1) * BLOCK + slots,
-                                 i + 1 < n_blocks, MODE_B)
+                rows_ptr, stride = rows_b, stride_b
             _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
             fence_async_shared()
             gl.thread_barrier()
@@ -201,17 +224,30 @@ if HAVE_GLUON:
             o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
             m = m_new
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
-        base = b * n_split * HP + split * HP
-        gl.store(m_ptr + base + hs, m)
-        gl.store(l_ptr + base + hs, l)
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
         do = gl.arange(0, D, layout=gl.SliceLayout(0, O_ACC))[None, :]
-        gl.store(acc_ptr + base * D + ho * D + do, o)
-        gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
         hr = gl.arange(0, HP, layout=gl.SliceLayout(1, R_ACC))[:, None]
-        at = acc_ptr + base * D + hr * D + NOPE + gl.arange(0, RD, layout=gl.SliceLayout(0, R_ACC))[None, :]
+        dr = NOPE + gl.arange(0, RD, layout=gl.SliceLayout(0, R_ACC))[None, :]
+        if WHOLE:  # the sink's share of the softmax, then out = o / (sum of weights)
+            sink = gl.load(sinks_ptr + hs, mask=hs < H, other=0.0).to(gl.float32)
+            top = gl.maximum(m, sink)
+            w = gl.exp(m - top)
+            f = w / (l * w + gl.exp(sink - top))
+            o = o * gl.convert_layout(f, gl.SliceLayout(1, O_ACC))[:, None]
+            o_r = o_r * gl.convert_layout(f, gl.SliceLayout(1, R_ACC))[:, None]
+            gl.store(out_ptr + b * H * D + ho * D + do, o, mask=(ho < H) & (do >= 0))
+            at = out_ptr + b * H * D + hr * D + dr
+            r_ok = (hr < H) & (dr >= 0)
+        else:
+            base = b * n_split * HP + split * HP
+            gl.store(m_ptr + base + hs, m)
+            gl.store(l_ptr + base + hs, l)
+            gl.store(acc_ptr + base * D + ho * D + do, o)
+            at = acc_ptr + base * D + hr * D + dr
+            r_ok = (hr >= 0) & (dr >= 0)
+        gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
         # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
-        gl.atomic_add(at, o_r, sem="relaxed")
+        gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
 
 
 def available(q: torch.Tensor, heads: int, dim: int, nope: int) -> bool:
