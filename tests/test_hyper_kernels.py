@@ -177,28 +177,3 @@ def test_post_sums_the_moe_parts_with_the_combine_bits(t, hd, dtype, mix):
         assert all(torch.equal(a, b) for a, b in zip(got_mix, want_mix, strict=True))
     ref = hc_post(streams, MoEParts(routed.cpu(), weights.cpu(), shared.cpu()), post, comb)[0]
     torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("tokens_per_program", [3, 16])
-def test_tokens_per_program_keep_each_tokens_bits(monkeypatch, tokens_per_program):
-    """A prefill chunk's hc_post and mixing programs take several tokens each (the fn tile loaded once): every
-    token's new streams, MoE sum and mixing partials have the bits of one token per program."""
-    cfg = tiny_config().replace(hidden_size=320)
-    n, t = cfg.hc_mult, 20
-    streams, fn, base, scale = _inputs(t, n, 320, seed=23, dtype=torch.bfloat16)
-    _, post, comb = hc_pre(streams.float(), fn, base, scale, cfg)
-    g = torch.Generator().manual_seed(5)
-    routed = (torch.randn(t, 6, 320, generator=g).bfloat16().to(DEV), torch.rand(t, 6, generator=g).to(DEV))
-    shared = torch.randn(t, 320, generator=g).bfloat16().to(DEV)
-    args = (streams.to(DEV), shared, post.to(DEV), comb.to(DEV), fn.to(DEV), routed)
-
-    def run():
-        new, partials = hk.hc_post_fused(*args)
-        pre = hk.hc_pre_fused(new, fn.to(DEV), base.to(DEV), scale.to(DEV), cfg.rms_norm_eps, cfg.hc_eps,
-                              cfg.hc_sinkhorn_iters)  # its own mixing launch
-        return new, *partials, *pre
-
-    one = run()
-    monkeypatch.setattr(hk, "_tokens_per_program", lambda t: tokens_per_program)
-    many = run()
-    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))

@@ -33,41 +33,32 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
 
     @triton.jit
-    def _fn_tile(fn, h, m, H: tl.constexpr, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
-        # the mixing weights fn [M, N H] over block h of every stream: [MP, N, BLOCK_H] float32 (zero past M and H)
+    def _mix_partials(y, fn, mix_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
+                      M: tl.constexpr, MP: tl.constexpr):
+        # one block h of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with fn [M, N H]
+        # and Gram matrix y y^T (whose trace is the sum of squares), stored as chunk hb of s (summed in chunk order
+        # by _hc_pre_kernel)
         j = tl.arange(0, N)
         r = tl.arange(0, MP)
-        return tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
-                       mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _mix_partials(y, f, mix_part, gram_part, t, hb, s, N: tl.constexpr, MP: tl.constexpr):
-        # one block of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with the block's
-        # weights f (_fn_tile) and Gram matrix y y^T (whose trace is the sum of squares), stored as chunk hb of s
-        # (summed in chunk order by _hc_pre_kernel)
-        j = tl.arange(0, N)
+        f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
+                    mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
         chunk = t * s + hb
-        tl.store(mix_part + chunk * MP + tl.arange(0, MP), tl.sum(tl.sum(f * y[None, :, :], axis=2), axis=1))
+        tl.store(mix_part + chunk * MP + r, tl.sum(tl.sum(f * y[None, :, :], axis=2), axis=1))
         nn = j[:, None] * N + j[None, :]
         tl.store(gram_part + chunk * N * N + nn, tl.sum(y[:, None, :] * y[None, :, :], axis=2))
 
     @triton.jit
-    def _hc_mix_kernel(streams, fn, mix_part, gram_part, T, tokens_per_program, H: tl.constexpr, N: tl.constexpr,
+    def _hc_mix_kernel(streams, fn, mix_part, gram_part, H: tl.constexpr, N: tl.constexpr,
                        M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr):
-        # program (tokens, block of the hidden size): the block's mixing partials over all N streams of
-        # ``tokens_per_program`` consecutive tokens, the weights' tile loaded once (no atomics: replays give the
-        # same bits; a token's arithmetic does not depend on how many a program takes)
+        # program (token, block of the hidden size): the block's mixing partials over all N streams (no atomics:
+        # replays give the same bits)
+        t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         j = tl.arange(0, N)
-        f = _fn_tile(fn, h, m, H, N, M, MP)
-        t = tl.program_id(0) * tokens_per_program
-        end = tl.minimum(t + tokens_per_program, T)
-        while t < end:  # a trip count from arguments: a while loop (the interpreter has no such range)
-            y = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0)
-            _mix_partials(y.to(tl.float32), f, mix_part, gram_part, t, hb, tl.num_programs(1), N, MP)
-            t += 1
+        y = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        _mix_partials(y, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
 
     @triton.jit
     def _hc_pre_kernel(streams, mix_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
@@ -118,41 +109,33 @@ if HAVE_TRITON:
         tl.store(out + t * H + h, y, mask=m)
 
     @triton.jit
-    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, gram_part, T,
-                        tokens_per_program, H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr,
-                        MIX: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, K: tl.constexpr):
-        # program (tokens, block of the hidden size): ``tokens_per_program`` consecutive tokens; with MIX also the
-        # next block's mixing partials over this block of the new streams (chunk s = the block: _hc_pre_kernel sums
-        # them in order), its weights' tile loaded once per program (a token's arithmetic is the same however many
-        # a program takes).
+    def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, gram_part,
+                        H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr,
+                        MP: tl.constexpr, K: tl.constexpr):
+        # program (token, block of the hidden size); with MIX also the next block's mixing partials over this block
+        # of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
         # K > 0: block_out is the shared expert's output and the block's output is first summed with the K routed
         # outputs [T, K, H] by their weights [T, K], rounded to block_out's dtype (the MoE combine's arithmetic)
+        t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         j = tl.arange(0, N)
+        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        b = tl.load(block_out + t * H + h, mask=m, other=0.0).to(tl.float32)
+        if K > 0:
+            for i in tl.static_range(K):
+                wi = tl.load(routed_w + t * K + i).to(tl.float32)
+                b += wi * tl.load(routed + (t * K + i) * H + h, mask=m, other=0.0).to(tl.float32)
+            b = b.to(block_out.dtype.element_ty).to(tl.float32)
+        c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
+        p = tl.load(post + t * N + j)  # [k]
+        mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, h] = sum_j comb[j, k] * x[j, h]
+        y = (p[:, None] * b[None, :] + mixed).to(out.dtype.element_ty)
+        tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
         if MIX:
-            f = _fn_tile(fn, h, m, H, N, M, MP)
-        t = tl.program_id(0) * tokens_per_program
-        end = tl.minimum(t + tokens_per_program, T)
-        while t < end:
-            x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0)
-            x = x.to(tl.float32)
-            b = tl.load(block_out + t * H + h, mask=m, other=0.0).to(tl.float32)
-            if K > 0:
-                for k in tl.static_range(K):
-                    wk = tl.load(routed_w + t * K + k).to(tl.float32)
-                    b += wk * tl.load(routed + (t * K + k) * H + h, mask=m, other=0.0).to(tl.float32)
-                b = b.to(block_out.dtype.element_ty).to(tl.float32)
-            c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
-            p = tl.load(post + t * N + j)  # [k]
-            mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, h] = sum_j comb[j, k] * x[j, h]
-            y = (p[:, None] * b[None, :] + mixed).to(out.dtype.element_ty)
-            tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
-            if MIX:
-                yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads
-                _mix_partials(yf, f, mix_part, gram_part, t, hb, tl.num_programs(1), N, MP)
-            t += 1
+            yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads them
+            _mix_partials(yf, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
 
 
 # launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
@@ -163,10 +146,6 @@ PRE_BLOCK, PRE_WARPS = 256, 1
 # hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing partials (its fn
 # tile is [mixes, n, block] in registers), and so per mixing program (the same chunks either way)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
-# tokens per hc_post / mixing program: a program loads its block's fn tile ([mixes, n, block] float32, 32 KB at
-# Flash shapes) once for all of them; one program per token re-read it 262,144 times per launch for a 4,096-token
-# prefill chunk (H200: 1.6 ms a launch). Decode batches keep one token per program (more programs in flight).
-POST_TOKENS = 16
 MIX_AHEAD = True  # the model's hc_post computes the next block's mixing partials (False: each hc_pre mixes itself)
 NORM_IN_PRE = True  # the model's hc_pre applies the block's RMSNorm in its launch (False: the norm kernel after it)
 
@@ -194,11 +173,6 @@ def _kernels() -> Any:
     return module_for_current_mode(__name__, __file__, _DEFINED_INTERPRETED)
 
 
-def _tokens_per_program(t: int) -> int:
-    """POST_TOKENS for a prefill chunk's thousands of tokens; fewer where the grid would not fill the GPU."""
-    return max(1, min(POST_TOKENS, t // 256))
-
-
 def supported(streams: torch.Tensor, n: int) -> bool:
     """Whether the fused kernels serve this call: Triton present, CUDA tensors (or the interpreter) and a
     power-of-two stream count (Triton tiles are powers of two)."""
@@ -223,9 +197,8 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     kern = _kernels()
     if partials is None:
         partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
-        tpp = _tokens_per_program(t)
-        kern._hc_mix_kernel[(triton.cdiv(t, tpp), partials.gram.shape[1])](
-            streams, fn.contiguous(), *partials, t, tpp, hd, N=n, M=m, MP=mp, BLOCK_H=POST_MIX_BLOCK)
+        kern._hc_mix_kernel[(t, partials.gram.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
+                                                       BLOCK_H=POST_MIX_BLOCK)
     s = partials.gram.shape[1]
     if partials.mix.shape != (t, s, mp) or partials.gram.shape != (t, s, n * n):
         raise ValueError(f"hc_pre_fused: partials {[list(p.shape) for p in partials]} do not fit {t} tokens, {n} "
@@ -257,10 +230,9 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
     mp = triton.next_power_of_2(m)
     partials = _new_partials(t, s, mp, n, streams.device) if next_fn is not None else None
     y, y_w = routed if routed is not None else (out, out)  # unread without routed outputs
-    tpp = _tokens_per_program(t)
-    _kernels()._hc_post_kernel[(triton.cdiv(t, tpp), s)](
+    _kernels()._hc_post_kernel[(t, s)](
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
         comb.float().contiguous(), out, next_fn.contiguous() if next_fn is not None else out,
-        *(partials if partials is not None else (out, out)), t, tpp, hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
+        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
         M=m, MP=mp, K=y.shape[1] if routed is not None else 0)
     return out, partials
