@@ -177,3 +177,32 @@ def test_post_sums_the_moe_parts_with_the_combine_bits(t, hd, dtype, mix):
         assert all(torch.equal(a, b) for a, b in zip(got_mix, want_mix, strict=True))
     ref = hc_post(streams, MoEParts(routed.cpu(), weights.cpu(), shared.cpu()), post, comb)[0]
     torch.testing.assert_close(got.float().cpu(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_take_the_mixing_partials_from_matmuls(monkeypatch, dtype):
+    """Past MATMUL_PARTIALS_TOKENS the mixing partials (of hc_post's new streams, or of hc_pre's own streams) are
+    float32 GEMMs in one chunk: the same streams and, to float32 rounding, the same partials' sums and hc_pre
+    outputs as the kernels' per-block partials."""
+    cfg = tiny_config().replace(hidden_size=320)
+    n, t = cfg.hc_mult, 7
+    streams, fn, base, scale = _inputs(t, n, 320, seed=25, dtype=dtype)
+    _, post, comb = hc_pre(streams.float(), fn, base, scale, cfg)
+    block_out = torch.randn(t, 320, generator=torch.Generator().manual_seed(6)).to(dtype)
+    args = [a.to(DEV) for a in (streams, block_out, post, comb)]
+    pre_args = (fn.to(DEV), base.to(DEV), scale.to(DEV), cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def run():
+        new, partials = hk.hc_post_fused(*args, next_fn=fn.to(DEV))
+        return (new, partials, hk.hc_pre_fused(new, *pre_args, partials=partials),
+                hk.hc_pre_fused(args[0], *pre_args))
+
+    kernels = run()
+    monkeypatch.setattr(hk, "MATMUL_PARTIALS_TOKENS", 1)
+    gemms = run()
+    assert gemms[1].mix.shape[1] == 1 and kernels[1].mix.shape[1] > 1  # one chunk against the blocks
+    assert torch.equal(gemms[0], kernels[0])
+    for a, b in zip(gemms[1], kernels[1], strict=True):
+        torch.testing.assert_close(a.sum(1), b.sum(1), rtol=1e-5, atol=1e-5)
+    for a, b in zip(gemms[2] + gemms[3], kernels[2] + kernels[3], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)

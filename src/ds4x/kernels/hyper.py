@@ -13,6 +13,7 @@ matrices, sigmoids, a softmax, the collapse), which dominates the launch count o
   rounding to the streams' dtype. Given the next block's ``fn`` it also computes that block's mixing partials
   over its part of the new streams (as stored, after the rounding) and returns them as :class:`MixPartials`, so
   the next ``hc_pre_fused`` skips its mixing launch.
+- From ``MATMUL_PARTIALS_TOKENS`` tokens (prefill chunks) the partials are float32 GEMMs over whole rows instead.
 
 Both agree with the reference to float32 rounding (the order of the sums differs), not bit for bit; the
 decode step uses them only on CUDA (``DS4X_KERNELS=reference`` keeps the reference). The interpreter
@@ -146,6 +147,11 @@ PRE_BLOCK, PRE_WARPS = 256, 1
 # hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing partials (its fn
 # tile is [mixes, n, block] in registers), and so per mixing program (the same chunks either way)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
+# From this many tokens (a prefill chunk) the mixing partials are two float32 GEMMs over whole rows, one chunk (the
+# dots streams [T, n H] x fn^T, the Gram matrices as a batched [n, H] x [H, n]), instead of the kernels' reductions
+# per (token, block of the hidden size), which are instruction-bound there: H200, 4,096 tokens, hc_post with the
+# partials 1.6 ms a call. Fewer tokens (decode steps and their batches) keep the kernels.
+MATMUL_PARTIALS_TOKENS = 512
 MIX_AHEAD = True  # the model's hc_post computes the next block's mixing partials (False: each hc_pre mixes itself)
 NORM_IN_PRE = True  # the model's hc_pre applies the block's RMSNorm in its launch (False: the norm kernel after it)
 
@@ -165,6 +171,15 @@ def _new_partials(t: int, s: int, mp: int, n: int, device: torch.device) -> MixP
         return torch.empty(*shape, dtype=torch.float32, device=device)
 
     return MixPartials(new(t, s, mp), new(t, s, n * n))
+
+
+def _partials_by_matmul(streams: torch.Tensor, fn: torch.Tensor, mp: int) -> MixPartials:
+    """The mixing partials of streams [T, n, H] (as stored) and fn [M, n H] in one chunk: float32 GEMMs."""
+    t, n, hd = streams.shape
+    y = streams.float()
+    mix = torch.zeros(t, 1, mp, dtype=torch.float32, device=streams.device)
+    mix[:, 0, : fn.shape[0]] = y.view(t, n * hd) @ fn.float().t()
+    return MixPartials(mix, torch.bmm(y, y.transpose(1, 2)).view(t, 1, n * n))
 
 
 def _kernels() -> Any:
@@ -195,7 +210,9 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     streams = streams.contiguous()
     mp = triton.next_power_of_2(m)
     kern = _kernels()
-    if partials is None:
+    if partials is None and t >= MATMUL_PARTIALS_TOKENS:
+        partials = _partials_by_matmul(streams, fn, mp)
+    elif partials is None:
         partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
         kern._hc_mix_kernel[(t, partials.gram.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
                                                        BLOCK_H=POST_MIX_BLOCK)
@@ -224,15 +241,20 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
     output) first with the bits of `ds4x.kernels.moe.combine_fused` (one launch fewer per MoE block)."""
     t, n, hd = streams.shape
     out = torch.empty_like(streams, memory_format=torch.contiguous_format)
-    block = POST_BLOCK if next_fn is None else POST_MIX_BLOCK
+    by_matmul = next_fn is not None and t >= MATMUL_PARTIALS_TOKENS
+    mix_fn = None if by_matmul else next_fn  # the kernel's mixing weights
+    block = POST_BLOCK if mix_fn is None else POST_MIX_BLOCK
     s = triton.cdiv(hd, block)
-    m = next_fn.shape[0] if next_fn is not None else 1
+    m = mix_fn.shape[0] if mix_fn is not None else 1
     mp = triton.next_power_of_2(m)
-    partials = _new_partials(t, s, mp, n, streams.device) if next_fn is not None else None
+    partials = _new_partials(t, s, mp, n, streams.device) if mix_fn is not None else None
     y, y_w = routed if routed is not None else (out, out)  # unread without routed outputs
     _kernels()._hc_post_kernel[(t, s)](
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
-        comb.float().contiguous(), out, next_fn.contiguous() if next_fn is not None else out,
-        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=next_fn is not None,
+        comb.float().contiguous(), out, mix_fn.contiguous() if mix_fn is not None else out,
+        *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=mix_fn is not None,
         M=m, MP=mp, K=y.shape[1] if routed is not None else 0)
+    if by_matmul:
+        assert next_fn is not None
+        partials = _partials_by_matmul(out, next_fn, triton.next_power_of_2(next_fn.shape[0]))
     return out, partials
