@@ -37,7 +37,14 @@ def describe(device: torch.device, cache_mode: str) -> str:
         if routed_wgmma.hopper(device):
             decode += ("; on this Hopper GPU gluon wgmma kernels instead (attention: all heads per program for up to "
                        "64 heads of 512-value rows; indexer: up to 64 heads)")
-    prefill = "triton (TF32; torch in reference mode)" if fast and cache_mode == "packed" else "torch reference"
+    prefill = "torch reference"
+    if fast and cache_mode == "packed":
+        from ds4x.kernels import attention, routed_wgmma
+
+        prefill = ("gluon wgmma, the decode kernel over the chunk in one pass (all heads and rows of a query per "
+                   "program; torch in reference mode)" if attention.PREFILL_WGMMA and routed_wgmma.hopper(device)
+                   else "triton (TF32; torch in reference mode)")
+        prefill += "; its top-k: torch.topk over composite keys"
     routed = routed_decode = "torch reference"
     if use_triton(device):
         from ds4x.formats.ggml import GGMLQuantizationType
