@@ -9,7 +9,7 @@ import torch
 
 from ds4x.config import ModelConfig
 from ds4x.kernels import moe as fused
-from ds4x.kernels.branches import Branch, concurrently
+from ds4x.kernels.branches import Branch, fork_point
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.linear import (
     Weight,
@@ -134,6 +134,9 @@ def combine(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) -> tor
     return (y * weights[..., None].to(y.dtype)).sum(dim=1).to(shared.dtype) + shared
 
 
+# capture the router and the routing before the MoE block's other pieces (`fork_point`); False: the order before
+ROUTER_FIRST = True
+
 # dense weights: above this many (row, slot) pairs the by-expert loop reads less weight than gathering a copy of
 # the expert per pair (the quantized routed kernel groups the pairs by expert itself, so it serves any count)
 BY_SLOT_MAX_PAIRS = 64
@@ -155,21 +158,27 @@ def moe(x: torch.Tensor, w: dict[str, Weight], prefix: str, tokens: torch.Tensor
     # the quantized routed kernel at any size: no host sync, and the by-expert loop measured 147 ms against 16 ms
     # for a 512-token chunk of Flash (H200); row-wise products (batch invariance) stay on one path too
     if has_routed_kernel(w1) or (routes_without_sync(w1) and x.shape[0] * cfg.n_experts_per_tok <= BY_SLOT_MAX_PAIRS):
-        def routed_experts() -> tuple[torch.Tensor, torch.Tensor]:
-            # x prepared for the routed gate / up (int8 activations) beside the router, which it does not wait for
-            prepared = (Branch(x.device, lambda: routed_swiglu_input(x, w13, cfg.n_experts_per_tok))
+        # in a captured step the shared expert and x's preparation for the routed gate / up (int8 activations) are
+        # branches beside the router and the routed experts; they fork from the block's input but are captured
+        # after the routing (the step's critical path), so their grids do not hold the SMs the router needs
+        def side_pieces(after: torch.cuda.Event | None) -> tuple[Branch | None, Branch]:
+            prepared = (Branch(x.device, lambda: routed_swiglu_input(x, w13, cfg.n_experts_per_tok), after=after)
                         if w13 is not None else None)
-            # with stacked gate / up experts the router also writes their 2k slots
-            ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
-            stacked_ids = None
-            if w13 is not None:
-                stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
-            return experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids,
-                                   prepared.join() if prepared is not None else None), weights
+            return prepared, Branch(x.device, shared_expert, after=after)
 
-        # in a captured step the shared expert is a branch of its own beside the router and the routed experts
-        (routed, weights), shared = concurrently(x.device, routed_experts, shared_expert)
-        out = MoEParts(routed, weights, shared)
+        start = fork_point(x.device)
+        if not ROUTER_FIRST:
+            prepared, shared_b = side_pieces(None)
+        # with stacked gate / up experts the router also writes their 2k slots
+        ids, weights = route(x, w, prefix, tokens, cfg, hashed, w1.shape[0] if w13 is not None else 0)
+        if ROUTER_FIRST:
+            prepared, shared_b = side_pieces(start)
+        stacked_ids = None
+        if w13 is not None:
+            stacked_ids, ids = ids, ids[:, : cfg.n_experts_per_tok]
+        routed = experts_by_slot(x, w1, w3, w2, ids, cfg.swiglu_limit, w13, stacked_ids,
+                                 prepared.join() if prepared is not None else None)
+        out = MoEParts(routed, weights, shared_b.join())
         return out if parts else out.combined()
     ids, weights = route(x, w, prefix, tokens, cfg, hashed)
     return experts_by_expert(x, w1, w3, w2, ids, weights, cfg.swiglu_limit) + shared_expert()
