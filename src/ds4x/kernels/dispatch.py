@@ -44,7 +44,6 @@ def describe(device: torch.device, cache_mode: str) -> str:
         prefill = ("gluon wgmma, the decode kernel over the chunk in one pass (all heads and rows of a query per "
                    "program; torch in reference mode)" if attention.PREFILL_WGMMA and routed_wgmma.hopper(device)
                    else "triton (TF32; torch in reference mode)")
-        prefill += "; its top-k: torch.topk over composite keys"
     routed = routed_decode = "torch reference"
     if use_triton(device):
         from ds4x.formats.ggml import GGMLQuantizationType

@@ -42,28 +42,25 @@ def selection_mask(index: torch.Tensor, valid: torch.Tensor, n: int) -> torch.Te
 _LOW = 0xFFFFFFFF
 
 
-def composite_keys(scores: torch.Tensor, n_visible: int | torch.Tensor) -> torch.Tensor:
-    """int64 keys [..., N] for queries' scores [..., N]; rows >= n_visible (an int, or per query [..., 1]) get the
-    smallest key."""
+def composite_keys(scores: torch.Tensor, n_visible: int) -> torch.Tensor:
+    """int64 keys [N] for one query's scores; rows >= n_visible get the smallest key."""
     bits = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & _LOW
     ordered = torch.where(bits >= 0x80000000, _LOW - bits, bits | 0x80000000)
-    idx = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    idx = torch.arange(scores.shape[0], device=scores.device, dtype=torch.int64)
     keys = ((ordered - 0x80000000) << 32) | (_LOW - idx)
     return torch.where(idx < n_visible, keys, torch.full_like(keys, torch.iinfo(torch.int64).min))
 
 
-def keys_to_selection(keys: torch.Tensor, n_visible: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def keys_to_selection(keys: torch.Tensor, n_visible: int) -> tuple[torch.Tensor, torch.Tensor]:
     index = _LOW - (keys & _LOW)
     valid = index < n_visible
     return torch.where(valid, index, torch.zeros_like(index)), valid
 
 
-def select_topk_keys(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selection over rows 0..n_visible-1 with one ``torch.topk`` over composite keys: one query's scores [N], or
-    a chunk's [T, N] with n_visible per query [T, 1] (a prefill chunk: the same indices, order and validity as
-    `select_topk`, without its full stable sort)."""
-    kk = min(k, scores.shape[-1])
-    keys = torch.topk(composite_keys(scores, n_visible), kk, dim=-1, sorted=True).values
+def select_topk_keys(scores: torch.Tensor, n_visible: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time selection (rows 0..n_visible-1 visible) with one ``torch.topk`` over composite keys."""
+    kk = min(k, scores.shape[0])
+    keys = torch.topk(composite_keys(scores, n_visible), kk, sorted=True).values
     return keys_to_selection(keys, n_visible)
 
 
