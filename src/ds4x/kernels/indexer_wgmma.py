@@ -80,7 +80,9 @@ if HAVE_GLUON:
         return (gl.load(at, mask=ok[:, None, None] & (blk >= 0) & (wi >= 0), other=0),
                 gl.load(base + 16, mask=ok, other=0x7F7F7F7F))
 
-    @gluon.jit
+    # counts change from call to call (prefill chunks): not specialized, as in triton_indexer (measured: a 16K
+    # prefill compiled a second variant for 0.6 s in its timed part when the row count became a multiple of 16)
+    @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
                      PDL: gl.constexpr = False):
