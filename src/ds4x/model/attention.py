@@ -182,8 +182,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
     cache writes, compressors, indexer selection and attention over stored rows run per segment.
     ``rope_at_positions`` is ``cos_sin(rope, positions)`` when the caller already has it (it is the same for
     every layer of a rope kind). Multi-token segments of a packed cache on CUDA attend with the Triton prefill
-    kernel (TF32 products) unless ``reference`` asks for the torch path. ``derived``: the pass's `PassPositions`
-    of ``positions`` (shared by the layers; a new one otherwise).
+    kernel (TF32 products; on Hopper the decode kernel in one pass) unless ``reference`` asks for the torch path.
+    ``derived``: the pass's `PassPositions` of ``positions`` (shared by the layers; a new one otherwise).
     """
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]

@@ -176,7 +176,8 @@ class Session:
 
         In ``exact`` prefill mode every token goes through the decode step (today the only way to get
         the decode step's reduction order); ``default`` runs chunks with the Triton prefill attention on a
-        packed CUDA cache (TF32 products) and ``reference`` the torch attention path.
+        packed CUDA cache (TF32 products; on Hopper the decode kernel over the chunk) and ``reference`` the
+        torch attention path.
         """
         if not ids:
             raise ValueError("prefill needs at least one token")
