@@ -142,8 +142,11 @@ if HAVE_TRITON:
 # launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
 # (20 iterations of small reductions) before collapsing: one warp keeps its reductions in shuffles. H200, Flash
 # (4 x 4096 streams), us per hc_pre_fused call with collapse warps 4 / 2 / 1: 10.5 / 11.0 / 6.95 at 1 token, 23.2 /
-# 19.8 / 13.9 at 32 tokens (mixing then 256 values of the flattened streams a program, 4 warps).
-PRE_BLOCK, PRE_WARPS = 256, 1
+# 19.8 / 13.9 at 32 tokens (mixing then 256 values of the flattened streams a program, 4 warps). Since the collapse
+# also applies the RMSNorm (NORM_IN_PRE), two warps measure faster for a few tokens (H200, whole captured steps at
+# d2f1476, one process, ms per replay, 1 / 2 warps: 6.46-6.47 / 6.38-6.39 for one session, 16.03-16.06 / 15.93-15.95
+# for 8, 42.00-42.02 / 42.12-42.13 for 32): PRE_WARPS up to PRE_FEW_TOKENS tokens, one warp past them.
+PRE_BLOCK, PRE_WARPS, PRE_FEW_TOKENS = 256, 2, 8
 # hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing partials (its fn
 # tile is [mixes, n, block] in registers), and so per mixing program (the same chunks either way)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
@@ -228,7 +231,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
         ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
-        NORM=norm_weight is not None, num_warps=PRE_WARPS)
+        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1)
     return out, post, comb
 
 
