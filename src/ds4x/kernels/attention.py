@@ -221,9 +221,10 @@ def attention_prefill_triton(q: torch.Tensor, positions: torch.Tensor, window: t
     0). ``compressed``: packed compressed rows, offered per query either by ``index`` [T, k] (-1 = none) or as
     the first ``n_rows`` rows of which a query sees (position + 1) // ``ratio``. The products run in TF32 (the
     stored values and bf16-valued queries exactly, probabilities to 10 bits): the ``default`` prefill mode's
-    precision, not the decode kernel's bits. Without ``config``, Hopper GPUs run the decode kernel's Gluon partial
-    pass and merge over the chunk as a batch of queries instead (``PREFILL_WGMMA``): decode's precision (about
-    1e-5 relative), not its bits (one split per source where a decode step cuts the rows into many)."""
+    precision, not the decode kernel's bits. Without ``config``, Hopper GPUs run the decode kernel's Gluon pass over
+    the chunk as a batch of queries instead, in one pass (``PREFILL_WGMMA``: a program per query takes all its rows
+    and applies the sink): decode's precision (about 1e-5 relative), not its bits (a decode step cuts the rows into
+    splits and merges them)."""
     from ds4x.kernels.triton_attention import prefill_kernel
 
     T, H, D = q.shape
