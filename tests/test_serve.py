@@ -467,7 +467,17 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * CTX}]}, 400, "prompt",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "x"}, 404, "model", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "what is this?"}]}]}, 400, "messages", None),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
 ]
+
+
+def test_a_bad_token_id_is_named(client: TestClient) -> None:
+    """A union field's error names the value at fault (the list's token id), not the string branch."""
+    r = client.post("/v1/completions", json={"prompt": [5, 6, -3]})
+    _assert_error(r, 400, "prompt")
+    assert ".2:" in r.json()["error"]["message"] and "greater than or equal to 0" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("url", "body", "status", "param", "code"), BAD_REQUESTS)

@@ -80,9 +80,10 @@ _PARAM_END = f"</{DSML}parameter>"
 _RESULT_END = "</tool_result>"
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
     """A message content as text: strings as is, None empty, a list of parts joined (strings and
-    the ``text`` field of objects, as ds4 reads OpenAI content arrays)."""
+    the ``text`` field of objects, as ds4 reads OpenAI content arrays). A part of another type (an image, audio)
+    is refused (ValueError): the model reads text, and dropping it would answer a different question."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -92,6 +93,9 @@ def _text(content: Any) -> str:
         for part in content:
             if isinstance(part, str):
                 out.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not supported: this model reads "
+                                 "text parts only")
             elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 out.append(part["text"])
         return "".join(out)
@@ -230,7 +234,7 @@ def render_chat(
     system = []
     if schemas:
         system.append(_TOOLS_PROMPT_HEAD + schemas + _TOOLS_PROMPT_TAIL)
-    system += [_text(m.get("content")) for m in msgs if m["role"] in _SYSTEM_ROLES]
+    system += [message_text(m.get("content")) for m in msgs if m["role"] in _SYSTEM_ROLES]
     last_user = max((i for i, m in enumerate(msgs) if m["role"] in ("user", *_TOOL_ROLES)), default=-1)
 
     out = [BOS]
@@ -243,22 +247,22 @@ def render_chat(
         if role in _SYSTEM_ROLES:
             continue
         if role == "user":
-            out += [USER, _text(m.get("content"))]
+            out += [USER, message_text(m.get("content"))]
             pending_assistant, pending_result = True, False
         elif role in _TOOL_ROLES:
             if not pending_result:
                 out.append(USER)
-            out += ["<tool_result>", _escape_end(_text(m.get("content")), _RESULT_END, "&lt;"), _RESULT_END]
+            out += ["<tool_result>", _escape_end(message_text(m.get("content")), _RESULT_END, "&lt;"), _RESULT_END]
             pending_assistant = pending_result = True
         else:  # assistant
             if pending_assistant:
                 out.append(ASSISTANT)
                 if thinking and (tool_context or i > last_user):
                     reasoning = m.get("reasoning_content", m.get("reasoning"))
-                    out += [THINK_START, _text(reasoning), THINK_END]
+                    out += [THINK_START, message_text(reasoning), THINK_END]
                 else:
                     out.append(THINK_END)
-            out.append(_text(m.get("content")))
+            out.append(message_text(m.get("content")))
             out.append(_tool_calls(m.get("tool_calls") or ()))
             out.append(EOS)
             pending_assistant = pending_result = False

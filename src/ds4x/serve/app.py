@@ -64,6 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ds4x.runtime.chat import message_text
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
 from ds4x.serve.info import server_info
@@ -150,6 +151,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | Annotated[_TokenIds, Field(min_length=1)] | Annotated[list[str], Field(min_length=1)] \
         | Annotated[list[_TokenIds], Field(min_length=1)]
     echo: bool = False
+    suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # alternatives per token (OpenAI's limit)
 
@@ -301,7 +303,11 @@ class Server:
             except (ValueError, TypeError) as exc:
                 raise APIError(400, str(exc), param="messages") from None
             return self._encode(text, bos=False, param="messages")  # the rendering starts with BOS
-        return self._encode("\n".join(_content_text(m["content"]) for m in messages), param="messages")
+        try:
+            text = "\n".join(message_text(m["content"]) for m in messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        return self._encode(text, param="messages")
 
     def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
                  logprobs: int | None) -> Job:
@@ -309,6 +315,8 @@ class Server:
             raise APIError(400, "only n=1 is supported", param="n")
         if getattr(req, "echo", False):
             raise APIError(400, "echo is not supported", param="echo")
+        if getattr(req, "suffix", None):
+            raise APIError(400, "suffix (text after the completion) is not supported", param="suffix")
         vocab = self.engine.cfg.vocab_size
         bad = [t for t in prompt if t >= vocab]
         if bad:
@@ -416,14 +424,6 @@ class Server:
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content)
-
-
 _ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
 
@@ -440,7 +440,11 @@ def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str |
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    e = errors[0]
+    # a union reports an error per branch: of the first field's, the deepest names the value at fault (the token id
+    # of a list, not "should be a string")
+    field_of = [[x for x in err.get("loc", ()) if x != "body"][:1] for err in errors]
+    e = max((err for err, f in zip(errors, field_of, strict=True) if f == field_of[0]),
+            key=lambda err: len(err.get("loc", ())))
     loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
     # a union reports each branch (e.g. prompt.str); name the request field
     param = loc[0] if loc else None
