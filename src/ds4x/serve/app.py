@@ -291,23 +291,17 @@ class Server:
         return list(prompt), self.engine.tokenizer is not None
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        tok = self.engine.tokenizer
-        messages = [m.model_dump(exclude_none=False) for m in req.messages]
+        from ds4x.runtime.chat import render_chat
         from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
 
-        if isinstance(tok, GGUFTokenizer):
-            from ds4x.runtime.chat import render_chat
-
-            try:
-                text = render_chat(messages, req.thinking)
-            except (ValueError, TypeError) as exc:
-                raise APIError(400, str(exc), param="messages") from None
-            return self._encode(text, bos=False, param="messages")  # the rendering starts with BOS
+        messages = [m.model_dump(exclude_none=False) for m in req.messages]
+        templated = isinstance(self.engine.tokenizer, GGUFTokenizer)  # else: the contents joined by newlines
         try:
-            text = "\n".join(message_text(m["content"]) for m in messages)
-        except ValueError as exc:
+            text = (render_chat(messages, req.thinking) if templated
+                    else "\n".join(message_text(m["content"]) for m in messages))
+        except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._encode(text, param="messages")
+        return self._encode(text, bos=not templated, param="messages")  # the rendering starts with BOS
 
     def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
                  logprobs: int | None) -> Job:
