@@ -75,13 +75,19 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
+# Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
+# reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
+# 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
+# With ``batch_splits`` each source of a batch of B > 1 queries gets at most BATCH_SPLIT_WAVES x SMs / (B x sources)
+# splits (at least one); 0 keeps one query's splits.
+BATCH_SPLIT_WAVES = 1
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
                             sinks: torch.Tensor, scale: float, nope: int, packed: bool,
                             config: tuple[int, int, int, int] | None = None,
                             inverse_rope: tuple[torch.Tensor, torch.Tensor, torch.dtype] | None = None,
-                            one_pass: bool = False) -> torch.Tensor:
+                            one_pass: bool = False, batch_splits: bool = False) -> torch.Tensor:
     """q [H, D] (float32, or a half type read as float32); sources (one or two): (store data, its `Slots` or an
     explicit index tensor [n] with -1 = skip) -> out [H, D] float32. ``inverse_rope`` (cos, sin [B, 32] float32
     of each query's position, dtype): the output comes back with the inverse RoPE of its 64 RoPE dims applied by
@@ -89,7 +95,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     dtype=dtype)`). A batched decode step passes B queries
     q [B, H, D] with each source's data a batch of stores [B, capacity, width] (query b reads store b), its
     positions [B] and explicit indices [B, n] -> [B, H, D], in the same two launches; each query's output has the
-    bits of that query alone.
+    bits of that query alone, unless ``batch_splits`` (CUDA, B > 1) lets the batch size cut each query's rows into
+    fewer splits (``BATCH_SPLIT_WAVES``): the same attention to float rounding, fewer partial states.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
@@ -141,6 +148,9 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             raise ValueError("one_pass runs the Hopper kernel (config None, WGMMA on, a query it serves) and "
                              "leaves the inverse RoPE to the caller")
         max_splits = 1
+    elif batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0 and q.is_cuda:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * sms // (B * len(slots))))
     per_split, n_splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))

@@ -32,7 +32,7 @@ from ds4x.kernels.attention import Slots, attention_decode_triton, attention_pre
 from ds4x.kernels.branches import Branch, fork_point
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
-from ds4x.kernels.linear import grouped_linear, linear
+from ds4x.kernels.linear import grouped_linear, linear, rowwise_enabled
 from ds4x.kernels.select import select_topk, select_topk_radix
 from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
@@ -370,8 +370,10 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
     elif kind == CSA:
         assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))
+    # a batch of sessions may split each one's rows by the batch size unless the caller asked for batch invariance
     return attention_decode_triton(inputs.q.join()[rows], sources, w[p + "attn_sink"], cfg.head_dim**-0.5,
-                                   cfg.nope_head_dim, packed, inverse_rope=inverse_rope)
+                                   cfg.nope_head_dim, packed, inverse_rope=inverse_rope,
+                                   batch_splits=not rowwise_enabled())
 
 
 def _csa_selection(step: _Step, packed_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
