@@ -316,12 +316,27 @@ if HAVE_TRITON:
 
     @triton.jit
     def _x4(xp, k):
-        # x[k .. k+3] (k [U, 1], a multiple of 4) as four float32 [U, 1]: one vector load, split in registers
-        v = tl.load(xp + k + tl.arange(0, 4)[None, :]).to(tl.float32)
-        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
-        x0, x2 = tl.split(a)
-        x1, x3 = tl.split(b)
-        return x0[:, None], x1[:, None], x2[:, None], x3[:, None]
+        # x[k .. k+3] (k [U, 1], a multiple of 4) as four float32 [U, 1]. 16-bit x: one 8-byte load, the values
+        # taken apart with bit operations in the tile's own layout (a [U, 4] vector load compiled for sm_90 into
+        # 2-byte loads moved between lanes through shared memory, with a barrier per 4 values)
+        if xp.dtype.element_ty == tl.bfloat16 or xp.dtype.element_ty == tl.float16:
+            w = tl.load((xp + k).to(tl.pointer_type(tl.int64)))
+            lo = w.to(tl.int32)
+            hi = (w >> 32).to(tl.int32)
+            if xp.dtype.element_ty == tl.bfloat16:  # bf16 is the top half of a float32
+                x0 = (lo << 16).to(tl.float32, bitcast=True)
+                x1 = (lo & -65536).to(tl.float32, bitcast=True)
+                x2 = (hi << 16).to(tl.float32, bitcast=True)
+                x3 = (hi & -65536).to(tl.float32, bitcast=True)
+            else:
+                x0, x1, x2, x3 = _h2f(lo), _h2f(lo >> 16), _h2f(hi), _h2f(hi >> 16)
+        else:
+            v = tl.load(xp + k + tl.arange(0, 4)[None, :]).to(tl.float32)
+            a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+            x0, x2 = tl.split(a)
+            x1, x3 = tl.split(b)
+            x0, x1, x2, x3 = x0[:, None], x1[:, None], x2[:, None], x3[:, None]
+        return x0, x1, x2, x3
 
     @triton.jit
     def _dot4f(q, sh: tl.constexpr, bits: tl.constexpr, xp, k):
@@ -389,11 +404,8 @@ if HAVE_TRITON:
     def _xq16_prepared(xqp, xsp, g):
         # what _xq16 returns for values 16 g .. 16 g + 15, from `quantize_activations`' buffers: one 16-byte load
         # of the four code words, one of the scale
-        v = tl.load(xqp + 4 * g + tl.arange(0, 4)[None, :])
-        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
-        w0, w2 = tl.split(a)
-        w1, w3 = tl.split(b)
-        return w0[:, None], w1[:, None], w2[:, None], w3[:, None], tl.load(xsp + g)
+        p = xqp + 4 * g
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(xsp + g)
 
     @triton.jit
     def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
@@ -594,8 +606,10 @@ if HAVE_TRITON:
         db = _h2f(d) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
         out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         if ACT8:
-            pos_levels = tl.load(gridp + 385)
-            neg_levels = tl.load(gridp + 386)
+            # the same two words for every lane, read at a lane-dependent address: as uniform values the compiler
+            # moved them into a register before every byte permute (sm_90 SASS: 8 moves per 32 weights and row)
+            pos_levels = tl.load(gridp + 385 + 4 * (c & 1))
+            neg_levels = tl.load(gridp + 386 + 4 * (c & 1))
         else:
             pos_levels = tl.load(gridp + 387)
             neg_levels = tl.load(gridp + 388)
@@ -865,14 +879,15 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
-    """The IQ2_XXS matvec's tables as int32 [389]:
+    """The IQ2_XXS matvec's tables as int32 [391]:
 
     - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
     - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
       sign is the parity of the 7 bits), so that OR-ing it into a grid entry selects the negated levels;
     - 384: the float magic 0x4B000000;
     - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
-    - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21)."""
+    - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21);
+    - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _mv_iq2_xxs)."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
     grid = (levels << (4 * torch.arange(8))).sum(dim=1)
@@ -885,7 +900,7 @@ def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
         return int.from_bytes(bytes(v & 255 for v in b), "little", signed=True)
 
     consts = [0x4B000000, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
-              word([56, 39, 21, 0])]
+              word([56, 39, 21, 0]), word([8, 25, 43, 0]), word([-8, -25, -43, 0])]
     return torch.cat([grid, signs, torch.tensor(consts)]).to(torch.int32).to(device)
 
 
@@ -994,6 +1009,8 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     has_ids = ids is not None
     ids_t = ids.reshape(-1).to(torch.int32).contiguous() if has_ids else _dummy(dev)
     x2 = x2.contiguous()
+    if x2.data_ptr() % 8:  # the matvec reads 16-bit x 4 values (8 bytes) at a time
+        x2 = x2.clone()
     use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
     if swiglu is not None and not (use_mv and has_ids and w.ndim == 3 and w.shape[0] % 2 == 0):
         raise ValueError("_launch: the fused SwiGLU needs the routed matvec over stacked gate / up experts")
