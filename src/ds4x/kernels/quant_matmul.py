@@ -404,8 +404,11 @@ if HAVE_TRITON:
     def _xq16_prepared(xqp, xsp, g):
         # what _xq16 returns for values 16 g .. 16 g + 15, from `quantize_activations`' buffers: one 16-byte load
         # of the four code words, one of the scale
-        p = xqp + 4 * g
-        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(xsp + g)
+        v = tl.load(xqp + 4 * g + tl.arange(0, 4)[None, :])
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+        w0, w2 = tl.split(a)
+        w1, w3 = tl.split(b)
+        return w0[:, None], w1[:, None], w2[:, None], w3[:, None], tl.load(xsp + g)
 
     @triton.jit
     def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
