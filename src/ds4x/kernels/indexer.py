@@ -103,9 +103,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             from ds4x.kernels.pdl import launch_options
 
             pdl = launch_options(q.device)
-            regs = {"maxnreg": indexer_wgmma.MAX_REGISTERS} if indexer_wgmma.MAX_REGISTERS else {}
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
-                                                    num_warps=indexer_wgmma.WARPS, **regs)
+                                                    num_warps=indexer_wgmma.WARPS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

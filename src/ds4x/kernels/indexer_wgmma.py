@@ -28,8 +28,6 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 BLOCK_N = 128  # rows per tile
 WARPS = 4
-# Register ceiling for the compiler (None: its own choice, 131 on sm_90, so three 128-thread programs fit an SM)
-MAX_REGISTERS: int | None = None
 
 
 if HAVE_GLUON:
