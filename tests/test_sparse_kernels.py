@@ -275,6 +275,49 @@ def test_batched_decode_kernels_are_each_query_alone():
         attention_decode_triton(qa, [(raw[0], Slots(24, position=pos, ring=48))], sinks, 128**-0.5, 64, True)
 
 
+def test_batch_splits_cut_each_query_into_fewer_splits(monkeypatch):
+    """``batch_splits``: a batch's queries get fewer splits (in the interpreter 4 multiprocessors / (B x sources):
+    one per source), so each output matches the query alone to float rounding; a batch of one keeps its splits and
+    bits; BATCH_SPLIT_WAVES = 0 turns the cap off. The merge launch's split count is recorded."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels import triton_attention
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's 4 multiprocessors make the cap bite at this size")
+    splits = []
+    merge = triton_attention.combine_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                splits.append(args[7])  # n_split
+                return merge[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "combine_kernel", Recording())
+    g = torch.Generator().manual_seed(13)
+    B, heads, cap = 3, 16, 300
+    raw = torch.stack([pack_kv_rows(torch.randn(48, 128, generator=g) * 2, rope_dim=64) for _ in range(B)])
+    comp = torch.stack([pack_kv_rows(torch.randn(cap, 128, generator=g), rope_dim=64) for _ in range(B)])
+    q = torch.randn(B, heads, 128, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    pos = torch.tensor([30, 200, 47])
+    picked = torch.stack([torch.randperm(cap, generator=g)[:64] for _ in range(B)])
+
+    def run(b, **kw):
+        sources = [(raw[b], Slots(24, position=pos[b], ring=48)), (comp[b], picked[b])]
+        return attention_decode_triton(q[b], sources, sinks, 128**-0.5, 64, True, **kw)
+
+    full = run(slice(None))
+    cut = run(slice(None), batch_splits=True)
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
+    assert splits == [6, 2]  # window 2 + picks 4 blocks of 16 rows, then one split per source
+    assert torch.equal(run(slice(0, 1), batch_splits=True), run(slice(0, 1)))
+    monkeypatch.setattr(A, "BATCH_SPLIT_WAVES", 0)
+    assert torch.equal(run(slice(None), batch_splits=True), full)
+
+
 def _prefill_reference(q, positions, ring_rows, ring, w, sinks, scale, extra):
     """float64 softmax over each query's window slots and extra rows (``extra[t]``: row ids), with the sink."""
     out = []

@@ -95,8 +95,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     dtype=dtype)`). A batched decode step passes B queries
     q [B, H, D] with each source's data a batch of stores [B, capacity, width] (query b reads store b), its
     positions [B] and explicit indices [B, n] -> [B, H, D], in the same two launches; each query's output has the
-    bits of that query alone, unless ``batch_splits`` (CUDA, B > 1) lets the batch size cut each query's rows into
-    fewer splits (``BATCH_SPLIT_WAVES``): the same attention to float rounding, fewer partial states.
+    bits of that query alone, unless ``batch_splits`` (B > 1) lets the batch size cut each query's rows into fewer
+    splits (``BATCH_SPLIT_WAVES``): the same attention to float rounding, fewer partial states.
 
     On the GPU the query and the probabilities enter the tensor cores as high + low bf16/fp16 parts (the
     module doc of `ds4x.kernels.triton_attention`): relative error about 1e-5, and packed and unpacked rows
@@ -148,9 +148,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             raise ValueError("one_pass runs the Hopper kernel (config None, WGMMA on, a query it serves) and "
                              "leaves the inverse RoPE to the caller")
         max_splits = 1
-    elif batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0 and q.is_cuda:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * sms // (B * len(slots))))
+    elif batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0:
+        from ds4x.kernels.indexer import num_sms
+
+        max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * num_sms(q.device) // (B * len(slots))))
     per_split, n_splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))
