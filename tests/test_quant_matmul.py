@@ -204,6 +204,22 @@ def test_routed_swiglu_interpreter(interp, monkeypatch, qt):
         qm.quant_routed_swiglu(x, weight(qt, (5, n, k), seed=1), ids, limit)
 
 
+def test_routed_swiglu_decodes_each_expert_once_for_its_pairs_interpreter(interp, monkeypatch):
+    # several tokens' pairs (a batched decode step, x quantized once): a program runs all pairs of its expert, two
+    # at a time (an expert met by 5 pairs: three rounds, the last with one pair), with each pair's bits of the
+    # launch of one program per pair; experts 5 and 6 are met once
+    n_exp, n, k, limit = 7, 9, 512, 0.25
+    w13 = weight(T.IQ2_XXS, (2 * n_exp, n, k), seed=73).split()
+    ids = torch.tensor([[0, 1, 2], [0, 3, 4], [0, 1, 4], [2, 0, 3], [5, 0, 6]])
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(74)).to(torch.bfloat16)
+    xq = qm.quantize_activations(x)
+    got = qm.quant_routed_swiglu(x, w13, ids, limit, config=MV, int8=True, xq=xq)
+    monkeypatch.setattr(qm, "EXPERT_PAIRS", False)
+    want = qm.quant_routed_swiglu(x, w13, ids, limit, config=MV, int8=True, xq=xq)
+    assert torch.equal(got, want)
+    assert (want.float().abs() > 0).all()  # every pair's row written
+
+
 def test_routed_grouped_interpreter(interp, monkeypatch):
     # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
     # (a 2-expert scratch here), with an expert no row picks

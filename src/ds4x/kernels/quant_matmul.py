@@ -583,15 +583,16 @@ if HAVE_TRITON:
         return g0 | s0, g1 | s1, g2 | s2, g3 | s3
 
     @triton.jit
-    def _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
-                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
+    def _iq2_xxs_words(rowp, c, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                       INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
         # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads; in
         # split rows one 8-byte load). The tables (see _iq2_xxs_tables): grid entry g's 8 level indices as
         # nibbles, and for each 7-bit sign index the sign of each of the 8 weights (the 8th: the parity of the
         # 7) as bit 2 of that weight's nibble, so that one byte permute per 4 weights picks signed magnitudes
         # from two words of levels: signed int8 for the integer dot products, else 64 + the signed magnitude,
-        # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude
+        # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude. Returns the
+        # unit's scale and its 8 words of 4 weights (word 2 j + h: weights 8 j + 4 h .. 8 j + 4 h + 3)
         if SPLIT:  # the unit's 8 bytes at 8c (one load), the block's scale at kb + 2 (c // 8)
             q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
             lo = q.to(tl.int32)
@@ -607,7 +608,6 @@ if HAVE_TRITON:
             aux = _ld16(gp + 4) | (_ld16(gp + 6) << 16)
             d = _ld16(bp)
         db = _h2f(d) * (0.5 + _magic((aux >> 28) & 15, 0.0)) * 0.25
-        out = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         if ACT8:
             # the same two words for every lane, read at a lane-dependent address: as uniform values the compiler
             # moved them into a register before every byte permute (sm_90 SASS: 8 moves per 32 weights and row)
@@ -616,47 +616,72 @@ if HAVE_TRITON:
         else:
             pos_levels = tl.load(gridp + 387)
             neg_levels = tl.load(gridp + 388)
-            magic = tl.load(gridp + 384)
         sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
+        p, n = pos_levels, neg_levels
+        return (db, _permute(p, sel0, n, INTERPRET), _permute(p, sel0 >> 16, n, INTERPRET),
+                _permute(p, sel1, n, INTERPRET), _permute(p, sel1 >> 16, n, INTERPRET),
+                _permute(p, sel2, n, INTERPRET), _permute(p, sel2 >> 16, n, INTERPRET),
+                _permute(p, sel3, n, INTERPRET), _permute(p, sel3 >> 16, n, INTERPRET))
+
+    @triton.jit
+    def _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xp, xqp, xsp, xqp1, xsp1, XQ: tl.constexpr,
+                      TWO: tl.constexpr, INTERPRET: tl.constexpr):
+        # the unit's products with int8 activations: two 16-value groups of x (quantized once per token, or
+        # here), each a chain of four dp4a over the signed words; TWO (XQ only): also with the second token's x at
+        # xqp1 / xsp1, each word used for both tokens at once (so no word outlives its two products)
+        out = tl.zeros(w0.shape, tl.float32)
+        out1 = out
         for half in tl.static_range(2):  # 16 weights: grid entries 2 half, 2 half + 1
-            if ACT8:
-                if XQ:  # quantized once per token (quantize_activations), not once per program
-                    x0, x1, x2, x3, dx = _xq16_prepared(xqp, xsp, 2 * c + half)
-                else:
-                    x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
-                dots = tl.zeros_like(aux)
+            if XQ:  # quantized once per token (quantize_activations), not once per program
+                x0, x1, x2, x3, dx = _xq16_prepared(xqp, xsp, 2 * c + half)
+                if TWO:
+                    y0, y1, y2, y3, dy = _xq16_prepared(xqp1, xsp1, 2 * c + half)
             else:
-                s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
-            for e in tl.static_range(2):
-                j = 2 * half + e
-                if half == 0:
-                    sel = sel0 if e == 0 else sel1
-                else:
-                    sel = sel2 if e == 0 else sel3
-                w_lo = _permute(pos_levels, sel, neg_levels, INTERPRET)
-                w_hi = _permute(pos_levels, sel >> 16, neg_levels, INTERPRET)
-                if ACT8:
-                    if e == 0:
-                        xa, xb = x0, x1
-                    else:
-                        xa, xb = x2, x3
-                    dots = _dp4a(w_hi, xb, _dp4a(w_lo, xa, dots, INTERPRET), INTERPRET)
-                else:
+                x0, x1, x2, x3, dx, sx = _xq16(xp, c * 32 + 16 * half, INTERPRET)
+            if half == 0:
+                wa, wb, wc, wd = w0, w1, w2, w3
+            else:
+                wa, wb, wc, wd = w4, w5, w6, w7
+            dots = _dp4a(wb, x1, _dp4a(wa, x0, tl.zeros_like(w0), INTERPRET), INTERPRET)
+            if TWO:
+                dots1 = _dp4a(wb, y1, _dp4a(wa, y0, tl.zeros_like(w0), INTERPRET), INTERPRET)
+                dots1 = _dp4a(wd, y3, _dp4a(wc, y2, dots1, INTERPRET), INTERPRET)
+                out1 += dy * dots1.to(tl.float32)
+            dots = _dp4a(wd, x3, _dp4a(wc, x2, dots, INTERPRET), INTERPRET)
+            out += dx * dots.to(tl.float32)
+        return db * out, db * out1
+
+    @triton.jit
+    def _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
+        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, gridp, tables, kb, SPLIT, ACT8, INTERPRET)
+        if ACT8:
+            out, _ = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xp, xqp, xsp, xqp, xsp, XQ, False,
+                                   INTERPRET)
+        else:
+            magic = tl.load(gridp + 384)
+            out = tl.zeros(w0.shape, tl.float32)
+            for half in tl.static_range(2):
+                s = tl.zeros(w0.shape, tl.float32)
+                for e in tl.static_range(2):
+                    j = 2 * half + e
                     for w in tl.static_range(2):
-                        if w == 0:
-                            biased = w_lo
+                        if j == 0:
+                            biased = w0 if w == 0 else w1
+                        elif j == 1:
+                            biased = w2 if w == 0 else w3
+                        elif j == 2:
+                            biased = w4 if w == 0 else w5
                         else:
-                            biased = w_hi
+                            biased = w6 if w == 0 else w7
                         x0, x1, x2, x3 = _x4(xp, c * 32 + 8 * j + 4 * w)
                         s += (_byte_magic(biased, magic, 0, INTERPRET) - 8388672.0) * x0
                         s += (_byte_magic(biased, magic, 1, INTERPRET) - 8388672.0) * x1
                         s += (_byte_magic(biased, magic, 2, INTERPRET) - 8388672.0) * x2
                         s += (_byte_magic(biased, magic, 3, INTERPRET) - 8388672.0) * x3
-            if ACT8:
-                out += dx * dots.to(tl.float32)
-            else:
                 out += s
-        return db * out
+            out = db * out
+        return out
 
     @triton.jit
     def _mv_dense(rowp, c, xp, BF16: tl.constexpr):
@@ -695,13 +720,38 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
+    def _swiglu_rows(w_ptr, e, pid_n, N, row_bytes, expert_bytes, up_bytes, R: tl.constexpr):
+        # a SwiGLU tile's R weight rows: R / 2 gate rows of expert e and the same rows of the up expert, up_bytes
+        # further on (rows past N read row N - 1, never stored, so no weight load needs a mask)
+        j = tl.arange(0, R)
+        rows = pid_n * (R // 2) + j % (R // 2)
+        base = w_ptr + e * expert_bytes + (j >= R // 2).to(tl.int64)[None, :] * up_bytes
+        return base + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+
+    @triton.jit
+    def _swiglu_store(y, y_ptr, pair, pid_n, N, limit, stride_y, R: tl.constexpr):
+        # swiglu(gate, up) of a SwiGLU tile's sums y [R] into row ``pair`` of y_ptr (the SwiGLU kernel's bits: gate
+        # and up rounded to y's dtype first)
+        gate, up = tl.split(tl.trans(tl.reshape(y, (2, R // 2))))
+        g = tl.minimum(gate.to(y_ptr.dtype.element_ty).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(up.to(y_ptr.dtype.element_ty).to(tl.float32), -limit), limit)
+        cols = pid_n * (R // 2) + tl.arange(0, R // 2)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+    @triton.jit
+    def _iq2_xxs_tables_tile(grid_ptr):
+        # the grid and sign tables (_iq2_xxs_tables) in registers, for tl.gather
+        t = tl.arange(0, 512)
+        return tl.load(grid_ptr + t, mask=t < 384, other=0)
+
+    @triton.jit
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
                     up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
                     XQ: tl.constexpr, INTERPRET: tl.constexpr):
-        # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert, up_bytes
-        # further on; the program stores swiglu(gate, up) for its R / 2 rows (the SwiGLU kernel's bits: gate and
-        # up rounded to y's dtype first), so the routed gate / up product and SwiGLU are one launch
+        # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
         pid_n = tl.program_id(0)
         pair = tl.program_id(1)
         if HAS_IDS:
@@ -709,23 +759,19 @@ if HAVE_TRITON:
         else:
             e = 0
         if SWIGLU:
-            j = tl.arange(0, R)
-            rows = pid_n * (R // 2) + j % (R // 2)
-            base = w_ptr + e * expert_bytes + (j >= R // 2).to(tl.int64)[None, :] * up_bytes
+            rowp = _swiglu_rows(w_ptr, e, pid_n, N, row_bytes, expert_bytes, up_bytes, R)
         else:
             rows = pid_n * R + tl.arange(0, R)
-            base = w_ptr + e * expert_bytes
-        # rows past N read row N - 1 (never stored), so no weight load needs a mask
-        rowp = base + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
+            # rows past N read row N - 1 (never stored), so no weight load needs a mask
+            rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
         # XQ: x's row quantized per 16 values (IQ2_XXS units of 32 weights: 8 code words, 2 scales a unit)
         xqp = xq_ptr + (pair // X_DIV).to(tl.int64) * (8 * n_units)
         xsp = xs_ptr + (pair // X_DIV).to(tl.int64) * (2 * n_units)
         acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
-        if QTYPE == 16 or QTYPE == 17:  # IQ2_XXS: the grid and sign tables (_iq2_xxs_tables), for tl.gather
-            t = tl.arange(0, 512)
-            tables = tl.load(grid_ptr + t, mask=t < 384, other=0)
+        if QTYPE == 16 or QTYPE == 17:
+            tables = _iq2_xxs_tables_tile(grid_ptr)
         else:
             tables = 0
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
@@ -740,14 +786,66 @@ if HAVE_TRITON:
                                 kb, XQ, INTERPRET)
         y = tl.sum(acc, axis=0)
         if SWIGLU:
-            gate, up = tl.split(tl.trans(tl.reshape(y, (2, R // 2))))
-            g = tl.minimum(gate.to(y_ptr.dtype.element_ty).to(tl.float32), limit)
-            u = tl.minimum(tl.maximum(up.to(y_ptr.dtype.element_ty).to(tl.float32), -limit), limit)
-            cols = pid_n * (R // 2) + tl.arange(0, R // 2)
-            h = g / (1.0 + tl.exp(-g)) * u
-            tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
+            _swiglu_store(y, y_ptr, pair, pid_n, N, limit, stride_y, R)
         else:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def _qmv_expert_pairs_kernel(xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, n_pairs, row_bytes,
+                                 expert_bytes, up_bytes, limit, stride_y, X_DIV: tl.constexpr, R: tl.constexpr,
+                                 U: tl.constexpr, PB: tl.constexpr, INTERPRET: tl.constexpr):
+        # _qmv_kernel's routed IQ2_XXS gate / up + SwiGLU (split rows, x quantized beforehand) with each expert's
+        # rows decoded once for two of its pairs: program (row block, pair) runs only where its pair is the first
+        # of its expert, and then all of that expert's pairs, two at a time, each with the operations (the bits)
+        # of _qmv_kernel's program for that pair
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
+        allp = tl.arange(0, PB)
+        e = tl.load(ids_ptr + slot)
+        match = tl.load(ids_ptr + allp, mask=allp < n_pairs, other=-1) == e
+        if tl.min(tl.where(match, allp, PB)) == slot:
+            rowp = _swiglu_rows(w_ptr, e.to(tl.int64), pid_n, N, row_bytes, expert_bytes, up_bytes, R)
+            kb = n_units * 8
+            tables = _iq2_xxs_tables_tile(grid_ptr)
+            left = match
+            n_left = tl.sum(match.to(tl.int32))
+            while n_left > 0:
+                p0 = tl.min(tl.where(left, allp, PB))
+                left = left & (allp != p0)
+                p1 = tl.min(tl.where(left, allp, PB))
+                left = left & (allp != p1)
+                two = n_left > 1
+                p1 = tl.where(two, p1, p0)
+                xq0 = xq_ptr + (p0 // X_DIV).to(tl.int64) * (8 * n_units)
+                xs0 = xs_ptr + (p0 // X_DIV).to(tl.int64) * (2 * n_units)
+                xq1 = xq_ptr + (p1 // X_DIV).to(tl.int64) * (8 * n_units)
+                xs1 = xs_ptr + (p1 // X_DIV).to(tl.int64) * (2 * n_units)
+                acc0 = tl.zeros((U, R), dtype=tl.float32)
+                acc1 = tl.zeros((U, R), dtype=tl.float32)
+                u0 = 0
+                if two:  # the unit loop written twice: with one token it carries no second token's work
+                    while u0 < n_units:
+                        c = u0 + tl.arange(0, U)[:, None]
+                        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True,
+                                                                            True, INTERPRET)
+                        o0, o1 = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq1, xs1, True,
+                                               True, INTERPRET)
+                        acc0 += o0
+                        acc1 += o1
+                        u0 += U
+                else:
+                    while u0 < n_units:
+                        c = u0 + tl.arange(0, U)[:, None]
+                        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True,
+                                                                            True, INTERPRET)
+                        o0, _ = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq0, xs0, True,
+                                              False, INTERPRET)
+                        acc0 += o0
+                        u0 += U
+                _swiglu_store(tl.sum(acc0, axis=0), y_ptr, p0, pid_n, N, limit, stride_y, R)
+                if two:
+                    _swiglu_store(tl.sum(acc1, axis=0), y_ptr, p1, pid_n, N, limit, stride_y, R)
+                n_left -= 2
 
     @triton.jit
     def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr):
@@ -1026,6 +1124,13 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             raise ValueError(f"_launch: the fused SwiGLU splits a program's rows in two halves, got {r} rows")
         n_units = k // unit
         up_bytes = (w.shape[0] // 2) * expert_bytes
+        if (swiglu is not None and xq is not None and code == 17 and EXPERT_PAIRS and n_pairs > x_div
+                and n_pairs <= EXPERT_PAIRS_MAX):
+            mod._qmv_expert_pairs_kernel[(triton.cdiv(n, r // 2), n_pairs)](
+                xq.codes, xq.scales, wr, _iq2_xxs_tables(dev), ids_t, y, n, n_units, n_pairs, w.row_bytes,
+                expert_bytes, up_bytes, float(swiglu), y.stride(0), X_DIV=x_div, R=r, U=_fit_units(n_units, u),
+                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw)
+            return y
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
@@ -1260,6 +1365,11 @@ def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activat
 
 
 PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launch quantizes x (an A/B switch)
+# The routed gate / up + SwiGLU launch over several tokens' pairs (a batched decode step) decodes each expert's
+# rows once for two of its pairs (_qmv_expert_pairs_kernel; the same bits per pair); False: once per pair. Up to
+# EXPERT_PAIRS_MAX pairs (each program reads the launch's expert ids to find its expert's pairs).
+EXPERT_PAIRS = True
+EXPERT_PAIRS_MAX = 1024
 
 
 def _swiglu_serves(x: torch.Tensor, w13: GGMLTensor, pairs: int, config: tuple[int, ...] | None) -> bool:
