@@ -213,6 +213,7 @@ def test_routed_swiglu_decodes_each_expert_once_for_its_pairs_interpreter(interp
     ids = torch.tensor([[0, 1, 2], [0, 3, 4], [0, 1, 4], [2, 0, 3], [5, 0, 6]])
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(74)).to(torch.bfloat16)
     xq = qm.quantize_activations(x)
+    monkeypatch.setattr(qm, "EXPERT_PAIRS_MIN", 2)  # 15 pairs here
     got = qm.quant_routed_swiglu(x, w13, ids, limit, config=MV, int8=True, xq=xq)
     monkeypatch.setattr(qm, "EXPERT_PAIRS", False)
     want = qm.quant_routed_swiglu(x, w13, ids, limit, config=MV, int8=True, xq=xq)
