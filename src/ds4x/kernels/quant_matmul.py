@@ -89,6 +89,7 @@ from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 from ds4x.kernels import routed_wgmma
+from ds4x.memory import free_memory
 
 T = GGMLQuantizationType
 log = logging.getLogger(__name__)
@@ -1228,7 +1229,7 @@ def _dense_mirror(w: GGMLTensor, rows: int, dtype: torch.dtype) -> torch.Tensor 
     if torch.cuda.is_current_stream_capturing() or _mirrors["refused"]:
         return None
     need = w.numel() * torch.finfo(dtype).bits // 8
-    free, _ = torch.cuda.mem_get_info(w.device)
+    free = free_memory(w.device)  # with the allocator's unused blocks, which the driver's count leaves out
     if free < need + MIRROR_RESERVE_BYTES:
         _mirrors["refused"] = True
         log.warning("dense mirrors of Q8_0 matrices stop here: %.1f GiB free on %s; batched products read the "

@@ -19,7 +19,6 @@ Three modes, one switch (DESIGN §3.2, §5):
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -39,6 +38,7 @@ from ds4x.formats import (
     unpack_kv_rows,
 )
 from ds4x.kernels.dispatch import use_triton
+from ds4x.memory import free_memory
 
 CACHE_MODES = ("float", "native", "packed")
 
@@ -285,20 +285,6 @@ def _capacities(cfg: ModelConfig, ctx: int, chunk: int, mode: str) -> list[dict[
             raw = proj = ctx
         out.append({"raw": raw, "proj": proj, "comp_rows": ctx // ratio + 2 if ratio else 0})
     return out
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes that can still be allocated on ``device`` (host: MemAvailable)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def format_plan(plan: dict[str, int]) -> str:

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds4x.model.cache import ModelCache, free_memory, plan_cache
+from ds4x.memory import free_memory
+from ds4x.model.cache import ModelCache, plan_cache
 from ds4x.runtime.batch import DecodeSlots, step_sessions
 from ds4x.runtime.decode_graph import graphs_enabled
 from ds4x.runtime.engine import Engine, Session
