@@ -989,7 +989,7 @@ def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
     - 384: the float magic 0x4B000000;
     - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
     - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21);
-    - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _mv_iq2_xxs)."""
+    - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _iq2_xxs_words)."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
     grid = (levels << (4 * torch.arange(8))).sum(dim=1)
