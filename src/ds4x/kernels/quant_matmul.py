@@ -792,6 +792,25 @@ if HAVE_TRITON:
             tl.store(y_ptr + pair.to(tl.int64) * stride_y + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
     @triton.jit
+    def _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq1, xs1, R: tl.constexpr, U: tl.constexpr,
+                      TWO: tl.constexpr, INTERPRET: tl.constexpr):
+        # _qmv_expert_pairs_kernel's K loop: each unit of the expert's rows decoded once, multiplied by one token's
+        # x codes or (TWO) two tokens'; the per-token sums [U, R] (the second is the first without TWO)
+        acc0 = tl.zeros((U, R), dtype=tl.float32)
+        acc1 = tl.zeros((U, R), dtype=tl.float32)
+        u0 = 0
+        while u0 < n_units:
+            c = u0 + tl.arange(0, U)[:, None]
+            db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True, True, INTERPRET)
+            o0, o1 = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq1, xs1, True, TWO,
+                                   INTERPRET)
+            acc0 += o0
+            if TWO:
+                acc1 += o1
+            u0 += U
+        return acc0, acc1
+
+    @triton.jit
     def _qmv_expert_pairs_kernel(xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, n_pairs, row_bytes,
                                  expert_bytes, up_bytes, limit, stride_y, X_DIV: tl.constexpr, R: tl.constexpr,
                                  U: tl.constexpr, PB: tl.constexpr, INTERPRET: tl.constexpr):
@@ -821,28 +840,12 @@ if HAVE_TRITON:
                 xs0 = xs_ptr + (p0 // X_DIV).to(tl.int64) * (2 * n_units)
                 xq1 = xq_ptr + (p1 // X_DIV).to(tl.int64) * (8 * n_units)
                 xs1 = xs_ptr + (p1 // X_DIV).to(tl.int64) * (2 * n_units)
-                acc0 = tl.zeros((U, R), dtype=tl.float32)
-                acc1 = tl.zeros((U, R), dtype=tl.float32)
-                u0 = 0
-                if two:  # the unit loop written twice: with one token it carries no second token's work
-                    while u0 < n_units:
-                        c = u0 + tl.arange(0, U)[:, None]
-                        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True,
-                                                                            True, INTERPRET)
-                        o0, o1 = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq1, xs1, True,
-                                               True, INTERPRET)
-                        acc0 += o0
-                        acc1 += o1
-                        u0 += U
+                if two:  # the unit loop compiled twice: with one token it carries no second token's work
+                    acc0, acc1 = _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq1, xs1, R, U, True,
+                                               INTERPRET)
                 else:
-                    while u0 < n_units:
-                        c = u0 + tl.arange(0, U)[:, None]
-                        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True,
-                                                                            True, INTERPRET)
-                        o0, _ = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq0, xs0, True,
-                                              False, INTERPRET)
-                        acc0 += o0
-                        u0 += U
+                    acc0, acc1 = _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq0, xs0, R, U, False,
+                                               INTERPRET)
                 _swiglu_store(tl.sum(acc0, axis=0), y_ptr, p0, pid_n, N, limit, stride_y, R)
                 if two:
                     _swiglu_store(tl.sum(acc1, axis=0), y_ptr, p1, pid_n, N, limit, stride_y, R)
