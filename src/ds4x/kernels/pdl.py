@@ -15,7 +15,7 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ds4x.formats.triton_mode import interpret_mode
 
@@ -41,3 +41,22 @@ def wait_upstream(PDL: tl.constexpr):
     that earlier kernels touch."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Lets the kernel after this one (launched with `launch_options`) start its programs now: they run up to
+    their own `wait_upstream`, which still waits for this whole kernel."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptr, nbytes):
+    """One thread of the program asks for ``nbytes`` (a multiple of 16) at ``ptr`` (16-byte aligned) to be read
+    into L2 (Hopper's bulk prefetch; the program does not wait for it)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr + tl.zeros([1], tl.int64), nbytes + tl.zeros([1], tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)

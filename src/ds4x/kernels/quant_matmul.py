@@ -89,6 +89,7 @@ from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 from ds4x.kernels import routed_wgmma
+from ds4x.kernels.pdl import launch_options, prefetch_l2, release_dependents, wait_upstream
 from ds4x.memory import free_memory
 
 T = GGMLQuantizationType
@@ -750,11 +751,19 @@ if HAVE_TRITON:
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
                     up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
-                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                    PREFETCH: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
-        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
+        # PREFETCH (no ids): the program's weight rows, which no kernel writes, are asked into L2 before waiting
+        # for the kernel before this one (PDL)
         pid_n = tl.program_id(0)
         pair = tl.program_id(1)
+        if PREFETCH:
+            first = pid_n * R
+            prefetch_l2(w_ptr + first.to(tl.int64) * row_bytes, (tl.minimum(N - first, R) * row_bytes).to(tl.int32))
+        wait_upstream(PDL)
+        release_dependents(PDL)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
@@ -1089,6 +1098,17 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
     return (32 if m <= 32 else 64), 64, 128, 8
 
 
+MATVEC_PDL = False  # the matvec launched with PDL, releasing the next kernel at once (see ds4x.kernels.pdl)
+MATVEC_PREFETCH = False  # and, where it has no ids to read first, prefetching its weight rows into L2 before it waits
+
+
+def _pdl_options(dev: torch.device, has_ids: bool, aligned: bool) -> dict:
+    opts = launch_options(dev) if MATVEC_PDL else {}
+    if opts.get("PDL"):
+        opts["PREFETCH"] = MATVEC_PREFETCH and not has_ids and aligned
+    return opts
+
+
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
             int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS,
@@ -1140,7 +1160,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
-            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw)
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **_pdl_options(dev, has_ids, wr.data_ptr() % 16 == 0 and w.row_bytes % 16 == 0))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
