@@ -16,16 +16,19 @@ from typing import Any
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 
 if HAVE_TRITON:
+    from ds4x.kernels.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _emit_kernel(proj, cap, ring_stride, windows, last, last_stride, ape, norm, inv_freq, out, parts, arrived,
                      magnitude, eps,
                      RATIO: tl.constexpr, OVERLAP: tl.constexpr, WIDTH: tl.constexpr, ROPE_HALF: tl.constexpr,
-                     BLOCK_C: tl.constexpr, NCB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+                     BLOCK_C: tl.constexpr, NCB: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr,
+                     PDL: tl.constexpr = False):
         # program (window i, channel block cb): pools BLOCK_C channels over the window's slots and stores them with
         # their sum of squares; the window's last program to arrive (a counter in ``arrived``, zero on entry)
         # normalises the whole row and rotates its RoPE dims, and leaves the counter at zero. Splitting the
@@ -36,6 +39,8 @@ if HAVE_TRITON:
         # [0, WIDTH) of kv and gate ("a" lane), then its own through [WIDTH, 2 * WIDTH) ("b" lane).
         KV: tl.constexpr = WIDTH * (2 if OVERLAP else 1)
         NSLOT: tl.constexpr = RATIO * (2 if OVERLAP else 1)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         i = tl.program_id(0)
         cb = tl.program_id(1)
         w = tl.load(windows + i)
@@ -153,5 +158,5 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
             1 if batched else 0, ape.contiguous(), norm.contiguous(),
             inv_freq.float().contiguous(), out, parts, arrived, float(magnitude), float(eps), RATIO=ratio,
             OVERLAP=overlap, WIDTH=width, ROPE_HALF=inv_freq.shape[0], BLOCK_C=block_c, NCB=ncb, BLOCK_S=block_s,
-            BLOCK_W=block_w, num_warps=4)
+            BLOCK_W=block_w, num_warps=4, **launch_options(proj.device))
     return out

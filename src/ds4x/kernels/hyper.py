@@ -27,11 +27,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 # the hidden size is a compile-time constant (one model, one value): static loops, also in the interpreter
 
 if HAVE_TRITON:
+    from ds4x.kernels.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _mix_partials(y, fn, mix_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
@@ -50,9 +52,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _hc_mix_kernel(streams, fn, mix_part, gram_part, H: tl.constexpr, N: tl.constexpr,
-                       M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr):
+                       M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
         # program (token, block of the hidden size): the block's mixing partials over all N streams (no atomics:
         # replays give the same bits)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -64,11 +68,14 @@ if HAVE_TRITON:
     @triton.jit
     def _hc_pre_kernel(streams, mix_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
                        H: tl.constexpr, rms_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr, MP: tl.constexpr,
-                       S: tl.constexpr, SP: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+                       S: tl.constexpr, SP: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr = False):
         # program (token, block of the hidden size): every program of a token derives the same pre / post /
         # comb from the partials (4x4 work, cheaper than another launch), then collapses its block. NORM: the
         # block input's RMSNorm too (weights norm_w): its mean square is pre^T G pre / H for the streams' Gram
         # matrix G (summed from the partials), so no program needs the others' blocks
+        wait_upstream(PDL)
+        release_dependents(PDL)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         j = tl.arange(0, N)
@@ -112,11 +119,13 @@ if HAVE_TRITON:
     @triton.jit
     def _hc_post_kernel(streams, block_out, routed, routed_w, post, comb, out, fn, mix_part, gram_part,
                         H: tl.constexpr, N: tl.constexpr, BLOCK_H: tl.constexpr, MIX: tl.constexpr, M: tl.constexpr,
-                        MP: tl.constexpr, K: tl.constexpr):
+                        MP: tl.constexpr, K: tl.constexpr, PDL: tl.constexpr = False):
         # program (token, block of the hidden size); with MIX also the next block's mixing partials over this block
         # of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
         # K > 0: block_out is the shared expert's output and the block's output is first summed with the K routed
         # outputs [T, K, H] by their weights [T, K], rounded to block_out's dtype (the MoE combine's arithmetic)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -218,7 +227,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     elif partials is None:
         partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
         kern._hc_mix_kernel[(t, partials.gram.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
-                                                       BLOCK_H=POST_MIX_BLOCK)
+                                                       BLOCK_H=POST_MIX_BLOCK, **launch_options(streams.device))
     s = partials.gram.shape[1]
     if partials.mix.shape != (t, s, mp) or partials.gram.shape != (t, s, n * n):
         raise ValueError(f"hc_pre_fused: partials {[list(p.shape) for p in partials]} do not fit {t} tokens, {n} "
@@ -231,7 +240,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
         ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
-        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1)
+        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1, **launch_options(dev))
     return out, post, comb
 
 
@@ -256,7 +265,7 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
         comb.float().contiguous(), out, mix_fn.contiguous() if mix_fn is not None else out,
         *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=mix_fn is not None,
-        M=m, MP=mp, K=y.shape[1] if routed is not None else 0)
+        M=m, MP=mp, K=y.shape[1] if routed is not None else 0, **launch_options(streams.device))
     if by_matmul:
         assert next_fn is not None
         partials = _partials_by_matmul(out, next_fn, triton.next_power_of_2(next_fn.shape[0]))

@@ -16,17 +16,21 @@ from typing import Any
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 
 if HAVE_TRITON:
+    from ds4x.kernels.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _route_kernel(logits, bias, tokens, tid2eid, ids_out, weights_out, scaling, stacked, E: tl.constexpr,
                       K: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, STACKED: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        wait_upstream(PDL)
+        release_dependents(PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         em = e < E
@@ -67,8 +71,10 @@ if HAVE_TRITON:
         tl.store(weights_out + t * K + k, w.to(weights_out.dtype.element_ty), mask=km)
 
     @triton.jit
-    def _swiglu_kernel(gate, up, out, width, stride_g, stride_u, limit, BLOCK: tl.constexpr):
+    def _swiglu_kernel(gate, up, out, width, stride_g, stride_u, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         # program (row, column block); gate and up rows may be strided (the halves of one stacked product)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         r = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < width
@@ -78,7 +84,10 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _moe_combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    def _moe_combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
+        wait_upstream(PDL)
+        release_dependents(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = n < N
@@ -116,7 +125,7 @@ def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.T
             lg, bias if bias is not None else lg, tokens.contiguous() if hashed else lg,
             tid2eid.contiguous() if hashed else lg, ids, weights, float(scaling), stacked, E=n_exp, K=k,
             FUNC=SCORE_FUNCS.index(func) if func in SCORE_FUNCS else 2, HASHED=hashed, STACKED=stacked > 0,
-            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k))
+            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k), **launch_options(logits.device))
     return ids, weights
 
 
@@ -130,7 +139,7 @@ def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     if out.numel():
         block = min(1024, triton.next_power_of_2(width))
         _kernels()._swiglu_kernel[(g.shape[0], triton.cdiv(width, block))](
-            g, u, out, width, g.stride(0), u.stride(0), float(limit), BLOCK=block)
+            g, u, out, width, g.stride(0), u.stride(0), float(limit), BLOCK=block, **launch_options(out.device))
     return out
 
 
@@ -142,5 +151,6 @@ def combine_fused(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) 
     if t:
         block = 1024
         _kernels()._moe_combine_kernel[(t, triton.cdiv(n, block))](y.contiguous(), weights.contiguous(),
-                                                               shared.contiguous(), out, N=n, K=k, BLOCK=block)
+                                                               shared.contiguous(), out, N=n, K=k, BLOCK=block,
+                                                               **launch_options(out.device))
     return out

@@ -15,16 +15,20 @@ from typing import Any
 import torch
 
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
+from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 
 if HAVE_TRITON:
+    from ds4x.kernels.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _rms_norm_kernel(x, w, out, cos, sin, M, D: tl.constexpr, eps, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
-                         HALF: tl.constexpr):
+                         HALF: tl.constexpr, PDL: tl.constexpr = False):
         # HALF > 0: then RoPE on the trailing 2 * HALF dims of the row (token row // M) in interleaved pairs, from
         # the normalised values rounded to out's dtype, as the two separate kernels compute it
+        wait_upstream(PDL)
+        release_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         m = d < D
@@ -46,8 +50,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rope_kernel(x, cos, sin, out, M, D: tl.constexpr, KEEP: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_KEEP: tl.constexpr, INVERSE: tl.constexpr):
+                     BLOCK_KEEP: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr = False):
         # row r of x [R, D] belongs to token r // M; dims [KEEP, D) rotate in interleaved pairs
+        wait_upstream(PDL)
+        release_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         base = x + row * D
         dst = out + row * D
@@ -97,7 +103,7 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         half = rope[0].shape[-1] if rope is not None else 0
         _kernels()._rms_norm_kernel[(rows,)](xc, w, out, cos, sin, max(1, rows // x.shape[0]), d, eps, BLOCK=block,
                                              HAS_W=weight is not None, HALF=half,
-                                             num_warps=min(16, max(1, block // 256)))
+                                             num_warps=min(16, max(1, block // 256)), **launch_options(x.device))
     return out
 
 
@@ -118,5 +124,5 @@ def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         keep = d - 2 * half
         _kernels()._rope_kernel[(rows,)](xc, cos.float().contiguous(), sin.float().contiguous(), out,
                                          rows // t, d, keep, half, BLOCK_KEEP=triton.next_power_of_2(max(keep, 1)),
-                                         INVERSE=inverse)
+                                         INVERSE=inverse, **launch_options(x.device))
     return out

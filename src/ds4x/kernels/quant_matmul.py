@@ -89,7 +89,7 @@ from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 from ds4x.kernels import routed_wgmma
-from ds4x.kernels.pdl import launch_options, prefetch_l2, release_dependents, wait_upstream
+from ds4x.kernels.pdl import launch_options
 from ds4x.memory import free_memory
 
 T = GGMLQuantizationType
@@ -156,6 +156,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 
 
 if HAVE_TRITON:
+    from ds4x.kernels.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _add(a, b):
@@ -751,17 +752,11 @@ if HAVE_TRITON:
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
                     up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
-                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
-                    PREFETCH: tl.constexpr = False):
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
-        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
-        # PREFETCH (no ids): the program's weight rows, which no kernel writes, are asked into L2 before waiting
-        # for the kernel before this one (PDL)
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
         pid_n = tl.program_id(0)
         pair = tl.program_id(1)
-        if PREFETCH:
-            first = pid_n * R
-            prefetch_l2(w_ptr + first.to(tl.int64) * row_bytes, (tl.minimum(N - first, R) * row_bytes).to(tl.int32))
         wait_upstream(PDL)
         release_dependents(PDL)
         if HAS_IDS:
@@ -822,11 +817,14 @@ if HAVE_TRITON:
     @triton.jit
     def _qmv_expert_pairs_kernel(xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, n_pairs, row_bytes,
                                  expert_bytes, up_bytes, limit, stride_y, X_DIV: tl.constexpr, R: tl.constexpr,
-                                 U: tl.constexpr, PB: tl.constexpr, INTERPRET: tl.constexpr):
+                                 U: tl.constexpr, PB: tl.constexpr, INTERPRET: tl.constexpr,
+                                 PDL: tl.constexpr = False):
         # _qmv_kernel's routed IQ2_XXS gate / up + SwiGLU (split rows, x quantized beforehand) with each expert's
         # rows decoded once for two of its pairs: program (row block, pair) runs only where its pair is the first
         # of its expert, and then all of that expert's pairs, two at a time, each with the operations (the bits)
         # of _qmv_kernel's program for that pair
+        wait_upstream(PDL)
+        release_dependents(PDL)
         pid_n = tl.program_id(0)
         slot = tl.program_id(1)
         allp = tl.arange(0, PB)
@@ -861,8 +859,11 @@ if HAVE_TRITON:
                 n_left -= 2
 
     @triton.jit
-    def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr):
+    def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr = False):
         # program (group block, row): _xq16 of G groups of 16 values, stored (G divides n_groups: no masks)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         row = tl.program_id(1).to(tl.int64)
         g = tl.program_id(0) * G + tl.arange(0, G)[:, None]
         w0, w1, w2, w3, dx, _ = _xq16(x_ptr + row * stride_x, 16 * g, INTERPRET)
@@ -1098,17 +1099,6 @@ def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[
     return (32 if m <= 32 else 64), 64, 128, 8
 
 
-MATVEC_PDL = False  # the matvec launched with PDL, releasing the next kernel at once (see ds4x.kernels.pdl)
-MATVEC_PREFETCH = False  # and, where it has no ids to read first, prefetching its weight rows into L2 before it waits
-
-
-def _pdl_options(dev: torch.device, has_ids: bool, aligned: bool) -> dict:
-    opts = launch_options(dev) if MATVEC_PDL else {}
-    if opts.get("PDL"):
-        opts["PREFETCH"] = MATVEC_PREFETCH and not has_ids and aligned
-    return opts
-
-
 def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: int, n_pairs: int,
             rows_per_weight: int, slots: int, config: tuple[int, ...] | None = None, force: str | None = None,
             int8: bool | None = None, mv_max_rows: int = MATVEC_MAX_ROWS,
@@ -1153,14 +1143,14 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             mod._qmv_expert_pairs_kernel[(triton.cdiv(n, r // 2), n_pairs)](
                 xq.codes, xq.scales, wr, _iq2_xxs_tables(dev), ids_t, y, n, n_units, n_pairs, w.row_bytes,
                 expert_bytes, up_bytes, float(swiglu), y.stride(0), X_DIV=x_div, R=r, U=_fit_units(n_units, u),
-                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw)
+                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev))
             return y
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
-            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **_pdl_options(dev, has_ids, wr.data_ptr() % 16 == 0 and w.row_bytes % 16 == 0))
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1374,7 +1364,8 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     if t and k:
         groups = _fit_units(k // 16, 128)
         _kernels()._xq16_kernel[(k // 16 // groups, t)](x, codes, scales, k // 16, x.stride(0), G=groups,
-                                                        INTERPRET=interpret_mode(), num_warps=4)
+                                                        INTERPRET=interpret_mode(), num_warps=4,
+                                                        **launch_options(x.device))
     return Int8Activations(codes, scales)
 
 
