@@ -158,5 +158,5 @@ def emit_windows_fused(proj: torch.Tensor, windows: torch.Tensor, last: torch.Te
             1 if batched else 0, ape.contiguous(), norm.contiguous(),
             inv_freq.float().contiguous(), out, parts, arrived, float(magnitude), float(eps), RATIO=ratio,
             OVERLAP=overlap, WIDTH=width, ROPE_HALF=inv_freq.shape[0], BLOCK_C=block_c, NCB=ncb, BLOCK_S=block_s,
-            BLOCK_W=block_w, num_warps=4, **launch_options(proj.device))
+            BLOCK_W=block_w, num_warps=4, **launch_options(proj.device, "compressor"))
     return out

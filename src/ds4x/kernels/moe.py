@@ -125,7 +125,8 @@ def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.T
             lg, bias if bias is not None else lg, tokens.contiguous() if hashed else lg,
             tid2eid.contiguous() if hashed else lg, ids, weights, float(scaling), stacked, E=n_exp, K=k,
             FUNC=SCORE_FUNCS.index(func) if func in SCORE_FUNCS else 2, HASHED=hashed, STACKED=stacked > 0,
-            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k), **launch_options(logits.device))
+            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k),
+            **launch_options(logits.device, "moe"))
     return ids, weights
 
 
@@ -139,7 +140,7 @@ def swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
     if out.numel():
         block = min(1024, triton.next_power_of_2(width))
         _kernels()._swiglu_kernel[(g.shape[0], triton.cdiv(width, block))](
-            g, u, out, width, g.stride(0), u.stride(0), float(limit), BLOCK=block, **launch_options(out.device))
+            g, u, out, width, g.stride(0), u.stride(0), float(limit), BLOCK=block, **launch_options(out.device, "moe"))
     return out
 
 
@@ -152,5 +153,5 @@ def combine_fused(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor) 
         block = 1024
         _kernels()._moe_combine_kernel[(t, triton.cdiv(n, block))](y.contiguous(), weights.contiguous(),
                                                                shared.contiguous(), out, N=n, K=k, BLOCK=block,
-                                                               **launch_options(out.device))
+                                                               **launch_options(out.device, "moe"))
     return out

@@ -103,7 +103,8 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         half = rope[0].shape[-1] if rope is not None else 0
         _kernels()._rms_norm_kernel[(rows,)](xc, w, out, cos, sin, max(1, rows // x.shape[0]), d, eps, BLOCK=block,
                                              HAS_W=weight is not None, HALF=half,
-                                             num_warps=min(16, max(1, block // 256)), **launch_options(x.device))
+                                             num_warps=min(16, max(1, block // 256)),
+                                             **launch_options(x.device, "norm_rope"))
     return out
 
 
@@ -124,5 +125,5 @@ def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         keep = d - 2 * half
         _kernels()._rope_kernel[(rows,)](xc, cos.float().contiguous(), sin.float().contiguous(), out,
                                          rows // t, d, keep, half, BLOCK_KEEP=triton.next_power_of_2(max(keep, 1)),
-                                         INVERSE=inverse, **launch_options(x.device))
+                                         INVERSE=inverse, **launch_options(x.device, "norm_rope"))
     return out

@@ -22,6 +22,7 @@ import torch
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, tl, triton
 
 ENABLED = True
+OFF: frozenset[str] = frozenset()  # kernel families launched without PDL (an A/B switch for benchmarks)
 
 
 @cache
@@ -29,10 +30,11 @@ def _supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def launch_options(device: torch.device) -> dict:
+def launch_options(device: torch.device, family: str = "") -> dict:
     """Keyword arguments for launching, on ``device``, a kernel that takes ``PDL: tl.constexpr`` and calls
-    `wait_upstream(PDL)` first: ``PDL`` and, where it applies, the launch attribute."""
-    if ENABLED and not interpret_mode() and _supported(device):
+    `wait_upstream(PDL)` first: ``PDL`` and, where it applies, the launch attribute (``family``: the kernel's, for
+    `OFF`)."""
+    if ENABLED and family not in OFF and not interpret_mode() and _supported(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

@@ -1143,14 +1143,15 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             mod._qmv_expert_pairs_kernel[(triton.cdiv(n, r // 2), n_pairs)](
                 xq.codes, xq.scales, wr, _iq2_xxs_tables(dev), ids_t, y, n, n_units, n_pairs, w.row_bytes,
                 expert_bytes, up_bytes, float(swiglu), y.stride(0), X_DIV=x_div, R=r, U=_fit_units(n_units, u),
-                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev))
+                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw,
+                **launch_options(dev, "matvec"))
             return y
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
-            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev))
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1365,7 +1366,7 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
         groups = _fit_units(k // 16, 128)
         _kernels()._xq16_kernel[(k // 16 // groups, t)](x, codes, scales, k // 16, x.stride(0), G=groups,
                                                         INTERPRET=interpret_mode(), num_warps=4,
-                                                        **launch_options(x.device))
+                                                        **launch_options(x.device, "matvec"))
     return Int8Activations(codes, scales)
 
 
