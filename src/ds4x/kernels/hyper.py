@@ -228,7 +228,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         partials = _new_partials(t, triton.cdiv(hd, POST_MIX_BLOCK), mp, n, streams.device)
         kern._hc_mix_kernel[(t, partials.gram.shape[1])](streams, fn.contiguous(), *partials, hd, N=n, M=m, MP=mp,
                                                        BLOCK_H=POST_MIX_BLOCK,
-                                                       **launch_options(streams.device, "hyper"))
+                                                       **launch_options(streams.device, "hc_mix"))
     s = partials.gram.shape[1]
     if partials.mix.shape != (t, s, mp) or partials.gram.shape != (t, s, n * n):
         raise ValueError(f"hc_pre_fused: partials {[list(p.shape) for p in partials]} do not fit {t} tokens, {n} "
@@ -241,7 +241,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
         ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
-        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1, **launch_options(dev, "hyper"))
+        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1, **launch_options(dev, "hc_pre"))
     return out, post, comb
 
 
@@ -266,7 +266,7 @@ def hc_post_fused(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
         streams.contiguous(), block_out.contiguous(), y.contiguous(), y_w.contiguous(), post.float().contiguous(),
         comb.float().contiguous(), out, mix_fn.contiguous() if mix_fn is not None else out,
         *(partials if partials is not None else (out, out)), hd, N=n, BLOCK_H=block, MIX=mix_fn is not None,
-        M=m, MP=mp, K=y.shape[1] if routed is not None else 0, **launch_options(streams.device, "hyper"))
+        M=m, MP=mp, K=y.shape[1] if routed is not None else 0, **launch_options(streams.device, "hc_post"))
     if by_matmul:
         assert next_fn is not None
         partials = _partials_by_matmul(out, next_fn, triton.next_power_of_2(next_fn.shape[0]))
