@@ -242,7 +242,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
         ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
         NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1,
-        **launch_options(dev, "hc_pre"))
+        **(launch_options(dev, "hc_pre") if t == 1 else {"PDL": False}))
     return out, post, comb
 
 

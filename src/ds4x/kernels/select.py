@@ -190,6 +190,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
     masking after)."""
     from ds4x.kernels.indexer import num_sms
+    from ds4x.kernels.pdl import launch_options
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
     batched = scores.dim() == 2
@@ -210,7 +211,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
                                  index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
                                  KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None, PACKED=SMALL_PACKED,
-                                 num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16))
+                                 num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16),
+                                 **launch_options(scores.device, "topk_small"))
         return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
@@ -221,8 +223,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
-    from ds4x.kernels.pdl import launch_options
-
     pdl = launch_options(scores.device)
     if 32 % RADIX_BITS or (32 // RADIX_BITS) << RADIX_BITS > 1024:
         raise ValueError(f"RADIX_BITS must divide 32 with at most 1,024 histogram bins in all, got {RADIX_BITS}")
