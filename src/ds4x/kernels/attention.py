@@ -180,7 +180,6 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    from ds4x.kernels.pdl import OFF as pdl_off
     from ds4x.kernels.pdl import launch_options
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
@@ -208,8 +207,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         out = torch.empty(B, H, D, device=q.device)
         cos = sin = out  # unread
     combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter,
-                                    ROPE=inverse_rope is not None, num_warps=4, **pdl,
-                                    RELEASE=pdl["PDL"] and "attn_merge_release" not in pdl_off)
+                                    ROPE=inverse_rope is not None, num_warps=4, **pdl)
     return out if batched else out[0]
 
 

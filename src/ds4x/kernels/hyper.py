@@ -237,6 +237,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
+    # PDL for one token only: with 8 or 32 the step was slower with it (see ds4x.kernels.pdl)
     kern._hc_pre_kernel[(t, triton.cdiv(hd, PRE_BLOCK))](
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,

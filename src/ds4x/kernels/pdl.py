@@ -3,14 +3,19 @@ kernel before it in the stream is still finishing, so its launch overlaps that k
 captured CUDA graph). Such a kernel calls `wait_upstream` before it touches memory: that waits until the previous
 kernel has completed and its writes are visible.
 
-The short kernels of a decode step (matvecs, norms, RoPE, mHC, routing, SwiGLU, combine, compressor emit) also
-release their dependents (`release_dependents`, griddepcontrol.launch_dependents) right after their own wait, so
-the next kernel's programs are placed and set up while this one runs (H200, synthetic flash:q2, one session at 4K,
-replayed step: 6.20 against 6.33 ms with the matvecs alone releasing). The long passes of the compressed layers
-(attention, indexer scoring, top-k) release theirs only as their programs exit: a trigger at their start measured
-slower (HCA layer at 1M: 35.3 us without it, 39.0 with it; the frontier benchmark's 41 compressed layers 1.865 ms
-against 1.977). Prefetching a matvec's weight rows into L2 before its wait made the small wq_a faster alone
-(4.07 -> 3.08 us) but the large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower (6.43 ms): not used.
+The short kernels of a decode step (matvecs and their activation quantization, norms, RoPE, mHC, routing, SwiGLU,
+combine, compressor emit, the one-program top-k) also release their dependents (`release_dependents`,
+griddepcontrol.launch_dependents) right after their own wait, so the next kernel's programs are placed and set up
+while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batched_decode.py`, same process): one
+session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8 sessions 15.50 against
+15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with it at 8 sessions the
+step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF` names families to
+launch without PDL for such A/Bs. The long passes of the compressed layers (attention, indexer scoring, the
+multi-program top-k, the attention merge) release theirs only as their programs exit: a trigger at their start
+measured slower (HCA layer at 1M: 35.3 us without it, 39.0 with it; the frontier benchmark's 41 compressed layers
+1.865 ms against 1.977; the merge releasing after its wait changed nothing). Prefetching a matvec's weight rows
+into L2 before its wait made the small wq_a faster alone (4.07 -> 3.08 us) but the large matrices slower (wo_b
+13.6 -> 17.2 us) and the step slower (6.43 ms): not used.
 """
 
 from __future__ import annotations

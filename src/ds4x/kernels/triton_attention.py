@@ -18,7 +18,7 @@ unpacked (native) rows are packed by the caller, so both storages run the same c
 import triton
 import triton.language as tl
 
-from ds4x.kernels.pdl import release_dependents, wait_upstream
+from ds4x.kernels.pdl import wait_upstream
 
 
 @triton.jit
@@ -192,12 +192,11 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, n_split, HP: tl.constexpr,
                    D: tl.constexpr, SB: tl.constexpr, N_ITER: tl.constexpr, ROPE: tl.constexpr,
-                   PDL: tl.constexpr = False, RELEASE: tl.constexpr = False):
+                   PDL: tl.constexpr = False):
     """Program (head, 64-value chunk, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink -
     top)), rounded to out's dtype. ROPE: the last chunk (the 64 RoPE dims) is rotated back first by the query's
     angles (cos / sin [queries, 32]) in interleaved pairs, the arithmetic of the inverse RoPE kernel."""
     wait_upstream(PDL)
-    release_dependents(RELEASE)
     h = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
