@@ -10,7 +10,9 @@ while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batch
 session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8 sessions 15.50 against
 15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with it at 8 sessions the
 step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF` names families to
-launch without PDL for such A/Bs. The long passes of the compressed layers (attention, indexer scoring, the
+launch without PDL for such A/Bs. Only launches into a CUDA graph being captured take the attribute: a prefill
+(eager launches of 4,096-token chunks) measured 5,603 / 5,652 tok/s at 4K / 16K with it against 5,697 / 5,719
+without PDL. The long passes of the compressed layers (attention, indexer scoring, the
 multi-program top-k, the attention merge) release theirs only as their programs exit: a trigger at their start
 measured slower (HCA layer at 1M: 35.3 us without it, 39.0 with it; the frontier benchmark's 41 compressed layers
 1.865 ms against 1.977; the merge releasing after its wait changed nothing). Prefetching a matvec's weight rows
@@ -40,7 +42,9 @@ def launch_options(device: torch.device, family: str = "") -> dict:
     `wait_upstream(PDL)` first: ``PDL`` and, where it applies, the launch attribute (``family``: the kernel's, for
     `OFF`)."""
     if ENABLED and family not in OFF and not interpret_mode() and _supported(device):
-        return {"PDL": True, "launch_pdl": True}
+        # the attribute only where a CUDA graph is being captured (the decode step): eager launches (prefill
+        # chunks) measured slower with it; the same compiled kernel either way (its wait is then a no-op)
+        return {"PDL": True, "launch_pdl": torch.cuda.is_current_stream_capturing()}
     return {"PDL": False}
 
 
