@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .pdl import launch_options
 from .rows import (
     INDEXER_DIM,
     INDEXER_ROW_BYTES,
@@ -66,6 +67,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
     # The kernels live at module level because Triton (compiler and interpreter alike)
     # resolves the helper functions a kernel calls through the module's globals.
+    from .pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _pow2(e):
@@ -161,8 +163,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def pack_kv_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
-                       SCATTER: tl.constexpr):
+                       SCATTER: tl.constexpr, PDL: tl.constexpr = False):
         # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
         BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
@@ -189,8 +193,11 @@ if HAVE_TRITON:
         tl.store(o_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
 
     @triton.jit
-    def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, batch, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, batch, W: tl.constexpr, BLOCK_W: tl.constexpr,
+                          PDL: tl.constexpr = False):
         # row r of x (any float type) -> float32 row at[r] mod ring of out (of ring r when batch = ring)
+        wait_upstream(PDL)
+        release_dependents(PDL)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_W)
         v = tl.load(x_ptr + r * W + cols, mask=cols < W).to(tl.float32)
@@ -198,7 +205,10 @@ if HAVE_TRITON:
         tl.store(out_ptr + dst * W + cols, v, mask=cols < W)
 
     @triton.jit
-    def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr):
+    def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        wait_upstream(PDL)
+        release_dependents(PDL)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
         BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
@@ -230,7 +240,9 @@ if HAVE_TRITON:
         return y * 0.08838834764831845
 
     @triton.jit
-    def hadamard128_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+    def hadamard128_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+        wait_upstream(PDL)
+        release_dependents(PDL)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         m2 = (rows < n_rows)[:, None]
@@ -241,10 +253,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def pack_indexer_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, SCATTER: tl.constexpr,
-                            ROTATE: tl.constexpr, VALUES: tl.constexpr):
+                            ROTATE: tl.constexpr, VALUES: tl.constexpr, PDL: tl.constexpr = False):
         # A row is four 32-value blocks; element 2i goes to the low nibble and 2i+1 to the high nibble of a byte.
         # ROTATE: the Hadamard-128 rotation first (in registers). VALUES: write the float32 values the packed row
         # decodes to (code * scale, exact) instead of the bytes: the MXFP4 round trip in one launch.
+        wait_upstream(PDL)
+        release_dependents(PDL)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -279,7 +293,9 @@ if HAVE_TRITON:
             tl.store(o + 64 + blk % 4, (e + 127).to(tl.uint8), mask=bmask)
 
     @triton.jit
-    def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr):
+    def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+        wait_upstream(PDL)
+        release_dependents(PDL)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -330,7 +346,7 @@ def _launch(name: str, src: torch.Tensor, out: torch.Tensor, n_rows: int, *args:
         return
     per, warps = rows_per_program(n_rows)
     getattr(mod, name)[(triton.cdiv(n_rows, per),)](src, out, n_rows, *args, BLOCK_R=per, num_warps=warps,
-                                                     **constexprs)
+                                                     **constexprs, **launch_options(src.device, "rows"))
 
 
 def kv_rows_supported(dim: int, rope_dim: int) -> bool:
@@ -408,7 +424,8 @@ def write_float_rows_triton(x: torch.Tensor, out: torch.Tensor, at: torch.Tensor
     targets, ring, batch = _ring_out(src, out, at, torch.float32, width, fn)
     if src.shape[0]:
         _kernels().write_rows_kernel[(src.shape[0],)](src, out, targets, ring, batch, W=width,
-                                                      BLOCK_W=triton.next_power_of_2(width))
+                                                      BLOCK_W=triton.next_power_of_2(width),
+                                                      **launch_options(src.device, "rows"))
 
 
 def unpack_kv_rows_triton(rows: torch.Tensor, *, rope_dim: int = KV_ROPE_DIM) -> torch.Tensor:

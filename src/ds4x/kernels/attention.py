@@ -180,7 +180,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    from ds4x.kernels.pdl import launch_options
+    from ds4x.formats.pdl import launch_options
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:

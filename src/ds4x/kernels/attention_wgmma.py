@@ -56,7 +56,7 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
-    from ds4x.kernels.pdl import wait_upstream
+    from ds4x.formats.pdl import wait_upstream
     from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
 
     @gluon.jit

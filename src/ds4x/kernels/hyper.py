@@ -26,14 +26,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ds4x.formats.pdl import launch_options
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 # the hidden size is a compile-time constant (one model, one value): static loops, also in the interpreter
 
 if HAVE_TRITON:
-    from ds4x.kernels.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _mix_partials(y, fn, mix_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
@@ -237,7 +237,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
     out = torch.empty(t, hd, dtype=streams.dtype, device=dev)
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
-    # PDL for one token only: with 8 or 32 the step was slower with it (see ds4x.kernels.pdl)
+    # PDL for one token only: with 8 or 32 the step was slower with it (see ds4x.formats.pdl)
     kern._hc_pre_kernel[(t, triton.cdiv(hd, PRE_BLOCK))](
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,

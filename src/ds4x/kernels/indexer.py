@@ -100,7 +100,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
                 n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
                 -(-n_tiles // n_prog), n_prog, D**-0.5)
         if wide:
-            from ds4x.kernels.pdl import launch_options
+            from ds4x.formats.pdl import launch_options
 
             pdl = launch_options(q.device)
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,

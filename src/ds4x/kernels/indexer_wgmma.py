@@ -31,7 +31,7 @@ WARPS = 4
 
 
 if HAVE_GLUON:
-    from ds4x.kernels.pdl import wait_upstream
+    from ds4x.formats.pdl import wait_upstream
     from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
 
     _BLOCK_N = gl.constexpr(BLOCK_N)

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from ds4x.formats.pdl import launch_options
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels.pdl import launch_options
 
 _DEFINED_INTERPRETED = interpret_mode()
 
 if HAVE_TRITON:
-    from ds4x.kernels.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _rms_norm_kernel(x, w, out, cos, sin, M, D: tl.constexpr, eps, BLOCK: tl.constexpr, HAS_W: tl.constexpr,

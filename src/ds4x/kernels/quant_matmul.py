@@ -87,9 +87,9 @@ import torch
 
 from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.formats.pdl import launch_options
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
 from ds4x.kernels import routed_wgmma
-from ds4x.kernels.pdl import launch_options
 from ds4x.memory import free_memory
 
 T = GGMLQuantizationType
@@ -156,7 +156,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 
 
 if HAVE_TRITON:
-    from ds4x.kernels.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import release_dependents, wait_upstream
 
     @triton.jit
     def _add(a, b):

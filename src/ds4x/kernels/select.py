@@ -189,8 +189,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     phases of the multi-program select (``RADIX_BITS``) in one launch with grid barriers, or one launch per
     phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
     masking after)."""
+    from ds4x.formats.pdl import launch_options
     from ds4x.kernels.indexer import num_sms
-    from ds4x.kernels.pdl import launch_options
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
     batched = scores.dim() == 2

@@ -18,7 +18,7 @@ unpacked (native) rows are packed by the caller, so both storages run the same c
 import triton
 import triton.language as tl
 
-from ds4x.kernels.pdl import wait_upstream
+from ds4x.formats.pdl import wait_upstream
 
 
 @triton.jit

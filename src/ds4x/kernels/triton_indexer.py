@@ -6,7 +6,7 @@ packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact rad
 import triton
 import triton.language as tl
 
-from ds4x.kernels.pdl import release_dependents, wait_upstream
+from ds4x.formats.pdl import release_dependents, wait_upstream
 
 
 @triton.jit

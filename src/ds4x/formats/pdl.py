@@ -1,23 +1,25 @@
 """Programmatic dependent launch (CUDA capability 9.x and up): a kernel launched with it may be set up while the kernel
 before it in the stream is still finishing, so its launch overlaps that kernel's tail (also inside a captured CUDA
 graph). Such a kernel calls `wait_upstream` before it touches memory: that waits until the previous kernel has
-completed and its writes are visible.
+completed and its writes are visible. The module sits with the formats because the packed-row kernels
+(`ds4x.formats.rows_triton`) launch with it too.
 
 The short kernels of a decode step (matvecs and their activation quantization, norms, RoPE, mHC, routing, SwiGLU,
-combine, compressor emit, the one-program top-k) also release their dependents (`release_dependents`,
-griddepcontrol.launch_dependents) right after their own wait, so the next kernel's programs are placed and set up
-while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batched_decode.py`, same process): one
-session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8 sessions 15.50 against
-15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with it at 8 sessions the
-step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF` names families to
-launch without PDL for such A/Bs. Prefill (eager launches of 4,096-token chunks) measured 5,603 / 5,652 tok/s at 4K
-/ 16K against 5,697 / 5,719 with `ENABLED=False` in the process before (one A/B, order not swapped), and 5,580 /
-5,623 with the launch attribute kept out of eager launches: not settled whether PDL costs prefill 1-2%. The long
-passes of the compressed layers (attention, indexer scoring, the multi-program top-k, the attention merge) release
-theirs only as their programs exit: a trigger at their start measured slower (HCA layer at 1M: 35.3 us without it,
-39.0 with it; the frontier benchmark's 41 compressed layers 1.865 ms against 1.977; the merge releasing after its
-wait changed nothing). Prefetching a matvec's weight rows into L2 before its wait made the small wq_a faster alone
-(4.07 -> 3.08 us) but the large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower (6.43 ms): not used.
+combine, compressor emit, the one-program top-k, the packed-row writes) also release their dependents
+(`release_dependents`, griddepcontrol.launch_dependents) right after their own wait, so the next kernel's programs
+are placed and set up while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batched_decode.py`,
+same process): one session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8
+sessions 15.50 against 15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with
+it at 8 sessions the step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF`
+names families to launch without PDL for such A/Bs. Prefill (eager launches of 4,096-token chunks) measured 5,603 /
+5,652 tok/s at 4K / 16K against 5,697 / 5,719 with `ENABLED=False` in the process before (one A/B, order not
+swapped), and 5,580 / 5,623 with the launch attribute kept out of eager launches: not settled whether PDL costs
+prefill 1-2%. The long passes of the compressed layers (attention, indexer scoring, the multi-program top-k, the
+attention merge) release theirs only as their programs exit: a trigger at their start measured slower (HCA layer at
+1M: 35.3 us without it, 39.0 with it; the frontier benchmark's 41 compressed layers 1.865 ms against 1.977; the
+merge releasing after its wait changed nothing). Prefetching a matvec's weight rows into L2 before its wait made the
+small wq_a faster alone (4.07 -> 3.08 us) but the large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower
+(6.43 ms): not used.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from functools import cache
 
 import torch
 
-from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, tl, triton
+from .triton_mode import HAVE_TRITON, interpret_mode, tl, triton
 
 ENABLED = True
 OFF: frozenset[str] = frozenset()  # kernel families launched without PDL (an A/B switch for benchmarks)
