@@ -473,6 +473,29 @@ BAD_REQUESTS = [
 ]
 
 
+def test_a_union_error_names_the_branch_the_value_takes(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": ["a"] * 17})
+    _assert_error(r, 400, "stop")
+    assert "at most 16 items" in r.json()["error"]["message"]
+
+
+def test_a_deeply_nested_body_is_a_bad_request(client: TestClient) -> None:
+    r = client.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                    headers={"content-type": "application/json"})
+    _assert_error(r, 400)
+    assert "nested too deeply" in r.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_refused_unread(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ds4x.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "MAX_REQUEST_BYTES", 1000)
+    r = client.post("/v1/completions", json={"prompt": "x" * 2000})
+    _assert_error(r, 413)
+    assert "1,000 bytes" in r.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_a_bad_token_id_is_named(client: TestClient) -> None:
     """A union field's error names the value at fault (the list's token id), not the string branch."""
     r = client.post("/v1/completions", json={"prompt": [5, 6, -3]})

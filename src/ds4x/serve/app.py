@@ -40,7 +40,8 @@ a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS fol
 contents joined with newlines (the embedded default model and the synthetic presets were not trained on
 a chat format).
 
-Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``.
+Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``; a request body over
+``MAX_REQUEST_BYTES`` (64 MiB) is refused with 413 before it is read whole.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ if TYPE_CHECKING:
     from ds4x.runtime.prefix_cache import PrefixCache
 
 _MAX_INT = 2**31 - 1
+MAX_REQUEST_BYTES = 64 << 20  # a longer request body is refused (413) before it is read whole
 
 
 class APIError(Exception):
@@ -435,10 +437,11 @@ def _param_of(exc: ValidationError | RequestValidationError) -> tuple[str, str |
     if not errors:
         return "invalid request", None
     # a union reports an error per branch: of the first field's, the deepest names the value at fault (the token id
-    # of a list, not "should be a string")
+    # of a list, not "should be a string"), and among equally deep ones a branch whose type the value has (a list
+    # too long, not "should be a string")
     field_of = [[x for x in err.get("loc", ()) if x != "body"][:1] for err in errors]
     e = max((err for err, f in zip(errors, field_of, strict=True) if f == field_of[0]),
-            key=lambda err: len(err.get("loc", ())))
+            key=lambda err: (len(err.get("loc", ())), not str(err.get("type", "")).endswith("_type")))
     loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
     # a union reports each branch (e.g. prompt.str); name the request field
     param = loc[0] if loc else None
@@ -498,12 +501,27 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         msg, param = _param_of(exc)
         return error(APIError(400, msg, param=param), _endpoint(request))
 
+    async def read_body(request: Request) -> bytes:
+        too_long = f"the request body is longer than the {MAX_REQUEST_BYTES:,} bytes this server accepts"
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+            raise APIError(413, too_long)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BYTES:
+                raise APIError(413, too_long)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request, model: type[_SamplingRequest]) -> Any:
-        raw = await request.body()
+        raw = await read_body(request)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "We could not parse the JSON body of your request: it is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         try:
