@@ -118,6 +118,45 @@ def test_grouped_interpreter(interp, force, cfg):
         assert rel(qm.quant_grouped_linear(x, w, 4, config=cfg, force=force), ref) < INT8_TOL
 
 
+def _quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] as `quantize_activations` leaves it (codes times their 16-value scales), in float64."""
+    xq = qm.quantize_activations(x)
+    codes = xq.codes.contiguous().view(torch.int8).double().view(x.shape[0], -1, 16)
+    return (codes * xq.scales.double()[..., None]).view(x.shape)
+
+
+def test_token_tile_interpreter(interp):
+    # batched rows with mirrors on: 2 .. TOKEN_TILE_MAX_ROWS rows of split Q8_0 rows take the token tile, whose
+    # sums are those of the weights times x quantized per 16 values (float32 rounding only); N = 9 is not a
+    # multiple of its 4 rows, and 3 / 5 rows leave tokens of the tile unused
+    w = qm.kernel_layout(weight(T.Q8_0, (9, 768), seed=71))
+    wd = w.dequantize().double()
+    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, 768, generator=torch.Generator().manual_seed(72))
+    qm.use_dense_mirrors(True)
+    try:
+        for m in (2, 3, 5):
+            assert qm._token_tile_serves(w, m, None)
+            y = qm.quant_linear(x[:m], w)
+            assert rel(y, _quantized_rows(x[:m]) @ wd.T) < 1e-6, m
+            assert rel(y, x[:m].double() @ wd.T) < INT8_TOL, m
+        assert not qm._token_tile_serves(w, 1, None)
+        assert not qm._token_tile_serves(w, qm.TOKEN_TILE_MAX_ROWS + 1, None)
+        assert not qm._token_tile_serves(w, 2, False)  # float activations keep the matvec
+        assert not qm._token_tile_serves(weight(T.Q8_0, (9, 768), seed=71), 2, None)  # the file's blocks
+        gw = qm.kernel_layout(weight(T.Q8_0, (4 * 12, 256), seed=73))
+        xg = torch.randn(3, 4, 256, generator=torch.Generator().manual_seed(74))
+        yg = qm.quant_grouped_linear(xg, gw, 4)
+        ref = torch.einsum("tgi,goi->tgo", _quantized_rows(xg.reshape(12, 256)).view(3, 4, 256),
+                           gw.dequantize().double().view(4, 12, 256))
+        assert yg.shape == (3, 4, 12) and rel(yg, ref) < 1e-6
+    finally:
+        qm.use_dense_mirrors(False)
+    assert not qm._token_tile_serves(w, 2, None)  # mirrors off: each row alone (batch invariance)
+    assert qm.token_tile_config(32768, 1, 8, 1024) == (4, 32, 8, 1)
+    assert qm.token_tile_config(4096, 1, 3, 8192) == (4, 64, 4, 2)
+    assert qm.token_tile_config(1024, 1, 2, 4096) == (4, 128, 2, 4)
+
+
 def test_half_activations_interpreter(interp):
     w = weight(T.Q4_K, (16, 256), seed=31)
     for dt in (torch.float16, torch.bfloat16):
@@ -334,19 +373,32 @@ def test_gpu_dense_matvec_and_dispatch(n, k):
 
 @pytest.mark.gpu
 def test_gpu_dense_mirrors_for_batched_rows():
-    """With mirrors on, 2+ rows multiply through the weight decoded once to bf16 (kept on it); one row keeps the
-    block kernel."""
+    """With mirrors on, 2 .. TOKEN_TILE_MAX_ROWS rows take the token tile (against x quantized per 16 values, at
+    the Flash wq_b / grouped wo_a shapes), more rows the weight decoded once to bf16 (kept on it); one row keeps
+    the block kernel."""
     g = torch.Generator(device="cuda").manual_seed(2)
-    w = qm.kernel_layout(GGMLTensor(random_blocks(T.Q8_0, (256, 1024), g), T.Q8_0, (256, 1024)))
-    x = torch.randn(4, 1024, device="cuda", generator=g).bfloat16()
+    w = qm.kernel_layout(GGMLTensor(random_blocks(T.Q8_0, (32768, 1024), g), T.Q8_0, (32768, 1024)))
+    wd = w.dequantize().double()
+    gw = qm.kernel_layout(GGMLTensor(random_blocks(T.Q8_0, (8 * 1024, 4096), g), T.Q8_0, (8 * 1024, 4096)))
+    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, 1024, device="cuda", generator=g).bfloat16()
+    xg = torch.randn(qm.TOKEN_TILE_MAX_ROWS, 8, 4096, device="cuda", generator=g).bfloat16()
     qm.use_dense_mirrors(True)
     try:
+        for m in (2, 5, qm.TOKEN_TILE_MAX_ROWS):
+            y = qm.quant_linear(x[:m], w)
+            assert rel(y.float(), _quantized_rows(x[:m]) @ wd.T) < 1e-2, m  # bf16 output rounding
+            yg = qm.quant_grouped_linear(xg[:m], gw, 8)
+            ref = torch.einsum("tgi,goi->tgo", _quantized_rows(xg[:m].reshape(8 * m, 4096)).view(m, 8, 4096),
+                               gw.dequantize().double().view(8, 1024, 4096))
+            assert rel(yg.float(), ref) < 1e-2, m
+        assert w.dense_mirror is None
         y = qm.quant_linear(x, w)
         assert w.dense_mirror is not None and w.dense_mirror.dtype == torch.bfloat16
         assert torch.equal(y, torch.nn.functional.linear(x, qm.dequantize_gpu(w, torch.bfloat16)))
         assert torch.equal(qm.quant_linear(x[:1], w), qm.quant_linear(x[:1], w, force="mv"))
     finally:
         qm.use_dense_mirrors(False)
+        w.dense_mirror = None
 
 
 @pytest.mark.gpu

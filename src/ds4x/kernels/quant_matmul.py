@@ -148,6 +148,16 @@ GROUPED_SCRATCH_BYTES = 1 << 30  # bf16 experts decoded at once (the GEMM per sl
 WGMMA_MIN_PAIRS_PER_EXPERT = {T.IQ2_XXS: 2, T.Q2_K: 4}
 MIRROR_TYPES = frozenset({T.Q8_0})
 MIRROR_MIN_ROWS = 2
+# Where mirrors are on, 2 .. TOKEN_TILE_MAX_ROWS rows of a Q8_0 product (split rows, int8 activations) take
+# `_q8_token_tile_kernel` instead: x quantized once per 16 values (`quantize_activations`), each weight word loaded
+# once and multiplied into up to 8 tokens by dp4a, so it reads the ~1.06 bytes per weight once where the mirror
+# reads 2. H200, Flash shapes, us bf16 mirror + cuBLAS / token tile at 2, 4, 8 rows (devrun/q8_tokens.py at
+# 02ed158, graphs over weight copies, x quantized beforehand): wq_a 4096->1024 7.9 / 4.3, 7.8 / 4.4, 7.7 / 4.8;
+# wq_b 1024->32768 19.5 / 10.9, 19.8 / 12.4, 19.7 / 16.5; wo_a grouped 19.7 / 11.2, 19.4 / 12.6, 20.1 / 15.9;
+# wo_b 8192->4096 22.4 / 12.3, 22.8 / 13.7, 23.0 / 17.4; 4096->4096 13.6 / 7.7, 13.5 / 8.2, 13.5 / 10.0;
+# 2048->4096 7.3 / 5.0, 7.3 / 5.4, 7.3 / 6.1. Its dp4a count grows with the tokens (2.1 TB/s of blocks at 8 rows),
+# so more rows keep the mirror.
+TOKEN_TILE_MAX_ROWS = 8
 MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
 _mirrors = {"on": False, "refused": False}
 
@@ -875,6 +885,55 @@ if HAVE_TRITON:
         tl.store(scales_ptr + row * n_groups + g, dx)
 
     @triton.jit
+    def _q8_token_unit(rowp, xq64, xsp, kb, u0, U: tl.constexpr, R: tl.constexpr, TOK: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+        # unit c: weights 16c .. 16c+15 of R split Q8_0 rows (16 code bytes, one load, and the scale of block
+        # c // 2) times TOK tokens' x codes of the same 16 values (one load) and their scale: [U, R, TOK] sums
+        c = u0 + tl.arange(0, U)[:, None, None]
+        d = _h2f(_ld16(rowp + kb + 2 * (c // 2)))
+        pair = tl.arange(0, 2)[None, None, None, :]
+        qa, qb = tl.split(tl.load((rowp + 16 * c).to(tl.pointer_type(tl.int64))[:, :, :, None] + pair))
+        xa, xb = tl.split(tl.load(xq64[:, :, :, None] + 2 * c[:, :, :, None] + pair))
+        dot = _dp4a(qa.to(tl.int32), xa.to(tl.int32), tl.zeros((U, R, TOK), tl.int32), INTERPRET)
+        dot = _dp4a((qa >> 32).to(tl.int32), (xa >> 32).to(tl.int32), dot, INTERPRET)
+        dot = _dp4a(qb.to(tl.int32), xb.to(tl.int32), dot, INTERPRET)
+        dot = _dp4a((qb >> 32).to(tl.int32), (xb >> 32).to(tl.int32), dot, INTERPRET)
+        return (tl.load(xsp + c) * dot.to(tl.float32)) * d
+
+    @triton.jit
+    def _q8_token_tile_kernel(xq_ptr, xs_ptr, w_ptr, y_ptr, N, n_units, row_bytes, n_tok, groups, stride_y,
+                              R: tl.constexpr, U: tl.constexpr, TOK: tl.constexpr, INTERPRET: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        # program (R rows, TOK tokens, group): y[t, g N + rows] = x[t, g] @ W_g[rows].T for split Q8_0 rows and
+        # x quantized per 16 values (`quantize_activations` of x as [T * groups, K]); each weight word is loaded
+        # once for the TOK tokens (the matvec loads it once per token)
+        pid_n = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        g = tl.program_id(2).to(tl.int64)
+        wait_upstream(PDL)
+        release_dependents(PDL)
+        rows = pid_n * R + tl.arange(0, R)
+        # rows past N read row N - 1 and tokens past n_tok the last token (never stored): no load needs a mask
+        rowp = w_ptr + (g * N + tl.minimum(rows, N - 1)).to(tl.int64)[None, :, None] * row_bytes
+        x_row = tl.minimum(pid_t * TOK + tl.arange(0, TOK), n_tok - 1).to(tl.int64)[None, None, :] * groups + g
+        xq64 = xq_ptr.to(tl.pointer_type(tl.int64)) + x_row * (2 * n_units)
+        xsp = xs_ptr + x_row * n_units
+        kb = n_units * 16
+        acc = tl.zeros((U, R, TOK), dtype=tl.float32)
+        if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
+            u0 = 0
+            while u0 < n_units:
+                acc += _q8_token_unit(rowp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
+                u0 += U
+        else:
+            for u0 in range(0, n_units, U):  # U divides n_units (host side)
+                acc += _q8_token_unit(rowp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
+        y = tl.sum(acc, axis=0)  # [R, TOK]
+        t = pid_t * TOK + tl.arange(0, TOK)[None, :]
+        tl.store(y_ptr + t.to(tl.int64) * stride_y + g * N + rows[:, None], y.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < N) & (t < n_tok))
+
+    @triton.jit
     def _mm_step(acc, QTYPE: tl.constexpr, wp, gridp, rowoff, rmask, xp, valid, kk, k0, K, G: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
                  ):
@@ -1092,6 +1151,37 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
     return r, u, max(1, min(4, u // 32))
 
 
+def token_tile_config(n: int, groups: int, t: int, k: int) -> tuple[int, int, int, int]:
+    """(R weight rows, U 16-weight units per K step, TOK tokens, num_warps) of `_q8_token_tile_kernel` for ``t``
+    rows of ``groups`` products [n, k]: 4 rows a thread, all the rows' tokens in one program, and wider K steps
+    where the rows make fewer programs (H200 sweep of devrun/q8_tokens.py: 32 units from ~2,048 programs, as wq_b
+    and the grouped wo_a; 64 from ~1,024, as wo_b; 128 below, as wq_a)."""
+    programs = -(-n // 4) * groups
+    u = _fit_units(k // 16, 32 if programs >= 2048 else 64 if programs >= 1024 else 128)
+    return 4, u, min(TOKEN_TILE_MAX_ROWS, triton.next_power_of_2(t)), max(1, min(4, u // 32))
+
+
+def _token_tile_serves(w: GGMLTensor, rows: int, int8: bool | None) -> bool:
+    """Whether ``rows`` rows times ``w`` take `_q8_token_tile_kernel` (see TOKEN_TILE_MAX_ROWS)."""
+    return (_mirrors["on"] and w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2
+            and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and int8_activations(w.qtype, int8)
+            and (w.is_cuda or interpret_mode()))
+
+
+def _token_tile(x2: torch.Tensor, w: GGMLTensor, groups: int) -> torch.Tensor:
+    """y [T, groups * n]: row t = x2[t * groups + g] @ W_g.T for each group g (W [groups * n, K] in split Q8_0
+    rows), by `_q8_token_tile_kernel` on x2 quantized per 16 values."""
+    t = x2.shape[0] // groups
+    n, k = w.shape[0] // groups, w.shape[1]
+    xq = quantize_activations(x2)
+    r, u, tok, nw = token_tile_config(n, groups, t, k)
+    y = torch.empty((t, groups * n), dtype=x2.dtype, device=x2.device)
+    _kernels()._q8_token_tile_kernel[(triton.cdiv(n, r), triton.cdiv(t, tok), groups)](
+        xq.codes, xq.scales, w.raw, y, n, k // 16, w.row_bytes, t, groups, y.stride(0), R=r, U=u, TOK=tok,
+        INTERPRET=interpret_mode(), num_warps=nw, **launch_options(x2.device, "matvec"))
+    return y
+
+
 def matmul_config(qtype: GGMLQuantizationType, m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps) for the tl.dot kernel (sizes without register spills on sm_90)."""
     if m <= 16:
@@ -1273,6 +1363,8 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if force is None and _token_tile_serves(w, x2.shape[0], int8):
+        return _token_tile(x2, w, 1).reshape(*lead, w.shape[0])
     if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
         return torch.nn.functional.linear(x, dense)
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
@@ -1427,6 +1519,8 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
+    if force is None and _token_tile_serves(w, t, int8):
+        return _token_tile(x.reshape(t * g, kin), w, g).reshape(t, g, out_g)
     if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
         return torch.einsum("tgi,goi->tgo", x, dense.view(groups, out_g, kin))
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin), w.layout)
