@@ -157,6 +157,24 @@ def test_token_tile_interpreter(interp):
     assert qm.token_tile_config(1024, 1, 2, 4096) == (4, 128, 2, 4)
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_dense_token_tile_interpreter(interp, wdtype):
+    # 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit x times a dense 16-bit weight, each weight read once for all rows:
+    # float32 sums of the exact products (`linear` sends such rows there on CUDA: test_gpu_dense_matvec_and_dispatch)
+    g = torch.Generator().manual_seed(81)
+    w = (torch.randn(9, 96, generator=g) * 0.05).to(wdtype)
+    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, 96, generator=g).bfloat16()
+    for m in (2, 3, qm.TOKEN_TILE_MAX_ROWS):
+        y = qm.dense_token_tile(x[:m], w)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 9)
+        ref = x[:m].double() @ w.double().T
+        assert float((y.double() - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), m
+    assert not qm.dense_token_tile_serves(x[:1], w) and not qm.dense_token_tile_serves(x, w)
+    assert not qm.dense_token_tile_serves(x[:2].float(), w)
+    with pytest.raises(ValueError, match="dense_token_tile"):
+        qm.dense_token_tile(x, w)
+
+
 def test_half_activations_interpreter(interp):
     w = weight(T.Q4_K, (16, 256), seed=31)
     for dt in (torch.float16, torch.bfloat16):
@@ -353,22 +371,28 @@ def test_gpu_dequantize_and_grouped(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(2048, 4096), (512, 4096), (64, 4096), (256, 4096)])
+@pytest.mark.parametrize("n,k", [(2048, 4096), (512, 4096), (64, 4096), (256, 4096), (8192, 1024)])
 def test_gpu_dense_matvec_and_dispatch(n, k):
-    """The Flash compressor / indexer / router shapes: the matvec against float64, and `linear` sending one row
-    there (cuBLAS from DENSE_MATVEC_MAX_ROWS + 1 rows)."""
-    from ds4x.kernels.linear import linear
+    """The Flash compressor / indexer / router shapes: the matvec and the token tile against float64, and `linear`
+    sending one row to the matvec, 2 .. TOKEN_TILE_MAX_ROWS rows to the token tile (the matvec when rows are
+    computed alone), more to cuBLAS."""
+    from ds4x.kernels.linear import linear, rowwise_products
 
     g = torch.Generator(device="cuda").manual_seed(n)
     w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
-    x = torch.randn(qm.DENSE_MATVEC_MAX_ROWS, k, generator=g, device="cuda").bfloat16()
-    y = qm.dense_linear(x, w)
+    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, k, generator=g, device="cuda").bfloat16()
     ref = x.double() @ w.double().T
-    assert float((y.double() - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
-    assert torch.equal(linear(x, w), y)
+    y = qm.dense_linear(x[: qm.DENSE_MATVEC_MAX_ROWS], w)
+    assert float((y.double() - ref[: len(y)]).abs().max()) <= 1e-2 * float(ref.abs().max())
     assert torch.equal(qm.dense_linear(x[:1], w), y[:1])
-    wide = torch.cat([x, x[:1]])
-    assert torch.equal(linear(wide, w), torch.nn.functional.linear(wide, w))
+    assert torch.equal(linear(x[:1], w), y[:1])
+    for m in (2, 5, qm.TOKEN_TILE_MAX_ROWS):
+        t = linear(x[:m], w)
+        assert torch.equal(t, qm.dense_token_tile(x[:m], w))
+        assert float((t.double() - ref[:m]).abs().max()) <= 1e-2 * float(ref.abs().max()), m
+        with rowwise_products():
+            assert torch.equal(linear(x[:m], w), qm.dense_linear(x[:m], w))
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
 
 
 @pytest.mark.gpu

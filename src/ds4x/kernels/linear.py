@@ -74,15 +74,19 @@ def _quant_kernels(w: GGMLTensor):  # -> module or None
     return quant_matmul if quant_matmul is not None and quant_matmul.supports(w) else None
 
 
-def _dense_kernels(x: torch.Tensor, w: torch.Tensor, rowwise: bool):  # -> module or None
-    """The Triton module for a dense product of a few rows (or of rows computed alone: its matvec is row-wise by
-    construction, so a batch-invariant step and a decode step get the same bits), else None (torch)."""
+def _dense_product(x: torch.Tensor, w: torch.Tensor, rowwise: bool):  # -> callable or None
+    """The Triton product for a dense weight and a few rows, else None (torch): the matvec for one row or rows
+    computed alone (it is row-wise by construction, so a batch-invariant step and a decode step get the same
+    bits), the token tile for 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit x (each weight read once for all rows), the
+    matvec for up to DENSE_MATVEC_MAX_ROWS other rows."""
     quant_matmul = _product_kernels(w)
-    if quant_matmul is None:
+    if quant_matmul is None or not quant_matmul.dense_serves(x, w):
         return None
     rows = x.numel() // max(1, x.shape[-1])
-    if (rowwise or rows <= quant_matmul.DENSE_MATVEC_MAX_ROWS) and quant_matmul.dense_serves(x, w):
-        return quant_matmul
+    if not rowwise and quant_matmul.dense_token_tile_serves(x, w):
+        return quant_matmul.dense_token_tile
+    if rowwise or rows <= quant_matmul.DENSE_MATVEC_MAX_ROWS:
+        return quant_matmul.dense_linear
     return None
 
 
@@ -114,8 +118,8 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         if qm is not None:
             return _each_row(lambda r: qm.quant_linear(r, weight), x) if rowwise else qm.quant_linear(x, weight)
         dense = weight.dequantize(x.dtype)
-    elif (qm := _dense_kernels(x, weight, rowwise)) is not None:
-        return qm.dense_linear(x, weight)
+    elif (product := _dense_product(x, weight, rowwise)) is not None:
+        return product(x, weight)
     else:
         dense = weight.to(x.dtype) if weight.dtype != x.dtype else weight
     return _each_row(lambda r: F.linear(r, dense), x) if rowwise else F.linear(x, dense)

@@ -901,12 +901,31 @@ if HAVE_TRITON:
         return (tl.load(xsp + c) * dot.to(tl.float32)) * d
 
     @triton.jit
-    def _q8_token_tile_kernel(xq_ptr, xs_ptr, w_ptr, y_ptr, N, n_units, row_bytes, n_tok, groups, stride_y,
-                              R: tl.constexpr, U: tl.constexpr, TOK: tl.constexpr, INTERPRET: tl.constexpr,
-                              PDL: tl.constexpr = False):
-        # program (R rows, TOK tokens, group): y[t, g N + rows] = x[t, g] @ W_g[rows].T for split Q8_0 rows and
-        # x quantized per 16 values (`quantize_activations` of x as [T * groups, K]); each weight word is loaded
-        # once for the TOK tokens (the matvec loads it once per token)
+    def _dense_token_unit(wp, xp, u0, U: tl.constexpr, R: tl.constexpr, TOK: tl.constexpr):
+        # unit c: weights 4c .. 4c+3 of R dense 16-bit rows (one 8-byte load each) times the same 4 values of TOK
+        # tokens' 16-bit x: [U, R, TOK] float32 sums
+        k = 4 * (u0 + tl.arange(0, U)[:, None, None])
+        w0, w1, w2, w3 = _x4(wp, k)
+        x0, x1, x2, x3 = _x4(xp, k)
+        return w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+
+    @triton.jit
+    def _token_unit(QTYPE: tl.constexpr, wp, xp, xq64, xsp, kb, u0, U: tl.constexpr, R: tl.constexpr,
+                    TOK: tl.constexpr, INTERPRET: tl.constexpr):
+        if QTYPE == 9:
+            out = _q8_token_unit(wp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
+        else:
+            out = _dense_token_unit(wp, xp, u0, U, R, TOK)
+        return out
+
+    @triton.jit
+    def _token_tile_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, y_ptr, N, n_units, row_bytes, n_tok, groups, stride_y,
+                           QTYPE: tl.constexpr, R: tl.constexpr, U: tl.constexpr, TOK: tl.constexpr,
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+        # program (R rows, TOK tokens, group): y[t, g N + rows] = x[t, g] @ W_g[rows].T, each weight word loaded
+        # once for the TOK tokens (the matvec loads it once per token). QTYPE 9: split Q8_0 rows (bytes at w_ptr)
+        # and x quantized per 16 values (`quantize_activations` of x as [T * groups, K]) at xq_ptr / xs_ptr, units
+        # of 16 weights; else dense 16-bit rows (w_ptr typed) and 16-bit x [T * groups, K], units of 4 weights
         pid_n = tl.program_id(0)
         pid_t = tl.program_id(1)
         g = tl.program_id(2).to(tl.int64)
@@ -914,20 +933,28 @@ if HAVE_TRITON:
         release_dependents(PDL)
         rows = pid_n * R + tl.arange(0, R)
         # rows past N read row N - 1 and tokens past n_tok the last token (never stored): no load needs a mask
-        rowp = w_ptr + (g * N + tl.minimum(rows, N - 1)).to(tl.int64)[None, :, None] * row_bytes
+        row = (g * N + tl.minimum(rows, N - 1)).to(tl.int64)[None, :, None]
         x_row = tl.minimum(pid_t * TOK + tl.arange(0, TOK), n_tok - 1).to(tl.int64)[None, None, :] * groups + g
-        xq64 = xq_ptr.to(tl.pointer_type(tl.int64)) + x_row * (2 * n_units)
-        xsp = xs_ptr + x_row * n_units
-        kb = n_units * 16
+        if QTYPE == 9:
+            wp = w_ptr + row * row_bytes
+            xp = x_ptr
+            xq64 = xq_ptr.to(tl.pointer_type(tl.int64)) + x_row * (2 * n_units)
+            xsp = xs_ptr + x_row * n_units
+        else:
+            wp = w_ptr + row * (4 * n_units)
+            xp = x_ptr + x_row * (4 * n_units)
+            xq64 = xq_ptr
+            xsp = xs_ptr
+        kb = n_units * 16  # split Q8_0 rows: the codes' bytes, then the scales
         acc = tl.zeros((U, R, TOK), dtype=tl.float32)
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _q8_token_unit(rowp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
+                acc += _token_unit(QTYPE, wp, xp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _q8_token_unit(rowp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
+                acc += _token_unit(QTYPE, wp, xp, xq64, xsp, kb, u0, U, R, TOK, INTERPRET)
         y = tl.sum(acc, axis=0)  # [R, TOK]
         t = pid_t * TOK + tl.arange(0, TOK)[None, :]
         tl.store(y_ptr + t.to(tl.int64) * stride_y + g * N + rows[:, None], y.to(y_ptr.dtype.element_ty),
@@ -1151,34 +1178,44 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
     return r, u, max(1, min(4, u // 32))
 
 
-def token_tile_config(n: int, groups: int, t: int, k: int) -> tuple[int, int, int, int]:
-    """(R weight rows, U 16-weight units per K step, TOK tokens, num_warps) of `_q8_token_tile_kernel` for ``t``
-    rows of ``groups`` products [n, k]: 4 rows a thread, all the rows' tokens in one program, and wider K steps
-    where the rows make fewer programs (H200 sweep of devrun/q8_tokens.py: 32 units from ~2,048 programs, as wq_b
-    and the grouped wo_a; 64 from ~1,024, as wo_b; 128 below, as wq_a)."""
+def token_tile_config(n: int, groups: int, t: int, units: int) -> tuple[int, int, int, int]:
+    """(R weight rows, U units per K step, TOK tokens, num_warps) of `_token_tile_kernel` for ``t`` rows of
+    ``groups`` products of n outputs and ``units`` units (Q8_0: 16 weights, dense: 4): 4 rows a thread, all the
+    rows' tokens in one program, and wider K steps where the rows make fewer programs (H200 sweep of
+    devrun/q8_tokens.py on Q8_0: 32 units from ~2,048 programs, as wq_b and the grouped wo_a; 64 from ~1,024,
+    as wo_b; 128 below, as wq_a)."""
     programs = -(-n // 4) * groups
-    u = _fit_units(k // 16, 32 if programs >= 2048 else 64 if programs >= 1024 else 128)
+    u = _fit_units(units, 32 if programs >= 2048 else 64 if programs >= 1024 else 128)
     return 4, u, min(TOKEN_TILE_MAX_ROWS, triton.next_power_of_2(t)), max(1, min(4, u // 32))
 
 
 def _token_tile_serves(w: GGMLTensor, rows: int, int8: bool | None) -> bool:
-    """Whether ``rows`` rows times ``w`` take `_q8_token_tile_kernel` (see TOKEN_TILE_MAX_ROWS)."""
+    """Whether ``rows`` rows times ``w`` take `_token_tile_kernel` (see TOKEN_TILE_MAX_ROWS)."""
     return (_mirrors["on"] and w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2
             and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and int8_activations(w.qtype, int8)
             and (w.is_cuda or interpret_mode()))
 
 
-def _token_tile(x2: torch.Tensor, w: GGMLTensor, groups: int) -> torch.Tensor:
-    """y [T, groups * n]: row t = x2[t * groups + g] @ W_g.T for each group g (W [groups * n, K] in split Q8_0
-    rows), by `_q8_token_tile_kernel` on x2 quantized per 16 values."""
+def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int) -> torch.Tensor:
+    """y [T, groups * n]: row t = x2[t * groups + g] @ W_g.T for each group g, W [groups * n, K] in split Q8_0 rows
+    (x2 quantized per 16 values here) or a dense 16-bit tensor (x2 16-bit), by `_token_tile_kernel`."""
     t = x2.shape[0] // groups
     n, k = w.shape[0] // groups, w.shape[1]
-    xq = quantize_activations(x2)
-    r, u, tok, nw = token_tile_config(n, groups, t, k)
-    y = torch.empty((t, groups * n), dtype=x2.dtype, device=x2.device)
-    _kernels()._q8_token_tile_kernel[(triton.cdiv(n, r), triton.cdiv(t, tok), groups)](
-        xq.codes, xq.scales, w.raw, y, n, k // 16, w.row_bytes, t, groups, y.stride(0), R=r, U=u, TOK=tok,
-        INTERPRET=interpret_mode(), num_warps=nw, **launch_options(x2.device, "matvec"))
+    dev = x2.device
+    y = torch.empty((t, groups * n), dtype=x2.dtype, device=dev)
+    if isinstance(w, GGMLTensor):
+        xq = quantize_activations(x2)
+        code, wr, row_bytes, units = 9, w.raw, w.row_bytes, k // 16
+        x2, codes, scales = _dummy(dev), xq.codes, xq.scales
+    else:
+        code, wr, row_bytes, units = 0, w, 0, k // 4
+        x2, codes, scales = x2.contiguous(), _dummy(dev), _dummy(dev)
+        if x2.data_ptr() % 8:  # x is read 4 values (8 bytes) at a time
+            x2 = x2.clone()
+    r, u, tok, nw = token_tile_config(n, groups, t, units)
+    _kernels()._token_tile_kernel[(triton.cdiv(n, r), triton.cdiv(t, tok), groups)](
+        x2, codes, scales, wr, y, n, units, row_bytes, t, groups, y.stride(0), QTYPE=code, R=r, U=u, TOK=tok,
+        INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
     return y
 
 
@@ -1391,6 +1428,24 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     g = GGMLTensor(w.view(torch.uint8), _DENSE_QTYPE[w.dtype], tuple(w.shape))
     x2 = x.reshape(-1, x.shape[-1])
     return _launch(x2, g, None, 1, x2.shape[0], 1, 1, force="mv").reshape(*x.shape[:-1], w.shape[0])
+
+
+def dense_token_tile_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `dense_token_tile` takes this product: what `dense_serves` says, 16-bit x and 2 ..
+    TOKEN_TILE_MAX_ROWS rows."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and dense_serves(x, w))
+
+
+def dense_token_tile(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` for a dense 16-bit weight and 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit
+    x by `_token_tile_kernel`: each weight read once for all rows, float32 sums (a row's bits depend on the rows
+    beside it; `dense_linear` computes each alone). See `dense_token_tile_serves`."""
+    if not dense_token_tile_serves(x, w):
+        raise ValueError(f"dense_token_tile: cannot take x {x.dtype} {list(x.shape)} @ w {w.dtype} "
+                         f"{list(w.shape)} on {w.device}")
+    return _token_tile(x.reshape(-1, x.shape[-1]), w, 1).reshape(*x.shape[:-1], w.shape[0])
 
 
 def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
