@@ -135,14 +135,14 @@ def test_token_tile_interpreter(interp):
     qm.use_dense_mirrors(True)
     try:
         for m in (2, 3, 5):
-            assert qm._token_tile_serves(w, m, None)
+            assert qm._token_tile_tokens(w, m, None) == (4 if m == 3 else 8 if m == 5 else m)
             y = qm.quant_linear(x[:m], w)
             assert rel(y, _quantized_rows(x[:m]) @ wd.T) < 1e-6, m
             assert rel(y, x[:m].double() @ wd.T) < INT8_TOL, m
-        assert not qm._token_tile_serves(w, 1, None)
-        assert not qm._token_tile_serves(w, qm.TOKEN_TILE_MAX_ROWS + 1, None)
-        assert not qm._token_tile_serves(w, 2, False)  # float activations keep the matvec
-        assert not qm._token_tile_serves(weight(T.Q8_0, (9, 768), seed=71), 2, None)  # the file's blocks
+        assert not qm._token_tile_tokens(w, 1, None)
+        assert not qm._token_tile_tokens(w, qm.TOKEN_TILE_MAX_ROWS + 1, None)
+        assert not qm._token_tile_tokens(w, 2, False)  # float activations keep the matvec
+        assert not qm._token_tile_tokens(weight(T.Q8_0, (9, 768), seed=71), 2, None)  # the file's blocks
         gw = qm.kernel_layout(weight(T.Q8_0, (4 * 12, 256), seed=73))
         xg = torch.randn(3, 4, 256, generator=torch.Generator().manual_seed(74))
         yg = qm.quant_grouped_linear(xg, gw, 4)
@@ -151,20 +151,20 @@ def test_token_tile_interpreter(interp):
         assert yg.shape == (3, 4, 12) and rel(yg, ref) < 1e-6
     finally:
         qm.use_dense_mirrors(False)
-    assert not qm._token_tile_serves(w, 2, None)  # mirrors off: each row alone (batch invariance)
-    assert qm.token_tile_config(32768, 1, 8, 1024) == (4, 32, 8, 1)
-    assert qm.token_tile_config(4096, 1, 3, 8192) == (4, 64, 4, 2)
-    assert qm.token_tile_config(1024, 1, 2, 4096) == (4, 128, 2, 4)
+    assert not qm._token_tile_tokens(w, 2, None)  # mirrors off: each row alone (batch invariance)
+    assert qm.token_tile_config(32768, 1, 8, 64) == (4, 32, 1)
+    assert qm.token_tile_config(4096, 1, 4, 512) == (4, 64, 2)
+    assert qm.token_tile_config(1024, 1, 2, 256) == (4, 128, 4)
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 def test_dense_token_tile_interpreter(interp, wdtype):
-    # 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit x times a dense 16-bit weight, each weight read once for all rows:
+    # 2 .. DENSE_TOKEN_TILE_MAX_ROWS rows of 16-bit x times a dense 16-bit weight, each weight read once for all rows:
     # float32 sums of the exact products (`linear` sends such rows there on CUDA: test_gpu_dense_matvec_and_dispatch)
     g = torch.Generator().manual_seed(81)
     w = (torch.randn(9, 96, generator=g) * 0.05).to(wdtype)
-    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, 96, generator=g).bfloat16()
-    for m in (2, 3, qm.TOKEN_TILE_MAX_ROWS):
+    x = torch.randn(qm.DENSE_TOKEN_TILE_MAX_ROWS + 1, 96, generator=g).bfloat16()
+    for m in (2, 3, qm.DENSE_TOKEN_TILE_MAX_ROWS):
         y = qm.dense_token_tile(x[:m], w)
         assert y.dtype == torch.bfloat16 and y.shape == (m, 9)
         ref = x[:m].double() @ w.double().T
@@ -374,19 +374,19 @@ def test_gpu_dequantize_and_grouped(monkeypatch):
 @pytest.mark.parametrize("n,k", [(2048, 4096), (512, 4096), (64, 4096), (256, 4096), (8192, 1024)])
 def test_gpu_dense_matvec_and_dispatch(n, k):
     """The Flash compressor / indexer / router shapes: the matvec and the token tile against float64, and `linear`
-    sending one row to the matvec, 2 .. TOKEN_TILE_MAX_ROWS rows to the token tile (the matvec when rows are
+    sending one row to the matvec, 2 .. DENSE_TOKEN_TILE_MAX_ROWS rows to the token tile (the matvec when rows are
     computed alone), more to cuBLAS."""
     from ds4x.kernels.linear import linear, rowwise_products
 
     g = torch.Generator(device="cuda").manual_seed(n)
     w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
-    x = torch.randn(qm.TOKEN_TILE_MAX_ROWS + 1, k, generator=g, device="cuda").bfloat16()
+    x = torch.randn(qm.DENSE_TOKEN_TILE_MAX_ROWS + 1, k, generator=g, device="cuda").bfloat16()
     ref = x.double() @ w.double().T
     y = qm.dense_linear(x[: qm.DENSE_MATVEC_MAX_ROWS], w)
     assert float((y.double() - ref[: len(y)]).abs().max()) <= 1e-2 * float(ref.abs().max())
     assert torch.equal(qm.dense_linear(x[:1], w), y[:1])
     assert torch.equal(linear(x[:1], w), y[:1])
-    for m in (2, 5, qm.TOKEN_TILE_MAX_ROWS):
+    for m in (2, 3, qm.DENSE_TOKEN_TILE_MAX_ROWS):
         t = linear(x[:m], w)
         assert torch.equal(t, qm.dense_token_tile(x[:m], w))
         assert float((t.double() - ref[:m]).abs().max()) <= 1e-2 * float(ref.abs().max()), m

@@ -77,7 +77,7 @@ def _quant_kernels(w: GGMLTensor):  # -> module or None
 def _dense_product(x: torch.Tensor, w: torch.Tensor, rowwise: bool):  # -> callable or None
     """The Triton product for a dense weight and a few rows, else None (torch): the matvec for one row or rows
     computed alone (it is row-wise by construction, so a batch-invariant step and a decode step get the same
-    bits), the token tile for 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit x (each weight read once for all rows), the
+    bits), the token tile for 2 .. DENSE_TOKEN_TILE_MAX_ROWS rows of 16-bit x (each weight read once for all rows), the
     matvec for up to DENSE_MATVEC_MAX_ROWS other rows."""
     quant_matmul = _product_kernels(w)
     if quant_matmul is None or not quant_matmul.dense_serves(x, w):

@@ -158,6 +158,13 @@ MIRROR_MIN_ROWS = 2
 # 2048->4096 7.3 / 5.0, 7.3 / 5.4, 7.3 / 6.1. Its dp4a count grows with the tokens (2.1 TB/s of blocks at 8 rows),
 # so more rows keep the mirror.
 TOKEN_TILE_MAX_ROWS = 8
+# Dense 16-bit weights (`dense_token_tile`, the compressor / indexer / router projections) up to this many rows: in
+# a batched step against cuBLAS (H200, flash:q2, replayed step, ms, ledger rows of 0fb1600): 4 sessions 9.96-9.97
+# against 10.25-10.27, 8 sessions 14.62-14.64 against 14.50-14.52 (at 8 rows its FMAs bound it)
+DENSE_TOKEN_TILE_MAX_ROWS = 4
+# One row (or rows computed alone) of a Q8_0 product through the token tile, one token a program, instead of the
+# matvec (which quantizes x per 8 values in every program): an A/B switch
+TOKEN_TILE_ALONE = False
 MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
 _mirrors = {"on": False, "refused": False}
 
@@ -1178,27 +1185,32 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
     return r, u, max(1, min(4, u // 32))
 
 
-def token_tile_config(n: int, groups: int, t: int, units: int) -> tuple[int, int, int, int]:
-    """(R weight rows, U units per K step, TOK tokens, num_warps) of `_token_tile_kernel` for ``t`` rows of
-    ``groups`` products of n outputs and ``units`` units (Q8_0: 16 weights, dense: 4): 4 rows a thread, all the
-    rows' tokens in one program, and wider K steps where the rows make fewer programs (H200 sweep of
-    devrun/q8_tokens.py on Q8_0: 32 units from ~2,048 programs, as wq_b and the grouped wo_a; 64 from ~1,024,
-    as wo_b; 128 below, as wq_a)."""
+def token_tile_config(n: int, groups: int, tok: int, units: int) -> tuple[int, int, int]:
+    """(R weight rows, U units per K step, num_warps) of `_token_tile_kernel` for ``groups`` products of n outputs
+    and ``units`` units (Q8_0: 16 weights, dense: 4), ``tok`` tokens a program: 4 rows a thread, and wider K steps
+    where the rows make fewer programs (H200 sweep of devrun/q8_tokens.py on Q8_0 at 2 - 8 tokens: 32 units from
+    ~2,048 programs, as wq_b and the grouped wo_a; 64 from ~1,024, as wo_b; 128 below, as wq_a)."""
     programs = -(-n // 4) * groups
     u = _fit_units(units, 32 if programs >= 2048 else 64 if programs >= 1024 else 128)
-    return 4, u, min(TOKEN_TILE_MAX_ROWS, triton.next_power_of_2(t)), max(1, min(4, u // 32))
+    return 4, u, max(1, min(4, u // 32))
 
 
-def _token_tile_serves(w: GGMLTensor, rows: int, int8: bool | None) -> bool:
-    """Whether ``rows`` rows times ``w`` take `_token_tile_kernel` (see TOKEN_TILE_MAX_ROWS)."""
-    return (_mirrors["on"] and w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2
-            and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and int8_activations(w.qtype, int8)
-            and (w.is_cuda or interpret_mode()))
+def _token_tile_tokens(w: GGMLTensor, rows: int, int8: bool | None) -> int:
+    """Tokens a program of `_token_tile_kernel` takes for ``rows`` rows times ``w``, 0 where the kernel does not
+    serve: split Q8_0 rows with int8 activations, 2 .. TOKEN_TILE_MAX_ROWS rows together where mirrors are on,
+    else (TOKEN_TILE_ALONE) up to MATVEC_MAX_ROWS rows one a program."""
+    if not (w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2 and int8_activations(w.qtype, int8)
+            and (w.is_cuda or interpret_mode())):
+        return 0
+    if _mirrors["on"] and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS:
+        return triton.next_power_of_2(rows)
+    return 1 if TOKEN_TILE_ALONE and 0 < rows <= MATVEC_MAX_ROWS else 0
 
 
-def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int) -> torch.Tensor:
+def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int, tok: int) -> torch.Tensor:
     """y [T, groups * n]: row t = x2[t * groups + g] @ W_g.T for each group g, W [groups * n, K] in split Q8_0 rows
-    (x2 quantized per 16 values here) or a dense 16-bit tensor (x2 16-bit), by `_token_tile_kernel`."""
+    (x2 quantized per 16 values here) or a dense 16-bit tensor (x2 16-bit), by `_token_tile_kernel` with ``tok``
+    tokens a program."""
     t = x2.shape[0] // groups
     n, k = w.shape[0] // groups, w.shape[1]
     dev = x2.device
@@ -1212,7 +1224,7 @@ def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int) -> 
         x2, codes, scales = x2.contiguous(), _dummy(dev), _dummy(dev)
         if x2.data_ptr() % 8:  # x is read 4 values (8 bytes) at a time
             x2 = x2.clone()
-    r, u, tok, nw = token_tile_config(n, groups, t, units)
+    r, u, nw = token_tile_config(n, groups, tok, units)
     _kernels()._token_tile_kernel[(triton.cdiv(n, r), triton.cdiv(t, tok), groups)](
         x2, codes, scales, wr, y, n, units, row_bytes, t, groups, y.stride(0), QTYPE=code, R=r, U=u, TOK=tok,
         INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
@@ -1400,8 +1412,8 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if force is None and _token_tile_serves(w, x2.shape[0], int8):
-        return _token_tile(x2, w, 1).reshape(*lead, w.shape[0])
+    if force is None and (tok := _token_tile_tokens(w, x2.shape[0], int8)):
+        return _token_tile(x2, w, 1, tok).reshape(*lead, w.shape[0])
     if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
         return torch.nn.functional.linear(x, dense)
     if x2.shape[0] > DOT_MAX_ROWS and force is None:
@@ -1432,20 +1444,21 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def dense_token_tile_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `dense_token_tile` takes this product: what `dense_serves` says, 16-bit x and 2 ..
-    TOKEN_TILE_MAX_ROWS rows."""
+    DENSE_TOKEN_TILE_MAX_ROWS rows."""
     rows = x.numel() // max(1, x.shape[-1])
-    return (MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    return (MIRROR_MIN_ROWS <= rows <= DENSE_TOKEN_TILE_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and dense_serves(x, w))
 
 
 def dense_token_tile(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ w[N, K].T -> [..., N]`` for a dense 16-bit weight and 2 .. TOKEN_TILE_MAX_ROWS rows of 16-bit
-    x by `_token_tile_kernel`: each weight read once for all rows, float32 sums (a row's bits depend on the rows
-    beside it; `dense_linear` computes each alone). See `dense_token_tile_serves`."""
+    """``x [..., K] @ w[N, K].T -> [..., N]`` for a dense 16-bit weight and 2 .. DENSE_TOKEN_TILE_MAX_ROWS rows of
+    16-bit x by `_token_tile_kernel`: each weight read once for all rows, float32 sums (a row's bits depend on the
+    rows beside it; `dense_linear` computes each alone). See `dense_token_tile_serves`."""
     if not dense_token_tile_serves(x, w):
         raise ValueError(f"dense_token_tile: cannot take x {x.dtype} {list(x.shape)} @ w {w.dtype} "
                          f"{list(w.shape)} on {w.device}")
-    return _token_tile(x.reshape(-1, x.shape[-1]), w, 1).reshape(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    return _token_tile(x2, w, 1, triton.next_power_of_2(x2.shape[0])).reshape(*x.shape[:-1], w.shape[0])
 
 
 def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
@@ -1574,8 +1587,8 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
-    if force is None and _token_tile_serves(w, t, int8):
-        return _token_tile(x.reshape(t * g, kin), w, g).reshape(t, g, out_g)
+    if force is None and (tok := _token_tile_tokens(w, t, int8)):
+        return _token_tile(x.reshape(t * g, kin), w, g, tok).reshape(t, g, out_g)
     if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
         return torch.einsum("tgi,goi->tgo", x, dense.view(groups, out_g, kin))
     wg = GGMLTensor(w.raw.view(groups, out_g, w.row_bytes), w.qtype, (groups, out_g, kin), w.layout)
