@@ -162,9 +162,8 @@ TOKEN_TILE_MAX_ROWS = 8
 # a batched step against cuBLAS (H200, flash:q2, replayed step, ms, ledger rows of 0fb1600): 4 sessions 9.96-9.97
 # against 10.25-10.27, 8 sessions 14.62-14.64 against 14.50-14.52 (at 8 rows its FMAs bound it)
 DENSE_TOKEN_TILE_MAX_ROWS = 4
-# One row (or rows computed alone) of a Q8_0 product through the token tile, one token a program, instead of the
-# matvec (which quantizes x per 8 values in every program): an A/B switch
-TOKEN_TILE_ALONE = False
+# Most tokens a program of the token tile takes (more rows: programs over token blocks, each re-reading its rows)
+TILE_TOKENS = {"q8_0": 8, "dense": 4}
 MIRROR_RESERVE_BYTES = 4 << 30  # device memory a mirror must leave free
 _mirrors = {"on": False, "refused": False}
 
@@ -1197,14 +1196,12 @@ def token_tile_config(n: int, groups: int, tok: int, units: int) -> tuple[int, i
 
 def _token_tile_tokens(w: GGMLTensor, rows: int, int8: bool | None) -> int:
     """Tokens a program of `_token_tile_kernel` takes for ``rows`` rows times ``w``, 0 where the kernel does not
-    serve: split Q8_0 rows with int8 activations, 2 .. TOKEN_TILE_MAX_ROWS rows together where mirrors are on,
-    else (TOKEN_TILE_ALONE) up to MATVEC_MAX_ROWS rows one a program."""
-    if not (w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2 and int8_activations(w.qtype, int8)
+    serve: split Q8_0 rows with int8 activations, 2 .. TOKEN_TILE_MAX_ROWS rows where mirrors are on."""
+    if (_mirrors["on"] and w.qtype == T.Q8_0 and w.layout == "split" and w.ndim == 2
+            and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS and int8_activations(w.qtype, int8)
             and (w.is_cuda or interpret_mode())):
-        return 0
-    if _mirrors["on"] and MIRROR_MIN_ROWS <= rows <= TOKEN_TILE_MAX_ROWS:
-        return triton.next_power_of_2(rows)
-    return 1 if TOKEN_TILE_ALONE and 0 < rows <= MATVEC_MAX_ROWS else 0
+        return min(TILE_TOKENS["q8_0"], triton.next_power_of_2(rows))
+    return 0
 
 
 def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int, tok: int) -> torch.Tensor:
@@ -1458,7 +1455,8 @@ def dense_token_tile(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"dense_token_tile: cannot take x {x.dtype} {list(x.shape)} @ w {w.dtype} "
                          f"{list(w.shape)} on {w.device}")
     x2 = x.reshape(-1, x.shape[-1])
-    return _token_tile(x2, w, 1, triton.next_power_of_2(x2.shape[0])).reshape(*x.shape[:-1], w.shape[0])
+    tok = min(TILE_TOKENS["dense"], triton.next_power_of_2(x2.shape[0]))
+    return _token_tile(x2, w, 1, tok).reshape(*x.shape[:-1], w.shape[0])
 
 
 def quant_matmul_routed(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, *,
