@@ -18,6 +18,12 @@ Two kernels:
   GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
   W * V weights in their natural order.
 
+A batched decode step (mirrors on, see ``use_dense_mirrors``) sends 2 to ``TOKEN_TILE_MAX_ROWS`` rows of a split
+Q8_0 product, and `dense_token_tile` 2 to ``DENSE_TOKEN_TILE_MAX_ROWS`` rows of a dense 16-bit one, to
+``_token_tile_kernel``: a program owns R weight rows and the rows' tokens, loads each weight word once and
+multiplies it into every token (Q8_0: dp4a against x quantized once per 16 values by ``quantize_activations``), so
+the weights are read once for the batch instead of once per row (the matvec) or as a 2-byte mirror.
+
 Routed products with a few or more pairs per expert (prompts, prefill chunks) go on Hopper to a third kernel,
 :mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
 multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
