@@ -82,21 +82,31 @@ if HAVE_TRITON:
         sp = tl.arange(0, SP)
         s_ok = sp < S
         nn = j[:, None] * N + j[None, :]  # [row i, column k]
-        gram = tl.sum(tl.load(gram_part + (t * S + sp)[:, None, None] * (N * N) + nn[None, :, :],
-                              mask=s_ok[:, None, None], other=0.0), axis=0)
-        sq = tl.sum(tl.sum(tl.where(j[:, None] == j[None, :], gram, 0.0), axis=1), axis=0)  # trace: sum of squares
-        r = 1.0 / tl.sqrt(sq / (N * H) + rms_eps)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = h < H
+        # every load first, in one wave (the reductions between them cross barriers, which kept each later load
+        # waiting for the one before: six round trips to L2 where one does)
+        gram_p = tl.load(gram_part + (t * S + sp)[:, None, None] * (N * N) + nn[None, :, :], mask=s_ok[:, None, None],
+                         other=0.0)
         part = mix_part + t * S * MP + sp * MP  # [SP] pointers to each chunk's mixing dots
+        pre_p = tl.load(part[:, None] + j[None, :], mask=s_ok[:, None], other=0.0)
+        post_p = tl.load(part[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0)
+        comb_p = tl.load(part[:, None, None] + 2 * N + nn[None, :, :], mask=s_ok[:, None, None], other=0.0)
         s0 = tl.load(scale).to(tl.float32)
         s1 = tl.load(scale + 1).to(tl.float32)
         s2 = tl.load(scale + 2).to(tl.float32)
-        pre_dot = tl.sum(tl.load(part[:, None] + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
-        post_dot = tl.sum(tl.load(part[:, None] + N + j[None, :], mask=s_ok[:, None], other=0.0), axis=0)
-        comb_dot = tl.sum(tl.load(part[:, None, None] + 2 * N + nn[None, :, :], mask=s_ok[:, None, None], other=0.0),
-                          axis=0)
-        pre = tl.sigmoid(pre_dot * r * s0 + tl.load(base + j).to(tl.float32)) + hc_eps
-        post = 2.0 * tl.sigmoid(post_dot * r * s1 + tl.load(base + N + j).to(tl.float32))
-        logits = comb_dot * r * s2 + tl.load(base + 2 * N + nn).to(tl.float32)
+        base_pre = tl.load(base + j).to(tl.float32)
+        base_post = tl.load(base + N + j).to(tl.float32)
+        base_comb = tl.load(base + 2 * N + nn).to(tl.float32)
+        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(norm_w + h, mask=m, other=0.0).to(tl.float32)
+        gram = tl.sum(gram_p, axis=0)
+        sq = tl.sum(tl.sum(tl.where(j[:, None] == j[None, :], gram, 0.0), axis=1), axis=0)  # trace: sum of squares
+        r = 1.0 / tl.sqrt(sq / (N * H) + rms_eps)
+        pre = tl.sigmoid(tl.sum(pre_p, axis=0) * r * s0 + base_pre) + hc_eps
+        post = 2.0 * tl.sigmoid(tl.sum(post_p, axis=0) * r * s1 + base_post)
+        logits = tl.sum(comb_p, axis=0) * r * s2 + base_comb
         e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
         comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
@@ -106,14 +116,11 @@ if HAVE_TRITON:
         first = hb == 0
         tl.store(post_out + t * N + j, post, mask=first & (j < N))
         tl.store(comb_out + t * N * N + nn, comb, mask=first & (nn < N * N))
-        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        m = h < H
-        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
         y = tl.sum(pre[:, None] * x, axis=0).to(out.dtype.element_ty)
         if NORM:  # the RMSNorm kernel's arithmetic on the rounded collapse, with the Gram matrix's mean square
             ms = tl.sum(tl.sum(pre[:, None] * gram * pre[None, :], axis=1), axis=0) / H
             v = y.to(tl.float32) * (1.0 / tl.sqrt(ms + rms_eps))
-            y = (tl.load(norm_w + h, mask=m, other=0.0).to(tl.float32) * v).to(out.dtype.element_ty)
+            y = (nw * v).to(out.dtype.element_ty)
         tl.store(out + t * H + h, y, mask=m)
 
     @triton.jit
