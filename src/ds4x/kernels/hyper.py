@@ -36,15 +36,20 @@ if HAVE_TRITON:
     from ds4x.formats.pdl import release_dependents, wait_upstream
 
     @triton.jit
-    def _mix_partials(y, fn, mix_part, gram_part, t, hb, s, h, m, H: tl.constexpr, N: tl.constexpr,
-                      M: tl.constexpr, MP: tl.constexpr):
-        # one block h of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with fn [M, N H]
-        # and Gram matrix y y^T (whose trace is the sum of squares), stored as chunk hb of s (summed in chunk order
-        # by _hc_pre_kernel)
+    def _fn_block(fn, h, m, H: tl.constexpr, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
+        # fn [M, N H] at block h of each stream: [MP, N, BLOCK_H] float32, zero past M and H
         j = tl.arange(0, N)
         r = tl.arange(0, MP)
-        f = tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
-                    mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
+        return tl.load(fn + r[:, None, None] * (N * H) + j[None, :, None] * H + h[None, None, :],
+                       mask=(r[:, None, None] < M) & m[None, None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _mix_partials(y, f, mix_part, gram_part, t, hb, s, N: tl.constexpr, MP: tl.constexpr):
+        # one block of the streams y [N, BLOCK_H] (float32, zero past H): its partial mixing dots with f (the block
+        # of fn [M, N H], _fn_block) and Gram matrix y y^T (whose trace is the sum of squares), stored as chunk hb of
+        # s (summed in chunk order by _hc_pre_kernel)
+        j = tl.arange(0, N)
+        r = tl.arange(0, MP)
         chunk = t * s + hb
         tl.store(mix_part + chunk * MP + r, tl.sum(tl.sum(f * y[None, :, :], axis=2), axis=1))
         nn = j[:, None] * N + j[None, :]
@@ -63,7 +68,7 @@ if HAVE_TRITON:
         m = h < H
         j = tl.arange(0, N)
         y = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
-        _mix_partials(y, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
+        _mix_partials(y, _fn_block(fn, h, m, H, N, M, MP), mix_part, gram_part, t, hb, tl.num_programs(1), N, MP)
 
     @triton.jit
     def _hc_pre_kernel(streams, mix_part, gram_part, base, scale, norm_w, out, post_out, comb_out,
@@ -138,21 +143,25 @@ if HAVE_TRITON:
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m = h < H
         j = tl.arange(0, N)
-        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
+        # every load before any arithmetic, so they wait on memory together (the streams' block last: its layout
+        # change goes through shared memory behind a barrier, which held back the loads issued after it)
+        if MIX:  # not after the block's output is stored (a second round trip)
+            f = _fn_block(fn, h, m, H, N, M, MP)
+        c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
+        p = tl.load(post + t * N + j)  # [k]
         b = tl.load(block_out + t * H + h, mask=m, other=0.0).to(tl.float32)
         if K > 0:
             for i in tl.static_range(K):
                 wi = tl.load(routed_w + t * K + i).to(tl.float32)
                 b += wi * tl.load(routed + (t * K + i) * H + h, mask=m, other=0.0).to(tl.float32)
             b = b.to(block_out.dtype.element_ty).to(tl.float32)
-        c = tl.load(comb + t * N * N + j[:, None] * N + j[None, :])  # [j, k]
-        p = tl.load(post + t * N + j)  # [k]
+        x = tl.load(streams + t * N * H + j[:, None] * H + h[None, :], mask=m[None, :], other=0.0).to(tl.float32)
         mixed = tl.sum(c[:, :, None] * x[:, None, :], axis=0)  # [k, h] = sum_j comb[j, k] * x[j, h]
         y = (p[:, None] * b[None, :] + mixed).to(out.dtype.element_ty)
         tl.store(out + t * N * H + j[:, None] * H + h[None, :], y, mask=m[None, :])
         if MIX:
             yf = tl.where(m[None, :], y.to(tl.float32), 0.0)  # the stored values, as the next block reads them
-            _mix_partials(yf, fn, mix_part, gram_part, t, hb, tl.num_programs(1), h, m, H, N, M, MP)
+            _mix_partials(yf, f, mix_part, gram_part, t, hb, tl.num_programs(1), N, MP)
 
 
 # launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
