@@ -21,6 +21,10 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_cur
 _DEFINED_INTERPRETED = interpret_mode()
 
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+# Warps of a routing program: one keeps the top-k's argmax rounds (k in a row, each a reduction over the experts)
+# in shuffles; with four each round crossed two barriers (sm_90 SASS of Flash's router: 22 barriers at 4 warps, none
+# at 1)
+ROUTE_WARPS = 1
 
 if HAVE_TRITON:
     from ds4x.formats.pdl import release_dependents, wait_upstream
@@ -125,7 +129,7 @@ def route_fused(logits: torch.Tensor, bias: torch.Tensor | None, tokens: torch.T
             lg, bias if bias is not None else lg, tokens.contiguous() if hashed else lg,
             tid2eid.contiguous() if hashed else lg, ids, weights, float(scaling), stacked, E=n_exp, K=k,
             FUNC=SCORE_FUNCS.index(func) if func in SCORE_FUNCS else 2, HASHED=hashed, STACKED=stacked > 0,
-            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k),
+            BLOCK_E=triton.next_power_of_2(n_exp), BLOCK_K=triton.next_power_of_2(k), num_warps=ROUTE_WARPS,
             **launch_options(logits.device, "moe"))
     return ids, weights
 
