@@ -91,12 +91,12 @@ if HAVE_TRITON:
         # tl.reduce with our own combine instead of tl.max: tl.max is a Triton stdlib @jit
         # function, which the interpreter cannot call when triton was imported without
         # TRITON_INTERPRET=1; tl.reduce itself is patched by the interpreter.
-        return tl.reduce(v, 1, _max_combine)
+        return tl.reduce(v, len(v.shape) - 1, _max_combine)
 
     @triton.jit
     def _block_exponent(v, FLOOR: tl.constexpr, INV_MAX: tl.constexpr):
-        # v [R, B] float32 -> (e [R] int32, bad [R] bool). e = ceil(log2(fp32(max(amax, FLOOR)
-        # * fp32(INV_MAX)))) from the bits; bad blocks (NaN/Inf) get e = 128.
+        # v [..., B] float32 (blocks along the last axis) -> (e [...] int32, bad [...] bool).
+        # e = ceil(log2(fp32(max(amax, FLOOR) * fp32(INV_MAX)))) from the bits; bad blocks (NaN/Inf) get e = 128.
         a = tl.abs(v)
         nonfinite = (v != v) | (a == float("inf"))
         bad = _row_max(nonfinite.to(tl.int32)) > 0
@@ -163,8 +163,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def pack_kv_kernel(x_ptr, out_ptr, n_rows, at_ptr, ring, batch, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
-                       SCATTER: tl.constexpr, PDL: tl.constexpr = False):
-        # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes)
+                       NB: tl.constexpr, SCATTER: tl.constexpr, PDL: tl.constexpr = False):
+        # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes).
+        # All blocks at once, [rows, NB (a power of two >= NOPE_BLOCKS), 64]: one wave of loads, where a loop over
+        # the blocks issued each block's load only after the previous block's stores
         wait_upstream(PDL)
         release_dependents(PDL)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
@@ -174,20 +176,22 @@ if HAVE_TRITON:
         rmask = rows < n_rows
         m2 = rmask[:, None]
         cols = tl.arange(0, 64)
+        b = tl.arange(0, NB)[None, :]  # [1, NB]
+        m3 = (m2 & (b < NOPE_BLOCKS))[:, :, None]
+        at = b[:, :, None] * 64 + cols[None, None, :]  # [1, NB, 64]: offsets of the non-RoPE values
         rows64 = rows.to(tl.int64)
         x_row = x_ptr + rows64[:, None] * DIM
+        v = tl.load(x_row[:, :, None] + at, mask=m3, other=0.0).to(tl.float32)
+        r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         dst = _out_rows(rows, rmask, at_ptr, ring, batch, SCATTER)
         o_row = out_ptr + dst[:, None] * BYTES
-        for b in tl.static_range(NOPE_BLOCKS):
-            v = tl.load(x_row + b * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-            e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)
-            inv = _pow2(tl.where(bad, 0, -e))
-            a = tl.minimum(tl.abs(v) * inv[:, None], 448.0)
-            code = _round_code(a, 3, 7) | (_sign(v) << 7)
-            code = tl.where(bad[:, None], 0, code)
-            tl.store(o_row + b * 64 + cols[None, :], code.to(tl.uint8), mask=m2)
-            tl.store(out_ptr + dst * BYTES + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=rmask)
-        r = tl.load(x_row + NOPE_BLOCKS * 64 + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        e, bad = _block_exponent(v, 1e-4, 1.0 / 448.0)  # [rows, NB]
+        inv = _pow2(tl.where(bad, 0, -e))
+        a = tl.minimum(tl.abs(v) * inv[:, :, None], 448.0)
+        code = _round_code(a, 3, 7) | (_sign(v) << 7)
+        code = tl.where(bad[:, :, None], 0, code)
+        tl.store(o_row[:, :, None] + at, code.to(tl.uint8), mask=m3)
+        tl.store(o_row + NOPE_BLOCKS * 64 + 128 + b, (e + 127).to(tl.uint8), mask=m2 & (b < NOPE_BLOCKS))
         h = r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         tl.store(o_row + NOPE_BLOCKS * 64 + 2 * cols[None, :], (h & 0xFF).to(tl.uint8), mask=m2)
         tl.store(o_row + NOPE_BLOCKS * 64 + 1 + 2 * cols[None, :], (h >> 8).to(tl.uint8), mask=m2)
@@ -409,7 +413,8 @@ def pack_kv_rows_triton(x: torch.Tensor, *, validate: bool = True, rope_dim: int
     lead = xs.shape[:-1]
     src = xs.reshape(-1, dim).contiguous()
     dst, targets, ring, batch = _pack_out(src, kv_row_bytes(dim, rope_dim), out, at, fn)
-    _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, batch, NOPE_BLOCKS=nb, SCATTER=out is not None)
+    _launch("pack_kv_kernel", src, dst, src.shape[0], targets, ring, batch, NOPE_BLOCKS=nb,
+            NB=1 << (nb - 1).bit_length(), SCATTER=out is not None)
     return dst if out is not None else dst.reshape(*lead, dst.shape[-1])
 
 
