@@ -50,7 +50,8 @@ quantized once beforehand by ``quantize_activations`` (the same quantization, so
 Batch invariance: the matvec computes every (row, expert) pair alone with a configuration chosen
 without looking at the number of rows, so a row gets the same bits with 1 to ``MATVEC_MAX_ROWS``
 rows in the call (checked bitwise on an H200 for 1, 3 and 16 rows). Past that the skinny kernel
-(TF32 / bf16 tensor cores) and then the dense GEMM give other bits.
+(TF32 / bf16 tensor cores) and then the dense GEMM give other bits, as do the token tile and the mirrors, which
+serve batched rows only where mirrors are on (the server's batched decode, where batch invariance is not asked).
 
 The interpreter (``TRITON_INTERPRET=1``) runs the same kernels on CPU tensors for parity tests
 (``dp4a`` and byte permutes are emulated there); like ``formats/rows_triton.py`` this module keeps a
@@ -155,7 +156,7 @@ WGMMA_MIN_PAIRS_PER_EXPERT = {T.IQ2_XXS: 2, T.Q2_K: 4}
 MIRROR_TYPES = frozenset({T.Q8_0})
 MIRROR_MIN_ROWS = 2
 # Where mirrors are on, 2 .. TOKEN_TILE_MAX_ROWS rows of a Q8_0 product (split rows, int8 activations) take
-# `_q8_token_tile_kernel` instead: x quantized once per 16 values (`quantize_activations`), each weight word loaded
+# `_token_tile_kernel` instead: x quantized once per 16 values (`quantize_activations`), each weight word loaded
 # once and multiplied into up to 8 tokens by dp4a, so it reads the ~1.06 bytes per weight once where the mirror
 # reads 2. H200, Flash shapes, us bf16 mirror + cuBLAS / token tile at 2, 4, 8 rows (devrun/q8_tokens.py at
 # 02ed158, graphs over weight copies, x quantized beforehand): wq_a 4096->1024 7.9 / 4.3, 7.8 / 4.4, 7.7 / 4.8;
