@@ -712,19 +712,14 @@ if HAVE_TRITON:
     @triton.jit
     def _mv_dense(rowp, c, xp, BF16: tl.constexpr):
         # unit: weights 8c .. 8c+7 of a dense 16-bit row, two 8-byte words of four weights each
+        if BF16:
+            wp = rowp.to(tl.pointer_type(tl.bfloat16))
+        else:
+            wp = rowp.to(tl.pointer_type(tl.float16))
         s = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         for half in tl.static_range(2):
-            q = tl.load((rowp + 16 * c + 8 * half).to(tl.pointer_type(tl.int64)))
+            w0, w1, w2, w3 = _x4(wp, c * 8 + 4 * half)
             x0, x1, x2, x3 = _x4(xp, c * 8 + 4 * half)
-            lo = q.to(tl.int32)
-            hi = (q >> 32).to(tl.int32)
-            if BF16:  # bf16 is the top half of a float32
-                w0 = (lo << 16).to(tl.float32, bitcast=True)
-                w1 = (lo & -65536).to(tl.float32, bitcast=True)
-                w2 = (hi << 16).to(tl.float32, bitcast=True)
-                w3 = (hi & -65536).to(tl.float32, bitcast=True)
-            else:
-                w0, w1, w2, w3 = _h2f(lo), _h2f(lo >> 16), _h2f(hi), _h2f(hi >> 16)
             s += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
         return s
 
