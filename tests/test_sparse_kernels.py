@@ -403,6 +403,23 @@ def test_flash_shapes_at_1m_on_gpu():
 
 
 @pytest.mark.gpu
+def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
+    """A row's score is the same whatever the row count (rows ending mid-tile; a program's last tiles, decoded and
+    multiplied ahead, lying past the rows) and whatever the store's alignment."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    rows, q, w = _indexer_case(4096, 64, 11, "cuda")
+    shifted = torch.empty(4097 * 68, dtype=torch.uint8, device="cuda")[4 : 4 + 4096 * 68].view(4096, 68)
+    shifted.copy_(rows)
+    full = indexer_scores_triton(q, w, rows, 4096, packed=True)
+    ref = _reference_scores(q, w, rows, 4096)
+    assert float((full - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+    for n in (4096, 4000, 1000, 63, 1):
+        assert torch.equal(indexer_scores_triton(q, w, rows, n, packed=True), full[:n]), n
+        assert torch.equal(indexer_scores_triton(q, w, shifted, n, packed=True), full[:n]), n
+
+
+@pytest.mark.gpu
 def test_batched_decode_kernels_are_each_query_alone_on_gpu():
     """The same bits per query on the compiled kernels (tensor-core attention, PTX indexer decode)."""
     test_batched_decode_kernels_are_each_query_alone()
