@@ -78,25 +78,30 @@ if HAVE_TRITON:
         row = out + i.to(tl.int64) * WIDTH
         tl.store(row + c, pooled, mask=cm)
         tl.store(parts + i * NCB + cb, tl.sum(pooled * pooled, axis=0))
+        # what the last program needs besides the other programs' sums and rows, loaded and computed before the
+        # arrival (off its path): the norm weights and the RoPE angles at the window's first position
+        NOPE: tl.constexpr = WIDTH - 2 * ROPE_HALF
+        cw = tl.arange(0, BLOCK_W)
+        wm = cw < NOPE
+        nw = tl.load(norm + cw, mask=wm, other=0.0).to(tl.float32)
+        h = tl.arange(0, ROPE_HALF)
+        nw_even = tl.load(norm + NOPE + 2 * h).to(tl.float32)
+        nw_odd = tl.load(norm + NOPE + 2 * h + 1).to(tl.float32)
+        freq = (w * RATIO).to(tl.float32) * tl.load(inv_freq + h)
+        cos = tl.cos(freq) * magnitude
+        sin = tl.sin(freq) * magnitude
         # acq_rel: this program's stores are visible to the one that sees the count complete, and that one sees
         # all of theirs
         if tl.atomic_add(arrived + i, 1, sem="acq_rel") == NCB - 1:
             tl.atomic_xchg(arrived + i, 0)  # zero again for the next call (the counters are kept, not re-filled)
             total = tl.sum(tl.load(parts + i * NCB + tl.arange(0, NCB), cache_modifier=".cg"), axis=0)
-            cw = tl.arange(0, BLOCK_W)
-            wm = cw < WIDTH
-            y = tl.load(row + cw, mask=wm, other=0.0, cache_modifier=".cg") * (1.0 / tl.sqrt(total / WIDTH + eps))
-            tl.store(row + cw, tl.load(norm + cw, mask=wm, other=0.0).to(tl.float32) * y, mask=wm)
-            # RoPE on the trailing 2 * ROPE_HALF dims in interleaved pairs, at the window's first position
-            tl.debug_barrier()
-            h = tl.arange(0, ROPE_HALF)
-            freq = (w * RATIO).to(tl.float32) * tl.load(inv_freq + h)
-            cos = tl.cos(freq) * magnitude
-            sin = tl.sin(freq) * magnitude
-            base = row + WIDTH - 2 * ROPE_HALF
-            even = tl.load(base + 2 * h)
-            odd = tl.load(base + 2 * h + 1)
-            tl.debug_barrier()
+            inv = 1.0 / tl.sqrt(total / WIDTH + eps)
+            y = tl.load(row + cw, mask=wm, other=0.0, cache_modifier=".cg") * inv
+            # the RoPE dims (the trailing 2 * ROPE_HALF, interleaved pairs) normalised and rotated in registers
+            base = row + NOPE
+            even = nw_even * (tl.load(base + 2 * h, cache_modifier=".cg") * inv)
+            odd = nw_odd * (tl.load(base + 2 * h + 1, cache_modifier=".cg") * inv)
+            tl.store(row + cw, nw * y, mask=wm)
             tl.store(base + 2 * h, even * cos - odd * sin)
             tl.store(base + 2 * h + 1, odd * cos + even * sin)
 
