@@ -164,14 +164,15 @@ if HAVE_TRITON:
             _mix_partials(yf, f, mix_part, gram_part, t, hb, tl.num_programs(1), N, MP)
 
 
-# launch shapes: hidden values per collapse program and its warps. The collapse programs run the 4x4 Sinkhorn chain
+# launch shapes: hidden values per collapse program, on one warp. The collapse programs run the 4x4 Sinkhorn chain
 # (20 iterations of small reductions) before collapsing: one warp keeps its reductions in shuffles. H200, Flash
 # (4 x 4096 streams), us per hc_pre_fused call with collapse warps 4 / 2 / 1: 10.5 / 11.0 / 6.95 at 1 token, 23.2 /
-# 19.8 / 13.9 at 32 tokens (mixing then 256 values of the flattened streams a program, 4 warps). Since the collapse
-# also applies the RMSNorm (NORM_IN_PRE), two warps measure faster for a few tokens (H200, whole captured steps at
-# d2f1476, one process, ms per replay, 1 / 2 warps: 6.46-6.47 / 6.38-6.39 for one session, 16.03-16.06 / 15.93-15.95
-# for 8, 42.00-42.02 / 42.12-42.13 for 32): PRE_WARPS up to PRE_FEW_TOKENS tokens, one warp past them.
-PRE_BLOCK, PRE_WARPS, PRE_FEW_TOKENS = 256, 2, 8
+# 19.8 / 13.9 at 32 tokens. Two warps once measured faster for up to 8 tokens in the whole step (d2f1476); since the
+# kernel issues its loads in one wave (522588e) one warp is faster there too: the launch alone (graph of 64, with
+# partials; devrun of 57903e1) 4.03 against 4.71 us at 1 token and 4.81 against 5.37 at 8 (the chain's 19 Sinkhorn
+# iterations after the first cost 1.1 / 2.0 us of that), the replayed step (dd4d2ee, one process) 5.65 / 5.62
+# against 5.70 / 5.68 ms for one session and 14.39 / 14.37 against 14.45 / 14.44 for 8.
+PRE_BLOCK = 256
 # hidden values per hc_post program: 256 alone; 64 when it also computes the next block's mixing partials (its fn
 # tile is [mixes, n, block] in registers), and so per mixing program (the same chunks either way)
 POST_BLOCK, POST_MIX_BLOCK = 256, 64
@@ -258,7 +259,7 @@ def hc_pre_fused(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sc
         streams, *partials, base.contiguous(), scale.contiguous(),
         norm_weight.contiguous() if norm_weight is not None else out, out, post, comb, hd, rms_eps, hc_eps,
         ITERS=iters, N=n, MP=mp, S=s, SP=triton.next_power_of_2(s), BLOCK_H=PRE_BLOCK,
-        NORM=norm_weight is not None, num_warps=PRE_WARPS if t <= PRE_FEW_TOKENS else 1,
+        NORM=norm_weight is not None, num_warps=1,
         **(launch_options(dev, "hc_pre") if t == 1 else {"PDL": False}))
     return out, post, comb
 
