@@ -404,8 +404,8 @@ def test_flash_shapes_at_1m_on_gpu():
 
 @pytest.mark.gpu
 def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
-    """A row's score is the same whatever the row count (rows ending mid-tile; a program's last tiles, decoded and
-    multiplied ahead, lying past the rows) and whatever the store's alignment."""
+    """A row's score is the same whatever the row count (rows ending mid-tile; a program's next tile, loaded ahead,
+    lying past the rows) and whatever the store's alignment."""
     from ds4x.kernels.indexer import indexer_scores_triton
 
     rows, q, w = _indexer_case(4096, 64, 11, "cuda")
