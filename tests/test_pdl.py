@@ -3,7 +3,7 @@
 A kernel launched with the PDL attribute may start while the kernel before it is still running; reading or writing
 memory before its `wait_upstream` would race with that kernel. The check below reads the kernels' source: in every
 Triton / Gluon kernel that takes ``PDL``, `wait_upstream(PDL)` comes before any load, store or atomic the kernel makes
-itself (the helpers it calls are not followed), and `release_dependents` only after it.
+itself (the helpers it calls are not followed); releasing its dependents is part of that call (`RELEASE=True`).
 """
 
 from __future__ import annotations

@@ -5,21 +5,20 @@ completed and its writes are visible. The module sits with the formats because t
 (`ds4x.formats.rows_triton`) launch with it too.
 
 The short kernels of a decode step (matvecs and their activation quantization, norms, RoPE, mHC, routing, SwiGLU,
-combine, compressor emit, the one-program top-k, the packed-row writes) also release their dependents
-(`release_dependents`, griddepcontrol.launch_dependents) right after their own wait, so the next kernel's programs
-are placed and set up while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batched_decode.py`,
-same process): one session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8
-sessions 15.50 against 15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with
-it at 8 sessions the step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF`
-names families to launch without PDL for such A/Bs. Prefill (eager launches of 4,096-token chunks) measured 5,603 /
-5,652 tok/s at 4K / 16K against 5,697 / 5,719 with `ENABLED=False` in the process before (one A/B, order not
-swapped), and 5,580 / 5,623 with the launch attribute kept out of eager launches: not settled whether PDL costs
-prefill 1-2%. The long passes of the compressed layers (attention, indexer scoring, the multi-program top-k, the
-attention merge) release theirs only as their programs exit: a trigger at their start measured slower (HCA layer at
-1M: 35.3 us without it, 39.0 with it; the frontier benchmark's 41 compressed layers 1.865 ms against 1.977; the
-merge releasing after its wait changed nothing). Prefetching a matvec's weight rows into L2 before its wait made the
-small wq_a faster alone (4.07 -> 3.08 us) but the large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower
-(6.43 ms): not used.
+combine, compressor emit, the one-program top-k, the packed-row writes) also release their dependents right after their
+own wait (`wait_upstream(PDL, RELEASE=True)`: griddepcontrol.launch_dependents), so the next kernel's programs are
+placed and set up while this one runs. H200, synthetic flash:q2, 4K, replayed step (`scripts/batched_decode.py`, same
+process): one session 5.93 ms against 6.37 without PDL anywhere (6.20 with only the matvecs releasing); 8 sessions 15.50
+against 15.55; 32 sessions 39.1 against 39.0. The mHC pre kernel takes PDL for one token only: with it at 8 sessions the
+step took 15.91 ms (15.48 without it on that kernel, or 15.52 without it on mHC post). `OFF` names families to launch
+without PDL for such A/Bs. Prefill (eager launches of 4,096-token chunks) measured 5,603 / 5,652 tok/s at 4K / 16K
+against 5,697 / 5,719 with `ENABLED=False` in the process before (one A/B, order not swapped), and 5,580 / 5,623 with
+the launch attribute kept out of eager launches: not settled whether PDL costs prefill 1-2%. The long passes of the
+compressed layers (attention, indexer scoring, the multi-program top-k, the attention merge) release theirs only as
+their programs exit: a trigger at their start measured slower (HCA layer at 1M: 35.3 us without it, 39.0 with it; the
+frontier benchmark's 41 compressed layers 1.865 ms against 1.977; the merge releasing after its wait changed nothing).
+Prefetching a matvec's weight rows into L2 before its wait made the small wq_a faster alone (4.07 -> 3.08 us) but the
+large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower (6.43 ms): not used.
 """
 
 from __future__ import annotations
@@ -52,15 +51,12 @@ if HAVE_TRITON:  # the kernels' side (their modules import it only with triton)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def wait_upstream(PDL: tl.constexpr):
+    def wait_upstream(PDL: tl.constexpr, RELEASE: tl.constexpr = False):
         """The first statement of a kernel launched with `launch_options`: nothing before it may read or write memory
-        that earlier kernels touch."""
+        that earlier kernels touch. RELEASE (the step's short kernels): then let the kernel after this one start its
+        programs at once (griddepcontrol.launch_dependents); they run up to their own `wait_upstream`, which still
+        waits for this whole kernel. Without it the next kernel starts as this one's programs exit."""
         if PDL:
             gdc_wait()
-
-    @triton.jit
-    def release_dependents(PDL: tl.constexpr):
-        """Lets the kernel after this one (launched with `launch_options`) start its programs now: they run up to
-        their own `wait_upstream`, which still waits for this whole kernel."""
-        if PDL:
-            gdc_launch_dependents()
+            if RELEASE:
+                gdc_launch_dependents()

@@ -67,7 +67,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 if HAVE_TRITON:
     # The kernels live at module level because Triton (compiler and interpreter alike)
     # resolves the helper functions a kernel calls through the module's globals.
-    from .pdl import release_dependents, wait_upstream
+    from .pdl import wait_upstream
 
     @triton.jit
     def _pow2(e):
@@ -167,8 +167,7 @@ if HAVE_TRITON:
         # a row is NOPE_BLOCKS blocks of 64 E4M3 values, then 64 RoPE values (Flash: 7 blocks, 512 -> 583 bytes).
         # All blocks at once, [rows, NB (a power of two >= NOPE_BLOCKS), 64]: one wave of loads, where a loop over
         # the blocks issued each block's load only after the previous block's stores
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
         BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
@@ -200,8 +199,7 @@ if HAVE_TRITON:
     def write_rows_kernel(x_ptr, out_ptr, at_ptr, ring, batch, W: tl.constexpr, BLOCK_W: tl.constexpr,
                           PDL: tl.constexpr = False):
         # row r of x (any float type) -> float32 row at[r] mod ring of out (of ring r when batch = ring)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_W)
         v = tl.load(x_ptr + r * W + cols, mask=cols < W).to(tl.float32)
@@ -211,8 +209,7 @@ if HAVE_TRITON:
     @triton.jit
     def unpack_kv_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, NOPE_BLOCKS: tl.constexpr,
                          PDL: tl.constexpr = False):
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         DIM: tl.constexpr = NOPE_BLOCKS * 64 + 64
         BYTES: tl.constexpr = NOPE_BLOCKS * 64 + 128 + NOPE_BLOCKS
         pid = tl.program_id(0)
@@ -245,8 +242,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def hadamard128_kernel(x_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         m2 = (rows < n_rows)[:, None]
@@ -261,8 +257,7 @@ if HAVE_TRITON:
         # A row is four 32-value blocks; element 2i goes to the low nibble and 2i+1 to the high nibble of a byte.
         # ROTATE: the Hadamard-128 rotation first (in registers). VALUES: write the float32 values the packed row
         # decodes to (code * scale, exact) instead of the bytes: the MXFP4 round trip in one launch.
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows
@@ -298,8 +293,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def unpack_indexer_kernel(in_ptr, out_ptr, n_rows, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = rows < n_rows

@@ -21,7 +21,7 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_cur
 _DEFINED_INTERPRETED = interpret_mode()
 
 if HAVE_TRITON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     @triton.jit
     def _emit_kernel(proj, cap, ring_stride, windows, last, last_stride, ape, norm, inv_freq, out, parts, arrived,
@@ -39,8 +39,7 @@ if HAVE_TRITON:
         # [0, WIDTH) of kv and gate ("a" lane), then its own through [WIDTH, 2 * WIDTH) ("b" lane).
         KV: tl.constexpr = WIDTH * (2 if OVERLAP else 1)
         NSLOT: tl.constexpr = RATIO * (2 if OVERLAP else 1)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         i = tl.program_id(0)
         cb = tl.program_id(1)
         w = tl.load(windows + i)

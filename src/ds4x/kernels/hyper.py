@@ -33,7 +33,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 # the hidden size is a compile-time constant (one model, one value): static loops, also in the interpreter
 
 if HAVE_TRITON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     @triton.jit
     def _fn_block(fn, h, m, H: tl.constexpr, N: tl.constexpr, M: tl.constexpr, MP: tl.constexpr):
@@ -60,8 +60,7 @@ if HAVE_TRITON:
                        M: tl.constexpr, MP: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
         # program (token, block of the hidden size): the block's mixing partials over all N streams (no atomics:
         # replays give the same bits)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -79,8 +78,7 @@ if HAVE_TRITON:
         # comb from the partials (4x4 work, cheaper than another launch), then collapses its block. NORM: the
         # block input's RMSNorm too (weights norm_w): its mean square is pre^T G pre / H for the streams' Gram
         # matrix G (summed from the partials), so no program needs the others' blocks
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         j = tl.arange(0, N)
@@ -136,8 +134,7 @@ if HAVE_TRITON:
         # of the new streams (chunk s = the block: _hc_pre_kernel sums them in order).
         # K > 0: block_out is the shared expert's output and the block's output is first summed with the K routed
         # outputs [T, K, H] by their weights [T, K], rounded to block_out's dtype (the MoE combine's arithmetic)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         t = tl.program_id(0)
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)

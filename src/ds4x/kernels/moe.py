@@ -28,14 +28,13 @@ SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 ROUTE_WARPS = 1
 
 if HAVE_TRITON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     @triton.jit
     def _route_kernel(logits, bias, tokens, tid2eid, ids_out, weights_out, scaling, stacked, E: tl.constexpr,
                       K: tl.constexpr, FUNC: tl.constexpr, HASHED: tl.constexpr, STACKED: tl.constexpr,
                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         em = e < E
@@ -78,8 +77,7 @@ if HAVE_TRITON:
     @triton.jit
     def _swiglu_kernel(gate, up, out, width, stride_g, stride_u, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         # program (row, column block); gate and up rows may be strided (the halves of one stacked product)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         r = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = i < width
@@ -91,8 +89,7 @@ if HAVE_TRITON:
     @triton.jit
     def _moe_combine_kernel(y, weights, shared, out, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
                             PDL: tl.constexpr = False):
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = n < N

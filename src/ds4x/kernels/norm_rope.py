@@ -20,15 +20,14 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_cur
 _DEFINED_INTERPRETED = interpret_mode()
 
 if HAVE_TRITON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     @triton.jit
     def _rms_norm_kernel(x, w, out, cos, sin, M, D: tl.constexpr, eps, BLOCK: tl.constexpr, HAS_W: tl.constexpr,
                          HALF: tl.constexpr, PDL: tl.constexpr = False):
         # HALF > 0: then RoPE on the trailing 2 * HALF dims of the row (token row // M) in interleaved pairs, from
         # the normalised values rounded to out's dtype, as the two separate kernels compute it
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK)
         m = d < D
@@ -52,8 +51,7 @@ if HAVE_TRITON:
     def _rope_kernel(x, cos, sin, out, M, D: tl.constexpr, KEEP: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_KEEP: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr = False):
         # row r of x [R, D] belongs to token r // M; dims [KEEP, D) rotate in interleaved pairs
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         row = tl.program_id(0).to(tl.int64)
         base = x + row * D
         dst = out + row * D

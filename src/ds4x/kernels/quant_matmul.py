@@ -179,7 +179,7 @@ _DEFINED_INTERPRETED = interpret_mode()
 
 
 if HAVE_TRITON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     @triton.jit
     def _add(a, b):
@@ -775,8 +775,7 @@ if HAVE_TRITON:
         # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
         pid_n = tl.program_id(0)
         pair = tl.program_id(1)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
@@ -841,8 +840,7 @@ if HAVE_TRITON:
         # rows decoded once for two of its pairs: program (row block, pair) runs only where its pair is the first
         # of its expert, and then all of that expert's pairs, two at a time, each with the operations (the bits)
         # of _qmv_kernel's program for that pair
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         pid_n = tl.program_id(0)
         slot = tl.program_id(1)
         allp = tl.arange(0, PB)
@@ -880,8 +878,7 @@ if HAVE_TRITON:
     def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr,
                      PDL: tl.constexpr = False):
         # program (group block, row): _xq16 of G groups of 16 values, stored (G divides n_groups: no masks)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         row = tl.program_id(1).to(tl.int64)
         g = tl.program_id(0) * G + tl.arange(0, G)[:, None]
         w0, w1, w2, w3, dx, _ = _xq16(x_ptr + row * stride_x, 16 * g, INTERPRET)
@@ -937,8 +934,7 @@ if HAVE_TRITON:
         pid_n = tl.program_id(0)
         pid_t = tl.program_id(1)
         g = tl.program_id(2).to(tl.int64)
-        wait_upstream(PDL)
-        release_dependents(PDL)
+        wait_upstream(PDL, RELEASE=True)
         rows = pid_n * R + tl.arange(0, R)
         # rows past N read row N - 1 and tokens past n_tok the last token (never stored): no load needs a mask
         row = (g * N + tl.minimum(rows, N - 1)).to(tl.int64)[None, :, None]

@@ -6,7 +6,7 @@ packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact rad
 import triton
 import triton.language as tl
 
-from ds4x.formats.pdl import release_dependents, wait_upstream
+from ds4x.formats.pdl import wait_upstream
 
 
 @triton.jit
@@ -301,8 +301,7 @@ def radix_small_kernel(scores_ptr, n, n_visible, count_ptr, kk, index_ptr, valid
     # One program per row of scores holds all of them: the k-th largest order-preserving code is built BITS bits
     # at a time from the top (the largest candidate that at least `need` codes reach), then the selection is
     # listed as radix_kernel lists it. No grid barriers: a few short reductions per row.
-    wait_upstream(PDL)
-    release_dependents(PDL)
+    wait_upstream(PDL, RELEASE=True)
     r = tl.program_id(0).to(tl.int64)
     scores_ptr += r * n
     index_ptr += r * kk
