@@ -3,8 +3,9 @@
 gate / up with SwiGLU in one launch (IQ2_XXS, 2 x 256 experts of 2048 x 4096, split rows) and down (Q2_K, 256
 experts of 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, warps) tile. Every call of a CUDA graph
 of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading
-x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program. The
-figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
+x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down
+xq": the down launch with ``Q2_K_PREPARED_ACTIVATIONS`` on (x quantized with its groups' sums in one more launch,
+timed in, from ``Q2_K_PREPARED_MIN_PAIRS`` pairs). The figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
     PYTHONPATH=src python scripts/routed_matvec_sweep.py --tokens 1,8,32 --ledger benchmarks/ledger.jsonl
 
@@ -26,6 +27,16 @@ COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §
 
 def tiles(specs: list[str]) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in s.split(",")) for s in specs]  # type: ignore[misc]
+
+
+def prepared_down(qm, h: torch.Tensor, w2, ids: torch.Tensor, cfg: tuple[int, int, int]) -> torch.Tensor:
+    """The routed down product with the Q2_K matvec reading x quantized once per row (the A/B switch on)."""
+    was = qm.Q2_K_PREPARED_ACTIVATIONS
+    qm.Q2_K_PREPARED_ACTIVATIONS = True
+    try:
+        return qm.quant_matmul_routed(h, w2, ids, config=cfg)
+    finally:
+        qm.Q2_K_PREPARED_ACTIVATIONS = was
 
 
 def main() -> int:
@@ -72,6 +83,9 @@ def main() -> int:
             ("down", tiles(args.down), t * k * hidden * w2.row_bytes,
              lambda cfg, ids, h=h, t=t: qm.quant_matmul_routed(h, w2, ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8"),
+            ("down xq", tiles(args.down), t * k * hidden * w2.row_bytes,
+             lambda cfg, ids, h=h, t=t: prepared_down(qm, h, w2, ids.reshape(t * k, 1), cfg),
+             f"Q2_K 4096x2048 x{k} routed", "matvec int8, x quantized once with sums (launch timed in)"),
         ]
         for what, configs, nbytes, call, shape, kernel in cases:
             ref = call(configs[0], id_sets[0]).float()

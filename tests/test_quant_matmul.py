@@ -278,6 +278,34 @@ def test_routed_swiglu_decodes_each_expert_once_for_its_pairs_interpreter(interp
     assert (want.float().abs() > 0).all()  # every pair's row written
 
 
+def test_routed_q2_k_reads_x_quantized_once_interpreter(interp, monkeypatch):
+    # the routed down projection's form (one x row per pair) past Q2_K_PREPARED_MIN_PAIRS: x quantized once per row
+    # with its groups' sums gives the bits of each program quantizing it; fewer pairs keep the per-program path
+    n_exp, n, k = 5, 9, 512
+    w = weight(T.Q2_K, (n_exp, n, k), seed=75)
+    g = torch.Generator().manual_seed(76)
+    ids = torch.randint(0, n_exp, (6, 1), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, k, generator=g).to(dtype)
+        want = qm.quant_matmul_routed(x, w, ids, config=MV, force="mv", int8=True)
+        xq = qm.quantize_activations(x, sums=True)
+        assert xq.sums.shape == (6, k // 16) and torch.allclose(xq.sums, x.float().view(6, -1, 16).sum(-1), atol=1e-5)
+        monkeypatch.setattr(qm, "Q2_K_PREPARED_ACTIVATIONS", True)
+        monkeypatch.setattr(qm, "Q2_K_PREPARED_MIN_PAIRS", 6)
+        calls = []
+        monkeypatch.setattr(qm, "quantize_activations", lambda x, sums=False, f=qm.quantize_activations, c=calls:
+                            c.append(sums) or f(x, sums))
+        assert torch.equal(qm.quant_matmul_routed(x, w, ids, config=MV, force="mv", int8=True), want)
+        assert calls == [True]
+        monkeypatch.setattr(qm, "Q2_K_PREPARED_MIN_PAIRS", 7)
+        assert torch.equal(qm.quant_matmul_routed(x, w, ids, config=MV, force="mv", int8=True), want)
+        assert calls == [True]
+        monkeypatch.undo()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="prepared int8 activations"):  # Q2_K needs the groups' sums
+        qm._launch(x, w, ids, 1, 6, 1, 1, MV, "mv", True, xq=qm.quantize_activations(x))
+
+
 def test_routed_grouped_interpreter(interp, monkeypatch):
     # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
     # (a 2-expert scratch here), with an expert no row picks

@@ -509,11 +509,12 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _mv_q2_k(rowp, c, xp, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+    def _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, ACT8: tl.constexpr, XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: code bytes 16 jj .. 16 jj + 15 (jj = c % 2) of half h = (c // 2) % 2 of block c // 4 (4 words).
         # Bit pair kk of these bytes holds the 16 weights 128 h + 32 kk + 16 jj + 0..15, sub-block
         # 8 h + 2 kk + jj, whose scale byte is byte jj + 2 (kk % 2) of scale word 2 h + kk // 2.
         # w = d * (sc & 15) * q - dmin * (sc >> 4), so each sub-block adds d * sc_lo * sum(q x) - dmin * sc_hi * sum(x).
+        # XQ: x's 16-value groups quantized beforehand (codes, scale and float sum of group k / 16), not here
         h = (c // 2) % 2
         jj = c % 2
         bp = rowp + (c // 4) * 84
@@ -534,7 +535,11 @@ if HAVE_TRITON:
             else:
                 sc = (sw1 >> (8 * jj + 16 * (kk - 2))) & 255
             if ACT8:
-                x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
+                if XQ:
+                    x0, x1, x2, x3, dx = _xq16_prepared(xqp, xsp, (k + 32 * kk) // 16)
+                    sx = tl.load(xsump + (k + 32 * kk) // 16)
+                else:
+                    x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
                 isum = _dp4a((q0 >> (2 * kk)) & 0x03030303, x0, tl.zeros_like(q0), INTERPRET)
                 isum = _dp4a((q1 >> (2 * kk)) & 0x03030303, x1, isum, INTERPRET)
                 isum = _dp4a((q2 >> (2 * kk)) & 0x03030303, x2, isum, INTERPRET)
@@ -724,16 +729,16 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, xqp, xsp, gridp, tables, kb,
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, xqp, xsp, xsump, gridp, tables, kb,
                  XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers; XQ: the
-        # activations' int8 codes and scales at xqp / xsp (IQ2_XXS)
+        # activations' int8 codes and scales at xqp / xsp (IQ2_XXS, Q2_K) and their groups' sums at xsump (Q2_K)
         if QTYPE == 30 or QTYPE == 1:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
             out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9, ACT8, INTERPRET)
         elif QTYPE == 10:
-            out = _mv_q2_k(rowp, c, xp, ACT8, INTERPRET)
+            out = _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, ACT8, XQ, INTERPRET)
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
@@ -767,8 +772,8 @@ if HAVE_TRITON:
         return tl.load(grid_ptr + t, mask=t < 384, other=0)
 
     @triton.jit
-    def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes, expert_bytes,
-                    up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
+    def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes,
+                    expert_bytes, up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
                     XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
@@ -786,10 +791,16 @@ if HAVE_TRITON:
             rows = pid_n * R + tl.arange(0, R)
             # rows past N read row N - 1 (never stored), so no weight load needs a mask
             rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
-        xp = x_ptr + (pair // X_DIV).to(tl.int64) * stride_x
-        # XQ: x's row quantized per 16 values (IQ2_XXS units of 32 weights: 8 code words, 2 scales a unit)
-        xqp = xq_ptr + (pair // X_DIV).to(tl.int64) * (8 * n_units)
-        xsp = xs_ptr + (pair // X_DIV).to(tl.int64) * (2 * n_units)
+        xrow = (pair // X_DIV).to(tl.int64)
+        xp = x_ptr + xrow * stride_x
+        # XQ: x's row quantized per 16 values, K / 4 code words and K / 16 scales (and sums) a row
+        if QTYPE == 10:
+            n_groups = n_units * 4  # Q2_K units of 64 weights
+        else:
+            n_groups = n_units * 2  # IQ2_XXS units of 32
+        xqp = xq_ptr + xrow * (4 * n_groups)
+        xsp = xs_ptr + xrow * n_groups
+        xsump = xsum_ptr + xrow * n_groups
         acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
         if QTYPE == 16 or QTYPE == 17:
@@ -799,13 +810,13 @@ if HAVE_TRITON:
         if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, grid_ptr, tables,
-                                kb, XQ, INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, xsump, grid_ptr,
+                                tables, kb, XQ, INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
-                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, grid_ptr, tables,
-                                kb, XQ, INTERPRET)
+                acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, xsump, grid_ptr,
+                                tables, kb, XQ, INTERPRET)
         y = tl.sum(acc, axis=0)
         if SWIGLU:
             _swiglu_store(y, y_ptr, pair, pid_n, N, limit, stride_y, R)
@@ -875,13 +886,16 @@ if HAVE_TRITON:
                 n_left -= 2
 
     @triton.jit
-    def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, stride_x, G: tl.constexpr, INTERPRET: tl.constexpr,
-                     PDL: tl.constexpr = False):
-        # program (group block, row): _xq16 of G groups of 16 values, stored (G divides n_groups: no masks)
+    def _xq16_kernel(x_ptr, codes_ptr, scales_ptr, sums_ptr, n_groups, stride_x, G: tl.constexpr,
+                     SUMS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+        # program (group block, row): _xq16 of G groups of 16 values, stored (G divides n_groups: no masks); SUMS:
+        # also the groups' float sums
         wait_upstream(PDL, RELEASE=True)
         row = tl.program_id(1).to(tl.int64)
         g = tl.program_id(0) * G + tl.arange(0, G)[:, None]
-        w0, w1, w2, w3, dx, _ = _xq16(x_ptr + row * stride_x, 16 * g, INTERPRET)
+        w0, w1, w2, w3, dx, sx = _xq16(x_ptr + row * stride_x, 16 * g, INTERPRET)
+        if SUMS:
+            tl.store(sums_ptr + row * n_groups + g, sx)
         cp = codes_ptr + row * (4 * n_groups) + 4 * g
         tl.store(cp, w0)
         tl.store(cp + 1, w1)
@@ -1263,9 +1277,13 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
     use_mv = force == "mv" or (force is None and rows_per_weight <= mv_max_rows)
     if swiglu is not None and not (use_mv and has_ids and w.ndim == 3 and w.shape[0] % 2 == 0):
         raise ValueError("_launch: the fused SwiGLU needs the routed matvec over stacked gate / up experts")
-    if xq is not None and not (use_mv and iq2 and int8_activations(w.qtype, int8)
-                               and xq.codes.shape == (x2.shape[0], k // 4)):
-        raise ValueError("_launch: prepared int8 activations serve the IQ2_XXS matvec on int8 activations of x")
+    if (xq is None and use_mv and w.qtype == T.Q2_K and Q2_K_PREPARED_ACTIVATIONS
+            and n_pairs >= Q2_K_PREPARED_MIN_PAIRS and int8_activations(w.qtype, int8)):
+        xq = quantize_activations(x2, sums=True)
+    if xq is not None and not (use_mv and (iq2 or (w.qtype == T.Q2_K and xq.sums is not None))
+                               and int8_activations(w.qtype, int8) and xq.codes.shape == (x2.shape[0], k // 4)):
+        raise ValueError("_launch: prepared int8 activations serve the IQ2_XXS matvec (and with their groups' sums "
+                         "the Q2_K one) on int8 activations of x")
     if use_mv:
         r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots, xq is not None)
         if swiglu is not None and r % 2:
@@ -1281,7 +1299,8 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
                 **launch_options(dev, "matvec"))
             return y
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
-            x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev), wr,
+            x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
+            xq.sums if xq is not None and xq.sums is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
@@ -1503,27 +1522,31 @@ def _routed_path(x: torch.Tensor, w: GGMLTensor, pairs: int, config: tuple[int, 
 
 class Int8Activations(NamedTuple):
     """Activations x [T, K] quantized per 16 values as the int8-activation matvec does it in each program:
-    ``codes`` [T, K // 4] int32 (4 little-endian int8 codes a word), ``scales`` [T, K // 16] (x ~ scale * code)."""
+    ``codes`` [T, K // 4] int32 (4 little-endian int8 codes a word), ``scales`` [T, K // 16] (x ~ scale * code),
+    ``sums`` [T, K // 16] the groups' float sums (Q2_K's min term) or None."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    sums: torch.Tensor | None = None
 
 
-def quantize_activations(x: torch.Tensor) -> Int8Activations:
+def quantize_activations(x: torch.Tensor, sums: bool = False) -> Int8Activations:
     """x [T, K] (K a multiple of 16, float32 / bf16 / fp16, CUDA or the interpreter) -> `Int8Activations`, one
-    launch; a matvec given them reads them instead of quantizing x in every program (the same bits)."""
+    launch; a matvec given them reads them instead of quantizing x in every program (the same bits). ``sums``:
+    also each group's float sum (what the Q2_K matvec needs)."""
     t, k = x.shape
     if k % 16:
         raise ValueError(f"quantize_activations: K = {k} is not a multiple of 16")
     x = x.contiguous()
     codes = torch.empty(t, k // 4, dtype=torch.int32, device=x.device)
     scales = torch.empty(t, k // 16, dtype=torch.float32, device=x.device)
+    group_sums = torch.empty_like(scales) if sums else None
     if t and k:
         groups = _fit_units(k // 16, 128)
-        _kernels()._xq16_kernel[(k // 16 // groups, t)](x, codes, scales, k // 16, x.stride(0), G=groups,
-                                                        INTERPRET=interpret_mode(), num_warps=4,
-                                                        **launch_options(x.device, "matvec"))
-    return Int8Activations(codes, scales)
+        _kernels()._xq16_kernel[(k // 16 // groups, t)](
+            x, codes, scales, group_sums if sums else _dummy(x.device), k // 16, x.stride(0), G=groups, SUMS=sums,
+            INTERPRET=interpret_mode(), num_warps=4, **launch_options(x.device, "matvec"))
+    return Int8Activations(codes, scales, group_sums)
 
 
 def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activations | None:
@@ -1537,6 +1560,14 @@ def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activat
 
 
 PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launch quantizes x (an A/B switch)
+# The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
+# once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
+# (512 at Flash's 4096 rows); the same bits. sm_90 SASS at (8, 32, 1): 1,120 instructions against 1,464. Not
+# yet timed on a GPU, so off: `scripts/batched_decode.py --variant 'prepared down:
+# ds4x.kernels.quant_matmul.Q2_K_PREPARED_ACTIVATIONS=True'` is the A/B (one session's 6 pairs keep the per-program
+# path either way: the extra launch would sit on the step's path)
+Q2_K_PREPARED_ACTIVATIONS = False
+Q2_K_PREPARED_MIN_PAIRS = 8
 # The routed gate / up + SwiGLU launch over many tokens' pairs (a batched decode step) decodes each expert's rows
 # once for two of its pairs (_qmv_expert_pairs_kernel; the same bits per pair) from EXPERT_PAIRS_MIN to
 # EXPERT_PAIRS_MAX pairs (each program reads the launch's expert ids to find its expert's pairs); False: once per
