@@ -5,7 +5,9 @@ experts of 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, war
 of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading
 x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down
 xq": the down launch with ``Q2_K_PREPARED_ACTIVATIONS`` on (x quantized with its groups' sums in one more launch,
-timed in, from ``Q2_K_PREPARED_MIN_PAIRS`` pairs). The figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
+timed in, from ``Q2_K_PREPARED_MIN_PAIRS`` pairs); "gate/up xq shP": gate / up on prepared x with ``SHARED_TABLES`` on
+(the IQ2_XXS tables' per-lane copies in shared memory, from any number of pairs here) at P programs an SM. The
+figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
     PYTHONPATH=src python scripts/routed_matvec_sweep.py --tokens 1,8,32 --ledger benchmarks/ledger.jsonl
 
@@ -22,6 +24,7 @@ import torch
 
 GATE_UP = ["16,64,2", "8,64,2", "32,64,2", "16,32,1", "32,32,1", "16,64,1", "16,128,4", "32,128,4", "16,128,2"]
 DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
+SHARED = ["8,128,4", "8,64,2", "16,64,4", "16,128,4"]
 COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §7
 
 
@@ -29,14 +32,16 @@ def tiles(specs: list[str]) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in s.split(",")) for s in specs]  # type: ignore[misc]
 
 
-def prepared_down(qm, h: torch.Tensor, w2, ids: torch.Tensor, cfg: tuple[int, int, int]) -> torch.Tensor:
-    """The routed down product with the Q2_K matvec reading x quantized once per row (the A/B switch on)."""
-    was = qm.Q2_K_PREPARED_ACTIVATIONS
-    qm.Q2_K_PREPARED_ACTIVATIONS = True
+def switched(qm, switches: dict, call, *args, **kwargs):
+    """``call(*args, **kwargs)`` with module attributes of quant_matmul set as ``switches`` says (A/B switches)."""
+    was = {name: getattr(qm, name) for name in switches}
+    for name, value in switches.items():
+        setattr(qm, name, value)
     try:
-        return qm.quant_matmul_routed(h, w2, ids, config=cfg)
+        return call(*args, **kwargs)
     finally:
-        qm.Q2_K_PREPARED_ACTIVATIONS = was
+        for name, value in was.items():
+            setattr(qm, name, value)
 
 
 def main() -> int:
@@ -44,6 +49,8 @@ def main() -> int:
     p.add_argument("--tokens", default="1,8,32")
     p.add_argument("--gate-up", nargs="*", default=GATE_UP, help="R,U,warps tiles of the gate / up + SwiGLU launch")
     p.add_argument("--down", nargs="*", default=DOWN, help="R,U,warps tiles of the down launch")
+    p.add_argument("--shared", nargs="*", default=SHARED, help="R,U,warps tiles of gate / up with shared tables")
+    p.add_argument("--programs-per-sm", default="2,4,5", help="SHARED_TABLES_PROGRAMS_PER_SM values to sweep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ledger", type=Path, default=None)
     args = p.parse_args()
@@ -84,9 +91,17 @@ def main() -> int:
              lambda cfg, ids, h=h, t=t: qm.quant_matmul_routed(h, w2, ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8"),
             ("down xq", tiles(args.down), t * k * hidden * w2.row_bytes,
-             lambda cfg, ids, h=h, t=t: prepared_down(qm, h, w2, ids.reshape(t * k, 1), cfg),
+             lambda cfg, ids, h=h, t=t: switched(qm, {"Q2_K_PREPARED_ACTIVATIONS": True}, qm.quant_matmul_routed, h,
+                                                 w2, ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8, x quantized once with sums (launch timed in)"),
         ]
+        for per_sm in (int(v) for v in args.programs_per_sm.split(",")):
+            on = {"SHARED_TABLES": True, "SHARED_TABLES_MIN_PAIRS": 1, "SHARED_TABLES_PROGRAMS_PER_SM": per_sm}
+            cases.append((f"gate/up xq sh{per_sm}", tiles(args.shared), t * k * 2 * inter * w13.row_bytes,
+                          lambda cfg, ids, x=x, xq=xq, on=on: switched(qm, on, qm.quant_routed_swiglu, x, w13, ids,
+                                                                       10.0, config=cfg, xq=xq),
+                          f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU",
+                          f"routed swiglu int8, x quantized once, shared tables, {per_sm} programs an SM"))
         for what, configs, nbytes, call, shape, kernel in cases:
             ref = call(configs[0], id_sets[0]).float()
             for cfg in configs:
