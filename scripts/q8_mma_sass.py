@@ -18,7 +18,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile real kernels even when a test run set the interpreter
+if __name__ == "__main__":  # compile real kernels even from a shell that set the interpreter
+    os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -225,7 +225,9 @@ def quantize_activations_32_reference(x: torch.Tensor) -> tuple[torch.Tensor, to
     t, k = x.shape
     v = x.float().reshape(t, k // BLOCK, BLOCK)
     amax = v.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    # tensor / tensor divisions: `127.0 / amax` would be reciprocal(amax) * 127 in torch (two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                      torch.zeros_like(amax))
     codes = torch.round(v * inv[..., None]).to(torch.int8).reshape(t, k)
     return codes, amax / torch.full_like(amax, 127.0)
 
@@ -303,12 +305,12 @@ def q8_mma_reference(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int
     split = q8_mma_config(n, k, groups) if split is None else split
     nb = k // BLOCK
     xq, xs = quantize_activations_32_reference(x.reshape(t * groups, k))
-    xq = xq.reshape(t, groups, 1, nb, BLOCK).long()
     xs = xs.reshape(t, groups, 1, nb)
     raw = w.raw.reshape(groups, n, -1)
-    wq = raw[..., :k].view(torch.int8).reshape(1, groups, n, nb, BLOCK).long()
+    wq = raw[..., :k].view(torch.int8).reshape(groups, n, nb, BLOCK)
     wd = raw[..., k:].contiguous().view(torch.float16).float().reshape(1, groups, n, nb)
-    dots = (xq * wq).sum(-1).float()  # exact: |dot| <= 32 * 127 * 128 < 2**24
+    # integer block dots in float64 (exact in any order: |dot| <= 32 * 127 * 128 < 2**24), then float32
+    dots = torch.einsum("tgbj,gnbj->tgnb", xq.reshape(t, groups, nb, BLOCK).double(), wq.double()).float()
     terms = (wd * xs) * dots  # [T, G, N, nb] float32
     per = nb // split
     total = None

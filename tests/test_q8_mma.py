@@ -1,0 +1,210 @@
+"""The int8 tensor-core Q8_0 kernel (kernels/q8_mma.py): its torch reference against float64, the activation
+quantizer in the Triton interpreter against its torch form (bit for bit), the host wrapper's checks, an offline
+sm_90 compile (slow), and on a Hopper GPU the kernel against the reference (bit for bit) and batch invariance."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4x.formats.ggml import GGMLQuantizationType as T
+from ds4x.formats.ggml import random_blocks
+from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.formats.triton_mode import interpret_mode
+from ds4x.kernels import q8_mma as qm
+
+INT8_TOL = 2e-2  # int8 activations, as tests/test_quant_matmul.py (measured ~5e-3 on random data)
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all()
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def q8_weight(n: int, k: int, seed: int = 0, device: str = "cpu") -> GGMLTensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return GGMLTensor(random_blocks(T.Q8_0, (n, k), g, device=device), T.Q8_0, (n, k)).split()
+
+
+@pytest.mark.parametrize("groups,split", [(1, None), (1, 1), (1, 2), (4, None)])
+def test_reference_matches_float64(groups: int, split: int | None) -> None:
+    n, k, t = 48, 512, 5
+    w = q8_weight(groups * n, k, seed=1)
+    x = torch.randn(t, groups, k, generator=torch.Generator().manual_seed(2))
+    x = x[:, 0] if groups == 1 else x
+    y = qm.q8_mma_reference(x, w, groups, split)
+    wd = w.dequantize(torch.float64).reshape(groups, n, k)
+    ref = torch.einsum("tgk,gnk->tgn", x.double().reshape(t, groups, k), wd).reshape(t, groups * n)
+    assert y.shape == (t, groups * n) and y.dtype == x.dtype
+    assert rel(y, ref) < INT8_TOL
+
+
+def test_reference_is_batch_invariant_and_groups_are_independent_products() -> None:
+    n, k, groups = 32, 384, 3
+    w = q8_weight(groups * n, k, seed=3)
+    x = torch.randn(7, groups, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y = qm.q8_mma_reference(x, w, groups, split=3)
+    for t in (0, 6):
+        assert torch.equal(qm.q8_mma_reference(x[t : t + 1], w, groups, split=3)[0], y[t])
+    for gi in range(groups):
+        alone = qm.q8_mma_reference(x[:, gi], w[gi * n : (gi + 1) * n], 1, split=3)
+        assert torch.equal(alone, y[:, gi * n : (gi + 1) * n])
+
+
+def test_config_depends_on_shape_only_and_divides_k() -> None:
+    # the Flash Q8_0 shapes (N, K, groups)
+    for n, k, groups in [(1024, 4096, 1), (32768, 1024, 1), (1024, 4096, 8), (4096, 8192, 1), (4096, 4096, 1),
+                         (4096, 2048, 1)]:
+        split = qm.q8_mma_config(n, k, groups)
+        stages = k // (qm.BLOCK * qm.KB)
+        assert stages % split == 0 and stages // split >= min(stages, qm.MIN_STAGES_PER_SLICE)
+    assert qm.q8_mma_config(1024, 4096) == 8 and qm.q8_mma_config(32768, 1024) == 1
+
+
+def _halfway_rows() -> torch.Tensor:
+    # amax 127 gives inv = 1 exactly, so k + 0.5 is a tie for the rounding (half to even: 2.5 -> 2, 3.5 -> 4)
+    tie = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, -126.5] * 4)
+    return torch.stack([tie, torch.zeros(32), -tie.flip(0)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_activations_32_matches_torch_bit_for_bit(dtype: torch.dtype) -> None:
+    if not interpret_mode():
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 (set by conftest without CUDA)")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    x[2] = 0.0
+    x = torch.cat([x, torch.cat([_halfway_rows(), torch.zeros(3, 224)], 1), torch.randn(40, 256, generator=g)])
+    x = x.to(dtype)
+    codes, scales = qm.quantize_activations_32(x)
+    want_codes, want_scales = qm.quantize_activations_32_reference(x)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales.view(torch.int32), want_scales.view(torch.int32))
+    assert codes[6, :8].tolist() == [127, 2, 4, -2, 0, 0, 2, -126]
+    assert scales[2].abs().sum() == 0 and codes[2].abs().sum() == 0
+    assert codes.abs().max() <= 127
+
+
+def test_quantize_activations_32_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qm.quantize_activations_32(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="float32"):
+        qm.quantize_activations_32(torch.zeros(2, 64, dtype=torch.int32))
+
+
+def test_wrapper_checks() -> None:
+    w = q8_weight(64, 256)
+    x = torch.zeros(2, 256)
+    with pytest.raises(ValueError, match="Q8_0 GGMLTensor"):
+        qm.q8_mma_linear(x, GGMLTensor(random_blocks(T.Q2_K, (64, 256)), T.Q2_K, (64, 256)))
+    with pytest.raises(ValueError, match="Q8_0 GGMLTensor"):
+        qm.q8_mma_linear(x, torch.zeros(64, 256))
+    with pytest.raises(ValueError, match="split row layout"):
+        qm.q8_mma_linear(x, w.blocks())
+    with pytest.raises(ValueError, match="2-D"):
+        qm.q8_mma_linear(x, GGMLTensor(random_blocks(T.Q8_0, (2, 64, 256)), T.Q8_0, (2, 64, 256)).split())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        qm.q8_mma_linear(torch.zeros(2, 160), q8_weight(64, 160))
+    with pytest.raises(ValueError, match="groups do not divide"):
+        qm.q8_mma_linear(x, w, groups=3)
+    with pytest.raises(ValueError, match="K = 256"):
+        qm.q8_mma_linear(torch.zeros(2, 128), w)
+    with pytest.raises(ValueError, match=r"\[T, groups, K\]"):
+        qm.q8_mma_linear(x, w, groups=2)
+    with pytest.raises(ValueError, match="float32"):
+        qm.q8_mma_linear(x.to(torch.int32), w)
+    with pytest.raises(ValueError, match="at least one token"):
+        qm.q8_mma_linear(torch.zeros(0, 256), w)
+    if qm.HAVE_GLUON:
+        with pytest.raises(ValueError, match="CUDA device"):
+            qm.q8_mma_linear(x, w)
+
+
+def _sass_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "q8_mma_sass.py"
+    spec = importlib.util.spec_from_file_location("q8_mma_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not qm.HAVE_GLUON, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("bt,split", [(16, 1), (32, 4)])
+def test_kernel_compiles_for_sm90_to_imma_without_spills(bt: int, split: int, tmp_path: Path) -> None:
+    """Offline (no GPU): the Gluon kernel compiles for sm_90 to one IMMA per block and n8 tile in its K loop, copies
+    by LDGSTS, no local memory, no FFMA (the reference's separate products and sums)."""
+    sass = _sass_script()
+    kernel = sass.compile_mma(bt, split, qm.NUM_WARPS, qm.STAGES)
+    ops = sass.sass_of(kernel, tmp_path, "t")
+    loop = sass.count(sass.loop_ops(ops))
+    res = sass.resources(tmp_path, "t")
+    assert loop["IMMA"] == qm.KB * bt // 8
+    assert loop["LDGSTS"] >= 4 and loop["LDSM"] >= qm.KB
+    assert sass.count(ops)["FFMA"] == 0
+    assert res.get("LOCAL", 0) == 0 and res.get("STACK", 0) == 0
+    assert kernel.metadata.shared <= 64 * 1024
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and qm.HAVE_GLUON
+
+
+FLASH = {"wq_a": (1024, 4096, 1), "wq_b": (32768, 1024, 1), "wo_a": (1024, 4096, 8), "wo_b": (4096, 8192, 1),
+         "shared_gate_up": (4096, 4096, 1), "shared_down": (4096, 2048, 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("shape", list(FLASH))
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 16, 32])
+def test_kernel_matches_reference_bit_for_bit_on_gpu(shape: str, tokens: int) -> None:
+    """Exact integer block dots, then the reference's float32 products and sums in the same order (compiled without
+    FMA contraction, IEEE divisions in the quantizer): the same bits. Also close to float64."""
+    n, k, groups = FLASH[shape]
+    dev = "cuda"
+    w = q8_weight(groups * n, k, seed=7, device=dev)
+    g = torch.Generator(device=dev).manual_seed(8)
+    x = torch.randn(tokens, groups, k, device=dev, generator=g).to(torch.bfloat16)
+    x = x[:, 0] if groups == 1 else x
+    y = qm.q8_mma_linear(x, w, groups)
+    ref = qm.q8_mma_reference(x, w, groups)
+    assert torch.equal(y, ref), float((y.float() - ref.float()).abs().max())
+    wd = w.dequantize(torch.float64).reshape(groups, n, k)
+    dense = torch.einsum("tgk,gnk->tgn", x.double().reshape(tokens, groups, k), wd).reshape(tokens, groups * n)
+    assert rel(y, dense) < INT8_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("split,num_warps,stages", [(1, 4, 3), (4, 4, 3), (2, 2, 4), (8, 8, 2)])
+def test_kernel_configurations_and_ragged_rows_on_gpu(split: int, num_warps: int, stages: int) -> None:
+    """Tuning knobs give the reference's bits for their split; N not a multiple of the row tile, float32 / fp16 x."""
+    w = q8_weight(200, 2048, seed=9, device="cuda")
+    for dtype, tokens in [(torch.float32, 3), (torch.float16, 19)]:
+        x = torch.randn(tokens, 2048, device="cuda").to(dtype)
+        y = qm.q8_mma_linear(x, w, split=split, num_warps=num_warps, stages=stages)
+        assert torch.equal(y, qm.q8_mma_reference(x, w, split=split))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
+def test_kernel_is_batch_invariant_on_gpu() -> None:
+    """Token t's row has the same bits alone (T = 1) as in a call of 8 or 32 tokens; repeated calls too (the split-K
+    counters reset themselves)."""
+    w = q8_weight(1024, 4096, seed=10, device="cuda")  # split-K 8
+    x = torch.randn(32, 4096, device="cuda").to(torch.bfloat16)
+    y32 = qm.q8_mma_linear(x, w)
+    y8 = qm.q8_mma_linear(x[:8], w)
+    assert torch.equal(y8, y32[:8])
+    for t in (0, 3, 7):
+        assert torch.equal(qm.q8_mma_linear(x[t : t + 1], w)[0], y8[t])
+    assert torch.equal(qm.q8_mma_linear(x, w), y32)
