@@ -9,7 +9,10 @@ holds none) captured in one CUDA graph; a time is the median over --reps replays
 warm-up. GB/s = the bytes that kernel's weight holds (Q8_0 split rows: 34 per 32 weights; mirror: 2 per weight)
 / time; "of copy" against 4,260 GB/s. The q8_mma rows also say whether the result has the reference's bits.
 
-    PYTHONPATH=src python scripts/q8_mma_probe.py [--tokens 2,4,8,16,32] [--shapes wq_a,...] [--sweep]
+    PYTHONPATH=src python scripts/q8_mma_probe.py [--tokens 2,4,8,16,32] [--shapes wq_a,...] [--sweep] [--ledger PATH]
+
+``--ledger`` appends a ``quant_matmul`` row per timing (the q8_mma rows marked ``status: variant``: the kernel is
+off by default, ``quant_matmul.Q8_MMA``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -66,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time every valid (split, num_warps, stages)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--min-bytes", type=int, default=256 << 20, help="weight bytes over all copies")
+    ap.add_argument("--ledger", type=Path, default=None, help="benchmark ledger to append rows to")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and qm.HAVE_GLUON):
         print("needs an sm_90 GPU and Triton's Gluon")
         return 2
+    from ds4x.bench.ledger import append, environment
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -108,6 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         beat = TO_BEAT_8[name] if tokens == 8 else ""
         print(f"| {name} | {tokens} | {kernel} | {cfg} | {us:.2f} | {gbs:.0f} | {gbs / COPY_GBS:.1%} | {exact} | "
               f"{beat} |")
+    if args.ledger:
+        env = environment()
+        entries = []
+        for name, tokens, kernel, cfg, us, nbytes, exact in rows:
+            n, k, groups = SHAPES[name]
+            gbs = nbytes / us / 1e3
+            entry = {"bench": "quant_matmul", **env, "qtype": "Q8_0", "shape": f"{name} {groups * n}x{k}",
+                     "flags": {"config": cfg, "kernel": kernel, "rows": tokens, "command": "scripts/q8_mma_probe.py"},
+                     "us": round(us, 2), "gb_s": round(gbs), "floor_fraction": round(gbs / COPY_GBS, 3),
+                     "copy_bandwidth_gb_s": COPY_GBS, "model": "random GGML blocks, seed 0"}
+            if kernel == "q8_mma":
+                entry.update(status="variant",
+                             note=f"int8 mma.sync kernel (quant_matmul.Q8_MMA, off); reference bits: {exact}")
+            entries.append(entry)
+        append(entries, args.ledger)
     return 0
 
 

@@ -201,3 +201,47 @@ def test_kernel_is_batch_invariant_on_gpu() -> None:
     for t in (0, 3, 7):
         assert torch.equal(qm.q8_mma_linear(x[t : t + 1], w)[0], y8[t])
     assert torch.equal(qm.q8_mma_linear(x, w), y32)
+
+
+def test_batched_q8_0_products_go_to_the_kernel_where_switched_on(monkeypatch) -> None:
+    """With ``quant_matmul.Q8_MMA`` and mirrors on, 2-32 rows of a split Q8_0 product (plain and grouped) call
+    ``q8_mma_linear``; one row, 33 rows, or the switch off do not."""
+    from ds4x.kernels import quant_matmul
+
+    calls = []
+
+    def fake(x, w, groups=1):
+        calls.append((tuple(x.shape), groups))
+        return torch.zeros(x.shape[0], w.shape[0], dtype=x.dtype)
+
+    monkeypatch.setattr(qm, "serves", lambda w, groups=1: True)
+    monkeypatch.setattr(qm, "q8_mma_linear", fake)
+    monkeypatch.setitem(quant_matmul._mirrors, "on", True)
+    monkeypatch.setattr(quant_matmul, "Q8_MMA", True)
+    w = q8_weight(64, 256)
+    assert quant_matmul._q8_mma_serves(w, 8, 1, None) == quant_matmul.int8_activations(T.Q8_0)
+    monkeypatch.setenv("DS4X_QUANT_ACT", "int8")
+    assert quant_matmul.quant_linear(torch.randn(8, 256), w).shape == (8, 64)
+    assert quant_matmul.quant_grouped_linear(torch.randn(3, 4, 256), w, 4).shape == (3, 4, 16)
+    assert calls == [((8, 256), 1), ((3, 4, 256), 4)]
+    assert not quant_matmul._q8_mma_serves(w, 1, 1, None) and not quant_matmul._q8_mma_serves(w, 33, 1, None)
+    assert not quant_matmul._q8_mma_serves(w, 8, 1, False)  # float activations keep the other paths
+    monkeypatch.setattr(quant_matmul, "Q8_MMA", False)
+    assert not quant_matmul._q8_mma_serves(w, 8, 1, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
+def test_switched_on_quant_linear_gives_the_kernels_bits_on_gpu(monkeypatch) -> None:
+    """The batched step's entry points with ``Q8_MMA`` on (mirrors on, as the server's pool runs): the kernel's bits
+    for a plain and a grouped product of 8 rows."""
+    from ds4x.kernels import quant_matmul
+
+    monkeypatch.setitem(quant_matmul._mirrors, "on", True)
+    monkeypatch.setattr(quant_matmul, "Q8_MMA", True)
+    monkeypatch.setenv("DS4X_QUANT_ACT", "int8")
+    w = q8_weight(8 * 1024, 4096, seed=11, device="cuda")
+    x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
+    assert torch.equal(quant_matmul.quant_linear(x, w), qm.q8_mma_reference(x, w))
+    xg = torch.randn(8, 8, 4096, device="cuda").to(torch.bfloat16)
+    assert torch.equal(quant_matmul.quant_grouped_linear(xg, w, 8).reshape(8, -1), qm.q8_mma_reference(xg, w, 8))

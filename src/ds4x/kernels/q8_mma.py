@@ -36,8 +36,9 @@ Split-K: the narrow shapes (wq_a has 1024 rows: 16 programs of 64 rows) cannot k
 is cut into ``split`` slices (``q8_mma_config``: a function of N, K and groups only, so batch invariance holds).
 Each program writes its float32 partial tile to a workspace and takes a ticket from a per-tile counter; the last
 of a tile's programs sums the partials in slice order, stores y and resets the counter (a fixed order: the same
-bits whichever program arrives last). The counters live in a per-device buffer zeroed once: calls on concurrent
-streams must not share it, and the first call on a device should not be inside a CUDA graph capture.
+bits whichever program arrives last). The counters are runs of a per-device ring zeroed once (`_counters`: each
+call takes the next run, so concurrent launches do not share counters); the first call on a device should not be
+inside a CUDA graph capture (the ring would be allocated in the graph's pool).
 
 Grouped products (``groups`` G, the attention output's wo_a): x ``[T, G, K]`` against W ``[G * N, K]``, group g's
 rows with ``x[:, g]``, y ``[T, G * N]`` (the layout of ``quant_grouped_linear``).
@@ -52,7 +53,7 @@ from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.triton_mode import HAVE_TRITON, tl, triton
 
 __all__ = ["HAVE_GLUON", "q8_mma_config", "q8_mma_linear", "q8_mma_reference", "quantize_activations_32",
-           "quantize_activations_32_reference"]
+           "quantize_activations_32_reference", "serves"]
 
 BLOCK = 32  # Q8_0 block: weights per scale, and the MMA's K
 KB = 4  # blocks per pipeline stage (128 code bytes of each row)
@@ -330,16 +331,32 @@ def q8_mma_reference(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 16
+_NEXT_COUNTER: dict[torch.device, int] = {}
+_COUNTER_SLOTS = 1 << 20
 
 
 def _counters(device: torch.device, need: int) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
+    """``need`` split-K tile counters, all zero when the launch starts (its last program of each tile resets its
+    counter). Each call takes the next run of a per-device ring, so launches that can run at once (a decode step's
+    CUDA-graph branches, other streams) count in distinct slots unless ~1M slots of calls lie between them."""
     if need > _COUNTER_SLOTS:
         raise ValueError(f"q8_mma: {need} split-K tiles exceed the counter buffer ({_COUNTER_SLOTS})")
+    buf = _COUNTERS.get(device)
     if buf is None:
         buf = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf
+    start = _NEXT_COUNTER.get(device, 0)
+    if start + need > _COUNTER_SLOTS:
+        start = 0
+    _NEXT_COUNTER[device] = start + need
+    return buf[start:start + need]
+
+
+def serves(w: GGMLTensor, groups: int = 1) -> bool:
+    """Whether ``q8_mma_linear`` can multiply by ``w`` here: a 2-D split Q8_0 weight on an sm_90 device, K a
+    multiple of 128, Gluon present."""
+    return (HAVE_GLUON and isinstance(w, GGMLTensor) and w.qtype == GGMLQuantizationType.Q8_0
+            and w.layout == "split" and w.ndim == 2 and w.is_cuda and w.shape[0] % groups == 0
+            and w.shape[1] % (BLOCK * KB) == 0 and torch.cuda.get_device_capability(w.device)[0] == 9)
 
 
 def q8_mma_linear(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int | None = None,

@@ -28,6 +28,11 @@ Routed products with a few or more pairs per expert (prompts, prefill chunks) go
 :mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
 multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
 
+Candidates compiled for sm_90 but not yet timed on a GPU sit behind module switches, off by default:
+``SHARED_TABLES`` (IQ2_XXS tables as per-lane copies in shared memory), ``Q2_K_PREPARED_ACTIVATIONS`` (the Q2_K
+matvec on x quantized once per row) and ``Q8_MMA`` (a batched step's Q8_0 rows on the int8 tensor cores,
+:mod:`ds4x.kernels.q8_mma`); ``scripts/device_ab.sh`` times them.
+
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
 of one row each). Above 64 rows ``quant_linear`` / ``quant_grouped_linear`` decode the weight once with
@@ -96,7 +101,7 @@ from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu, quantized_
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.pdl import launch_options
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels import routed_wgmma
+from ds4x.kernels import q8_mma, routed_wgmma
 from ds4x.kernels.indexer import num_sms
 from ds4x.memory import free_memory
 
@@ -1338,6 +1343,20 @@ def _token_tile_tokens(w: GGMLTensor, rows: int, int8: bool | None) -> int:
     return 0
 
 
+# Q8_MMA: batched Q8_0 products of MIRROR_MIN_ROWS .. Q8_MMA_MAX_ROWS rows (where mirrors are on) on the int8 tensor
+# cores (ds4x.kernels.q8_mma) instead of the token tile and the bf16 mirrors. Written and compiled for sm_90 but not
+# yet timed, so off: `scripts/batched_decode.py --variant 'q8 mma: ds4x.kernels.quant_matmul.Q8_MMA=True'` is the
+# step's A/B, scripts/q8_mma_probe.py the kernels'
+Q8_MMA = False
+Q8_MMA_MAX_ROWS = 32
+
+
+def _q8_mma_serves(w: GGMLTensor, rows: int, groups: int, int8: bool | None) -> bool:
+    """Whether a product of ``rows`` rows times ``w`` goes to `q8_mma.q8_mma_linear` (see Q8_MMA)."""
+    return (Q8_MMA and _mirrors["on"] and MIRROR_MIN_ROWS <= rows <= Q8_MMA_MAX_ROWS
+            and int8_activations(w.qtype, int8) and q8_mma.serves(w, groups))
+
+
 def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int, tok: int) -> torch.Tensor:
     """y [T, groups * n]: row t = x2[t * groups + g] @ W_g.T for each group g, W [groups * n, K] in split Q8_0 rows
     (x2 quantized per 16 values here) or a dense 16-bit tensor (x2 16-bit), by `_token_tile_kernel` with ``tok``
@@ -1560,6 +1579,8 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if force is None and _q8_mma_serves(w, x2.shape[0], 1, int8):
+        return q8_mma.q8_mma_linear(x2, w).reshape(*lead, w.shape[0])
     if force is None and (tok := _token_tile_tokens(w, x2.shape[0], int8)):
         return _token_tile(x2, w, 1, tok).reshape(*lead, w.shape[0])
     if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
@@ -1748,6 +1769,8 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
+    if force is None and _q8_mma_serves(w, t, groups, int8):
+        return q8_mma.q8_mma_linear(x, w, groups).reshape(t, g, out_g)
     if force is None and (tok := _token_tile_tokens(w, t, int8)):
         return _token_tile(x.reshape(t * g, kin), w, g, tok).reshape(t, g, out_g)
     if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
