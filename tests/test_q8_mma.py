@@ -112,6 +112,8 @@ def test_wrapper_checks() -> None:
         qm.q8_mma_linear(x, GGMLTensor(random_blocks(T.Q8_0, (2, 64, 256)), T.Q8_0, (2, 64, 256)).split())
     with pytest.raises(ValueError, match="multiple of 128"):
         qm.q8_mma_linear(torch.zeros(2, 160), q8_weight(64, 160))
+    with pytest.raises(ValueError, match="multiple of 256"):  # whole stages, but rows of 408 bytes
+        qm.q8_mma_linear(torch.zeros(2, 384), q8_weight(64, 384))
     with pytest.raises(ValueError, match="groups do not divide"):
         qm.q8_mma_linear(x, w, groups=3)
     with pytest.raises(ValueError, match="K = 256"):

@@ -62,6 +62,7 @@ NUM_WARPS = 4
 TARGET_PROGRAMS = 264  # two programs of 4 warps per SM on an H200 (132 SMs): enough bytes in flight
 MIN_STAGES_PER_SLICE = 4  # split-K keeps each slice at least this many stages long
 MAX_SPLIT = 16
+ROW_ALIGN_K = 256  # the kernel's K: split rows (K + K / 16 bytes) of a multiple of 16 bytes, for 16-byte copies
 
 try:  # Gluon is experimental in Triton 3.x
     from triton.experimental import gluon
@@ -287,7 +288,7 @@ def _check_weight(w: GGMLTensor, groups: int) -> tuple[int, int]:
     if groups < 1 or rows % groups:
         raise ValueError(f"{groups} groups do not divide the weight's {rows} rows")
     if k % (BLOCK * KB):
-        raise ValueError(f"q8_mma needs K a multiple of {BLOCK * KB}, got {k}")
+        raise ValueError(f"q8_mma needs K a multiple of {BLOCK * KB} (whole stages), got {k}")
     return rows // groups, k
 
 
@@ -353,21 +354,24 @@ def _counters(device: torch.device, need: int) -> torch.Tensor:
 
 def serves(w: GGMLTensor, groups: int = 1) -> bool:
     """Whether ``q8_mma_linear`` can multiply by ``w`` here: a 2-D split Q8_0 weight on an sm_90 device, K a
-    multiple of 128, Gluon present."""
+    multiple of 256 (rows of K + K / 16 bytes, a multiple of 16), Gluon present."""
     return (HAVE_GLUON and isinstance(w, GGMLTensor) and w.qtype == GGMLQuantizationType.Q8_0
             and w.layout == "split" and w.ndim == 2 and w.is_cuda and w.shape[0] % groups == 0
-            and w.shape[1] % (BLOCK * KB) == 0 and torch.cuda.get_device_capability(w.device)[0] == 9)
+            and w.shape[1] % ROW_ALIGN_K == 0 and torch.cuda.get_device_capability(w.device)[0] == 9)
 
 
 def q8_mma_linear(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int | None = None,
                   num_warps: int = NUM_WARPS, stages: int = STAGES) -> torch.Tensor:
     """``y = x @ W.T`` on sm_90 int8 tensor cores (see the module docstring): x ``[T, K]`` (or ``[T, groups, K]``)
     in float32 / bf16 / fp16 on CUDA, W a 2-D split-layout Q8_0 GGMLTensor ``[groups * N, K]`` with K a multiple
-    of 128. Returns ``[T, groups * N]`` in x's dtype, the bits of ``q8_mma_reference`` with the same ``split``.
-    ``split`` (default ``q8_mma_config``; must divide K / 128), ``num_warps`` (rows per program = 16 x that) and
-    ``stages`` are tuning knobs for the probe. The weight is read once per 32 tokens."""
+    of 256. Returns ``[T, groups * N]`` in x's dtype, the bits of ``q8_mma_reference`` with the same ``split``.
+    ``split`` (default ``q8_mma_config``; must divide K / 128, the stages), ``num_warps`` (rows per program = 16 x
+    that) and ``stages`` are tuning knobs for the probe. The weight is read once per 32 tokens."""
     n, k = _check_weight(w, groups)
     t = _check_x(x, k, groups)
+    if k % ROW_ALIGN_K:
+        raise ValueError(f"q8_mma_linear needs K a multiple of {ROW_ALIGN_K} (rows of K + K / 16 bytes copied 16 bytes "
+                         f"at a time), got {k}")
     if not HAVE_GLUON:
         raise RuntimeError("q8_mma_linear needs Triton's Gluon")
     if not (x.is_cuda and w.is_cuda and x.device == w.device):
