@@ -5,7 +5,7 @@ experts of 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, war
 of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading
 x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down
 xq": the down launch with ``Q2_K_PREPARED_ACTIVATIONS`` on (x quantized with its groups' sums in one more launch,
-timed in, from ``Q2_K_PREPARED_MIN_PAIRS`` pairs); "gate/up xq shP": gate / up on prepared x with ``SHARED_TABLES`` on
+timed in, at any number of pairs here); "gate/up xq shP": gate / up on prepared x with ``SHARED_TABLES`` on
 (the IQ2_XXS tables' per-lane copies in shared memory, from any number of pairs here) at P programs an SM. The
 figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
@@ -25,6 +25,7 @@ import torch
 GATE_UP = ["16,64,2", "8,64,2", "32,64,2", "16,32,1", "32,32,1", "16,64,1", "16,128,4", "32,128,4", "16,128,2"]
 DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
 SHARED = ["8,128,4", "8,64,2", "16,64,4", "16,128,4"]
+PREPARED_DOWN = {"Q2_K_PREPARED_ACTIVATIONS": True, "Q2_K_PREPARED_MIN_PAIRS": 1}
 COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §7
 
 
@@ -91,8 +92,8 @@ def main() -> int:
              lambda cfg, ids, h=h, t=t: qm.quant_matmul_routed(h, w2, ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8"),
             ("down xq", tiles(args.down), t * k * hidden * w2.row_bytes,
-             lambda cfg, ids, h=h, t=t: switched(qm, {"Q2_K_PREPARED_ACTIVATIONS": True}, qm.quant_matmul_routed, h,
-                                                 w2, ids.reshape(t * k, 1), config=cfg),
+             lambda cfg, ids, h=h, t=t: switched(qm, PREPARED_DOWN, qm.quant_matmul_routed, h, w2,
+                                                 ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8, x quantized once with sums (launch timed in)"),
         ]
         for per_sm in (int(v) for v in args.programs_per_sm.split(",")):
