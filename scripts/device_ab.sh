@@ -4,12 +4,13 @@
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the candidates, routed matvec sweep, Q8_0 MMA probe (~6 min)
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~5 min)
+#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1 and 8 streams (~4 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
 # .whl/ when that folder is there.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step}
+stage=${1:?usage: device_ab.sh kernels|step|serve}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -25,7 +26,7 @@ piece() {  # piece LOG COMMAND...: run it, output to the terminal and $out/LOG, 
 }
 case "$stage" in
 kernels)
-    piece gpu_tests.log python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py
+    piece gpu_tests.log python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py tests/test_sampling.py
     piece sweep.log python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 --down 8,32,1 16,32,1 4,32,1 \
         --shared 8,128,4 8,64,2 16,64,4 --programs-per-sm 2,4,5 --ledger "$out/ledger.jsonl"
     piece q8_mma_probe.log python scripts/q8_mma_probe.py --tokens 2,4,8,16,32 --ledger "$out/ledger.jsonl"
@@ -37,8 +38,28 @@ step)
         --variant "q8 mma: $qm.Q8_MMA=True" \
         --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True"
     ;;
+serve)
+    python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &
+    server=$!
+    python - <<'PY' || status=1
+import time, httpx
+for _ in range(300):  # the synthetic model is generated on the device first
+    try:
+        if httpx.get("http://127.0.0.1:8765/health", timeout=2).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(1)
+else:
+    raise SystemExit("the server did not come up")
+PY
+    piece serve_bench.log python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency 1,8 --seconds "${DS4X_AB_SECONDS:-30}" \
+        --warmup 5 --prompt-tokens 128 --gen-tokens 128 --temperature 0.2 --ignore-eos --ledger "$out/serve_ledger.jsonl"
+    kill "$server"
+    wait "$server"
+    ;;
 *)
-    echo "unknown stage $stage (kernels or step)" >&2
+    echo "unknown stage $stage (kernels, step or serve)" >&2
     exit 2
     ;;
 esac

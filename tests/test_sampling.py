@@ -147,3 +147,76 @@ def test_adjustment_needs_a_history_and_the_bias_ids_in_the_vocabulary() -> None
 def test_invalid_adjustments(kw: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_draw_rows_gives_each_row_its_own_draw_with_histories() -> None:
+    # a batch mixing greedy, filtered and adjusted rows draws what each row draws alone, and counts each row's
+    # token in its own history
+    from ds4x.runtime.sampling import draw, draw_rows
+
+    logits = torch.randn(5, 400, generator=torch.Generator().manual_seed(8)) * 2
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=30, top_p=0.8),
+              SamplingParams(temperature=0.6, frequency_penalty=1.5, logit_bias=((3, 50.0),)),
+              SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.1, min_p=0.02)]
+
+    def histories():
+        return [TokenHistory(p, [1, 2], 400, torch.device("cpu")) if p.adjusts else None for p in params]
+
+    together_h, alone_h = histories(), histories()
+    for step in range(3):
+        together = draw_rows(list(logits), params, [torch.Generator().manual_seed(10 * step + i) for i in range(5)],
+                             together_h, together=True)
+        alone = [int(draw(logits[i], params[i], torch.Generator().manual_seed(10 * step + i), alone_h[i]))
+                 for i in range(5)]
+        assert together.tolist() == alone
+    assert torch.equal(together_h[2].counts, alone_h[2].counts) and together_h[2].counts.sum() == 3
+    assert torch.equal(together_h[3].seen, alone_h[3].seen)
+    with pytest.raises(ValueError, match="TokenHistory"):
+        draw_rows(list(logits), params, [None] * 5)
+    with pytest.raises(ValueError, match="one params"):
+        draw_rows(list(logits), params[:4], [None] * 5)
+
+
+def test_draw_rows_costs_the_same_operations_for_2_or_8_rows() -> None:
+    # the batch goes through each stage together (as on CUDA): the tensor operations do not grow with the rows
+    # (each sampled row still draws its own uniform from its generator, on the host)
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds4x.runtime.sampling import draw_rows
+
+    # a row's uniform (rand, its float() read) and `row.float()` of a float32 row (no copy) are per row
+    per_row = {"aten::rand", "aten::uniform_", "aten::empty", "aten::item", "aten::_local_scalar_dense", "aten::to"}
+
+    def ops(b: int) -> Counter:
+        logits = list(torch.randn(b, 300, generator=torch.Generator().manual_seed(b)))
+        params = [SamplingParams(temperature=0.7, top_p=0.9) if i % 2 else SamplingParams(temperature=1.0, top_k=9)
+                  for i in range(b)]
+        draw_rows(logits, params, [None] * b, together=True)  # warm-up: first-call work is not the batch's
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            draw_rows(logits, params, [torch.Generator().manual_seed(i) for i in range(b)], together=True)
+        return Counter(e.name for e in prof.events() if e.name not in per_row)
+
+    two, eight = ops(2), ops(8)
+    assert two == eight, {k: (two[k], eight[k]) for k in two | eight if two[k] != eight[k]}
+
+
+@pytest.mark.gpu
+def test_draw_rows_on_cuda_draws_what_each_row_draws_alone() -> None:
+    """On CUDA the rows go through each stage together; each row's token is the one it draws alone (and the greedy
+    rows' the argmax), at a 129,280-entry vocabulary."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ds4x.runtime.sampling import draw, draw_rows
+
+    logits = torch.randn(8, 129280, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)) * 4
+    params = [SamplingParams(temperature=0.2), SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=0.5, min_p=0.05)] * 2
+    params = params[:8]
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(100 * seed + i) for i in range(8)]
+        together = draw_rows(list(logits), params, gens).tolist()
+        alone = [int(draw(logits[i], params[i], torch.Generator().manual_seed(100 * seed + i))) for i in range(8)]
+        assert together == alone
+        assert together[1] == int(logits[1].argmax())

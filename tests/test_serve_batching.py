@@ -383,14 +383,23 @@ def test_penalties_of_a_batch(engine: Engine) -> None:
 def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     import ds4x.serve.scheduler as sched_mod
 
-    real, calls = sched_mod.draw, []
+    # the step's rows are drawn together; when that fails they are drawn one by one, and the row whose draw fails
+    # fails only its request
+    real_rows, real, batches, rows = sched_mod.draw_rows, sched_mod.draw, [], []
+
+    def flaky_rows(*args, **kwargs):  # noqa: ANN002, ANN003
+        batches.append(1)
+        if len(batches) == 2:
+            raise RuntimeError("batch")
+        return real_rows(*args, **kwargs)
 
     def flaky(logits, params, generator=None, history=None):  # noqa: ANN001
-        calls.append(1)
-        if len(calls) == 3:
+        rows.append(1)
+        if len(rows) == 1:
             raise RuntimeError("injected")
         return real(logits, params, generator, history)
 
+    monkeypatch.setattr(sched_mod, "draw_rows", flaky_rows)
     monkeypatch.setattr(sched_mod, "draw", flaky)
     sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
     got: dict[int, list] = {0: [], 1: []}

@@ -28,7 +28,9 @@ finished request's session is stored.
 
 Logit bias and penalties (a job's ``params``, `ds4x.runtime.sampling.adjust`): a request that has any keeps a
 ``TokenHistory`` of its prompt and generated tokens on the logits' device, updated with each drawn token before
-the batch's single read; the others skip the adjustment.
+the batch's single read; the others skip the adjustment. A step's rows are drawn together
+(`ds4x.runtime.sampling.draw_rows`: on CUDA a fixed number of launches whatever the batch size, each row's draw
+the one it would make alone).
 
 Logprobs (a job's ``logprobs``): the log_softmax of the model's raw logits, before the logit bias, the
 penalties, temperature and the top-k / top-p / min-p filters (as vLLM reports them by default), for the drawn
@@ -53,7 +55,7 @@ from ds4x.model.cache import ModelCache, plan_cache
 from ds4x.runtime.batch import DecodeSlots, step_sessions
 from ds4x.runtime.decode_graph import graphs_enabled
 from ds4x.runtime.engine import Engine, Session
-from ds4x.runtime.sampling import SamplingParams, TokenHistory, draw
+from ds4x.runtime.sampling import SamplingParams, TokenHistory, draw, draw_rows
 from ds4x.runtime.tokenizer import TextStream
 
 if TYPE_CHECKING:
@@ -527,9 +529,8 @@ class Scheduler:
         tensor (exact for token ids)."""
         drawn: list[tuple[Generation, torch.Tensor]] = []
         scored: list[torch.Tensor] = []
-        for req, row in rows:
+        for (req, row), token in self._draw(rows, finished):
             try:
-                token = draw(row, req.job.params, req.generator, req.history)
                 if req.job.logprobs is not None:
                     scored.append(_logprobs(row, token, req.job.logprobs))
                 drawn.append((req, token))
@@ -551,6 +552,23 @@ class Scheduler:
                 self._take(req, int(token), scores, finished)
             except Exception as exc:
                 self._fail([req], exc, finished)
+
+    def _draw(self, rows: list[tuple[Generation, torch.Tensor]],
+              finished: list[Generation]) -> list[tuple[tuple[Generation, torch.Tensor], torch.Tensor]]:
+        """Each row's next token (a tensor [1] on the device), all rows drawn together (`draw_rows`: a fixed number
+        of launches for the batch); should that fail, row by row, so that one bad row fails only its request."""
+        try:
+            tokens = draw_rows([row for _, row in rows], [req.job.params for req, _ in rows],
+                               [req.generator for req, _ in rows], [req.history for req, _ in rows])
+            return [(item, tokens[i : i + 1]) for i, item in enumerate(rows)]
+        except Exception:
+            out = []
+            for req, row in rows:
+                try:
+                    out.append(((req, row), draw(row, req.job.params, req.generator, req.history)))
+                except Exception as exc:
+                    self._fail([req], exc, finished)
+            return out
 
     def _take(self, req: Generation, token: int, scores: Scores | None, finished: list[Generation]) -> None:
         """Send what ``token`` shows and decide whether the request goes on (the same order of checks as
