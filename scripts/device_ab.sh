@@ -3,7 +3,7 @@
 # (docs/PROFILE.md, "Session of 2026-12-04 (night, fifth)"). One stage per device call (each stays under the 600 s call limit):
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the candidates, routed matvec sweep, Q8_0 MMA probe (~6 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~5 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~6 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1 and 8 streams (~4 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
@@ -28,12 +28,13 @@ case "$stage" in
 kernels)
     piece gpu_tests.log python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py tests/test_sampling.py
     piece sweep.log python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 --down 8,32,1 16,32,1 4,32,1 \
-        --shared 8,128,4 8,64,2 16,64,4 --programs-per-sm 2,4,5 --ledger "$out/ledger.jsonl"
+        --shared 8,128,4 8,64,2 --programs-per-sm 2,4,8 --grid-copies 32,16 --ledger "$out/ledger.jsonl"
     piece q8_mma_probe.log python scripts/q8_mma_probe.py --tokens 2,4,8,16,32 --ledger "$out/ledger.jsonl"
     ;;
 step)
     piece batched.log python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
         --variant "shared tables: $qm.SHARED_TABLES=True" \
+        --variant "shared tables 16: $qm.SHARED_TABLES=True; $qm.SHARED_TABLES_GRID_COPIES=16" \
         --variant "prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=True" \
         --variant "q8 mma: $qm.Q8_MMA=True" \
         --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True"

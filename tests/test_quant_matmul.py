@@ -306,7 +306,8 @@ def test_routed_q2_k_reads_x_quantized_once_interpreter(interp, monkeypatch):
         qm._launch(x, w, ids, 1, 6, 1, 1, MV, "mv", True, xq=qm.quantize_activations(x))
 
 
-def test_iq2_xxs_shared_tables_interpreter(interp, monkeypatch):
+@pytest.mark.parametrize("copies", [32, 16])
+def test_iq2_xxs_shared_tables_interpreter(interp, monkeypatch, copies):
     # the tables' per-lane copies (SHARED_TABLES; the interpreter reads their image, lane = unit % 32): the bits of
     # the gather, with programs running several row blocks (N = 40: 5 blocks of 8 SwiGLU rows, 2 a program, the
     # last program one), for the fused gate / up with x quantized once or in each program, and a plain routed product
@@ -324,13 +325,14 @@ def test_iq2_xxs_shared_tables_interpreter(interp, monkeypatch):
 
     want = calls()
     monkeypatch.setattr(qm, "SHARED_TABLES", True)
+    monkeypatch.setattr(qm, "SHARED_TABLES_GRID_COPIES", copies)
     monkeypatch.setattr(qm, "SHARED_TABLES_MIN_PAIRS", 6)
     for got, ref in zip(calls(), want, strict=True):
         assert torch.equal(got, ref)
-    # what they read is the image: corrupting one lane's copies changes the results
-    tables = qm._iq2_xxs_tables(torch.device("cpu")).clone()
-    tables[512 + 3::32][:256] ^= 0x11111111
-    monkeypatch.setattr(qm, "_iq2_xxs_tables", lambda device: tables)
+    # what they read is the image: corrupting one lane's copies of the grid changes the results
+    tables = qm._iq2_xxs_tables(torch.device("cpu"), copies).clone()
+    tables[512 + 3::copies][:256] ^= 0x11111111
+    monkeypatch.setattr(qm, "_iq2_xxs_tables", lambda device, grid_copies=32: tables)
     assert not torch.equal(calls()[0], want[0])
 
 
@@ -521,7 +523,8 @@ def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8])
-def test_gpu_iq2_xxs_shared_tables_give_the_gathered_bits(monkeypatch, t):
+@pytest.mark.parametrize("copies", [32, 16])
+def test_gpu_iq2_xxs_shared_tables_give_the_gathered_bits(monkeypatch, t, copies):
     """Flash's routed gate / up + SwiGLU (x quantized once) and a plain routed IQ2_XXS product with the tables' per-lane
     copies in static shared memory (filled by cp.async before the PDL wait): the gather's bits."""
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -537,6 +540,7 @@ def test_gpu_iq2_xxs_shared_tables_give_the_gathered_bits(monkeypatch, t):
 
     want = calls()
     monkeypatch.setattr(qm, "SHARED_TABLES", True)
+    monkeypatch.setattr(qm, "SHARED_TABLES_GRID_COPIES", copies)
     monkeypatch.setattr(qm, "SHARED_TABLES_MIN_PAIRS", 1)
     got = calls()
     torch.cuda.synchronize()

@@ -631,17 +631,18 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _selectors_shared(g01, g23, aux, gridp, grid_lane, sign_lane, INTERPRET: tl.constexpr):
-        # _selectors from this lane's own copies of the tables in shared memory (see _iq2_xxs_shared_tables):
-        # grid entry e at byte grid_lane + 128 e, sign entry s at sign_lane + 64 s, so that a warp's 32 grid
-        # lookups are one bank wavefront and its sign lookups at most two, whatever the indices
-        sel0 = (_table_word(gridp, grid_lane + 128 * (g01 & 255), INTERPRET)
+    def _selectors_shared(g01, g23, aux, gridp, grid_lane, sign_lane, GC: tl.constexpr, INTERPRET: tl.constexpr):
+        # _selectors from this lane's own copies of the tables in shared memory (see _iq2_xxs_tables): grid entry e
+        # at byte grid_lane + 4 GC e (GC copies), sign entry s at sign_lane + 64 s (16 copies), so that a warp's
+        # grid lookups are one bank wavefront (GC = 32; at most two with 16) and its sign lookups at most two,
+        # whatever the indices
+        sel0 = (_table_word(gridp, grid_lane + 4 * GC * (g01 & 255), INTERPRET)
                 | _table_word(gridp, sign_lane + 64 * (aux & 127), INTERPRET))
-        sel1 = (_table_word(gridp, grid_lane + 128 * (g01 >> 8), INTERPRET)
+        sel1 = (_table_word(gridp, grid_lane + 4 * GC * (g01 >> 8), INTERPRET)
                 | _table_word(gridp, sign_lane + 64 * ((aux >> 7) & 127), INTERPRET))
-        sel2 = (_table_word(gridp, grid_lane + 128 * (g23 & 255), INTERPRET)
+        sel2 = (_table_word(gridp, grid_lane + 4 * GC * (g23 & 255), INTERPRET)
                 | _table_word(gridp, sign_lane + 64 * ((aux >> 14) & 127), INTERPRET))
-        sel3 = (_table_word(gridp, grid_lane + 128 * (g23 >> 8), INTERPRET)
+        sel3 = (_table_word(gridp, grid_lane + 4 * GC * (g23 >> 8), INTERPRET)
                 | _table_word(gridp, sign_lane + 64 * ((aux >> 21) & 127), INTERPRET))
         return sel0, sel1, sel2, sel3
 
@@ -655,8 +656,9 @@ if HAVE_TRITON:
         # 7) as bit 2 of that weight's nibble, so that one byte permute per 4 weights picks signed magnitudes
         # from two words of levels: signed int8 for the integer dot products, else 64 + the signed magnitude,
         # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude. Returns the
-        # unit's scale and its 8 words of 4 weights (word 2 j + h: weights 8 j + 4 h .. 8 j + 4 h + 3). SHARED: the
-        # tables are the lane's shared copies at byte offsets ``tables`` (grid) and ``signs``, else a register tile
+        # unit's scale and its 8 words of 4 weights (word 2 j + h: weights 8 j + 4 h .. 8 j + 4 h + 3). SHARED (the
+        # grid's copies, 0: none): the tables are the lane's shared copies at byte offsets ``tables`` (grid) and
+        # ``signs``, else a register tile
         if SPLIT:  # the unit's 8 bytes at 8c (one load), the block's scale at kb + 2 (c // 8)
             q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
             lo = q.to(tl.int32)
@@ -681,7 +683,7 @@ if HAVE_TRITON:
             pos_levels = tl.load(gridp + 387)
             neg_levels = tl.load(gridp + 388)
         if SHARED:
-            sel0, sel1, sel2, sel3 = _selectors_shared(g01, g23, aux, gridp, tables, signs, INTERPRET)
+            sel0, sel1, sel2, sel3 = _selectors_shared(g01, g23, aux, gridp, tables, signs, SHARED, INTERPRET)
         else:
             sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
         p, n = pos_levels, neg_levels
@@ -811,16 +813,22 @@ if HAVE_TRITON:
         return tl.load(grid_ptr + t, mask=t < 384, other=0)
 
     @triton.jit
-    def _shared_tables_fill(src):
-        # GPU: declares the 40 KB static shared array of the IQ2_XXS tables' per-lane copies, starts copying their
-        # image (_iq2_xxs_shared_tables, at ``src``) into it by cp.async, 16 bytes an element, and returns its shared
-        # address; no wait here (see _shared_tables_wait), so the copy overlaps the kernel's start. The array is
-        # declared by inline PTX because a Triton kernel has no static shared memory of its own to index per lane
-        base = tl.inline_asm_elementwise(
-            ".shared .align 16 .b8 ds4x_iq2_xxs_tables[40960];\n\tmov.u32 $0, ds4x_iq2_xxs_tables;", "=r,r",
-            [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+    def _shared_tables_fill(src, GC: tl.constexpr):
+        # GPU: declares the static shared array of the IQ2_XXS tables' per-lane copies (GC of the grid: 40 KB with
+        # 32, 24 KB with 16), starts copying their image (_iq2_xxs_tables from word 512, at ``src``) into it by
+        # cp.async, 16 bytes an element, and returns its shared address; no wait here (see _shared_tables_wait), so
+        # the copy overlaps the kernel's start. The array is declared by inline PTX because a Triton kernel has no
+        # static shared memory of its own to index per lane
+        if GC == 32:
+            base = tl.inline_asm_elementwise(
+                ".shared .align 16 .b8 ds4x_iq2_xxs_tables[40960];\n\tmov.u32 $0, ds4x_iq2_xxs_tables;", "=r,r",
+                [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            base = tl.inline_asm_elementwise(
+                ".shared .align 16 .b8 ds4x_iq2_xxs_tables[24576];\n\tmov.u32 $0, ds4x_iq2_xxs_tables;", "=r,r",
+                [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
         src_addr = src.to(tl.int64, bitcast=True)
-        for part in tl.static_range(5):  # 2,560 chunks of 16 bytes
+        for part in tl.static_range((256 * GC + 2048) // 2048):  # chunks of 16 bytes, 512 at a time
             chunk = part * 512 + tl.arange(0, 512)
             tl.inline_asm_elementwise("cp.async.cg.shared.global [$1], [$2], 16;\n\tmov.u32 $0, 0;", "=r,r,l",
                                       [base + 16 * chunk, src_addr + 16 * chunk], dtype=tl.int32, is_pure=False,
@@ -878,18 +886,19 @@ if HAVE_TRITON:
                     PDL: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
         # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
-        # SHARED_TABLES (IQ2_XXS): the tables' per-lane copies in shared memory, filled once per program, which
-        # then runs ``blocks`` row blocks of its pair; else one row block and the tables in registers (tl.gather)
+        # SHARED_TABLES (IQ2_XXS; the grid's copies, 0: none): the tables' per-lane copies in shared memory, filled
+        # once per program, which then runs ``blocks`` row blocks of its pair; else one row block and the tables in
+        # registers (tl.gather)
         pair = tl.program_id(1)
         if SHARED_TABLES:  # the tables are constants: their copy starts before the wait for the previous kernel
             if INTERPRET:
                 base = 0
                 lane = tl.arange(0, U)[:, None] % 32
             else:
-                base = _shared_tables_fill(grid_ptr + 512)
+                base = _shared_tables_fill(grid_ptr + 512, SHARED_TABLES)
                 lane = _lane_id(base)
-            tables = base + 4 * lane
-            signs = base + 32768 + 4 * (lane & 15)
+            tables = base + 4 * (lane % SHARED_TABLES)
+            signs = base + 1024 * SHARED_TABLES + 4 * (lane & 15)
         wait_upstream(PDL, RELEASE=True)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -916,8 +925,8 @@ if HAVE_TRITON:
             end = tl.minimum(b + blocks, n_blocks)
             while b < end:
                 _qmv_block(b, pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, signs, y_ptr, N, n_units,
-                           row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ, True,
-                           INTERPRET)
+                           row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ,
+                           SHARED_TABLES, INTERPRET)
                 b += 1
         else:
             if QTYPE == 16 or QTYPE == 17:
@@ -926,7 +935,7 @@ if HAVE_TRITON:
                 tables = 0
             _qmv_block(tl.program_id(0), pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, tables, y_ptr, N,
                        n_units, row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ,
-                       False, INTERPRET)
+                       0, INTERPRET)
 
     @triton.jit
     def _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq1, xs1, R: tl.constexpr, U: tl.constexpr,
@@ -939,7 +948,7 @@ if HAVE_TRITON:
         while u0 < n_units:
             c = u0 + tl.arange(0, U)[:, None]
             db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, tables, kb, True, True,
-                                                                False, INTERPRET)
+                                                                0, INTERPRET)
             o0, o1 = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq1, xs1, True, TWO,
                                    INTERPRET)
             acc0 += o0
@@ -1203,8 +1212,8 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
-    """The IQ2_XXS matvec's tables as int32 [512 + 10,240]:
+def _iq2_xxs_tables(device: torch.device, grid_copies: int = 32) -> torch.Tensor:
+    """The IQ2_XXS matvec's tables as int32 [512 + 256 grid_copies + 2,048]:
 
     - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
     - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
@@ -1213,9 +1222,10 @@ def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
     - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
     - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21);
     - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _iq2_xxs_words);
-    - from 512, the image of their per-lane copies in shared memory (SHARED_TABLES): word 32 e + l is grid entry e
-      (lane l's copy, so a warp's lookups fall in 32 distinct banks), word 8,192 + 16 s + l the sign entry s
-      (l < 16: lanes l and l + 16 share a copy, at most two wavefronts a lookup); 40 KB."""
+    - from 512, the image of their per-lane copies in shared memory (SHARED_TABLES): with C = ``grid_copies``
+      (32 or 16), word C e + l is grid entry e (lane l's copy, l < C: with 32 a warp's lookups fall in 32 distinct
+      banks, with 16 lanes l and l + 16 share a copy, at most two wavefronts a lookup), word 256 C + 16 s + l the
+      sign entry s (l < 16); 40 KB with 32 grid copies, 24 KB with 16."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
     grid = (levels << (4 * torch.arange(8))).sum(dim=1)
@@ -1230,7 +1240,7 @@ def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
     consts = [0x4B000000, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
               word([56, 39, 21, 0]), word([8, 25, 43, 0]), word([-8, -25, -43, 0])]
     tables = torch.cat([grid, signs, torch.tensor(consts), torch.zeros(512 - 391, dtype=torch.int64)])
-    image = torch.cat([grid.repeat_interleave(32), signs.repeat_interleave(16)])
+    image = torch.cat([grid.repeat_interleave(grid_copies), signs.repeat_interleave(16)])
     return torch.cat([tables, image]).to(torch.int32).to(device)
 
 
@@ -1291,6 +1301,8 @@ MATVEC_TILES_PREPARED = {T.IQ2_XXS: (8, 64, 2)}
 # shared stores, barriers or shuffles; 101 registers; 16 rows took 194 registers, 4 warps over 64 units added 8
 # barriers a K step)
 SHARED_TABLES = False
+SHARED_TABLES_GRID_COPIES = 32  # 16: 24 KB a program instead of 40 (a cheaper fill, more programs an SM), at most two
+# wavefronts a grid lookup
 SHARED_TABLES_MIN_PAIRS = 8
 SHARED_TABLES_PROGRAMS_PER_SM = 4
 MATVEC_TILES_SHARED = (8, 128, 4)
@@ -1453,10 +1465,12 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         mod._qmv_kernel[(triton.cdiv(n_blocks, blocks), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
             xq.sums if xq is not None and xq.sums is not None else _dummy(dev), wr,
-            _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
+            _iq2_xxs_tables(dev, SHARED_TABLES_GRID_COPIES) if iq2 else _dummy(dev), ids_t, y, n, n_units,
+            w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), blocks, X_DIV=x_div, HAS_IDS=has_ids,
             QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
-            SWIGLU=swiglu is not None, XQ=xq is not None, SHARED_TABLES=shared, INTERPRET=interpret_mode(),
+            SWIGLU=swiglu is not None, XQ=xq is not None,
+            SHARED_TABLES=SHARED_TABLES_GRID_COPIES if shared else 0, INTERPRET=interpret_mode(),
             num_warps=nw, **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
