@@ -1298,7 +1298,7 @@ MATVEC_TILES_PREPARED = {T.IQ2_XXS: (8, 64, 2)}
 # off: `scripts/batched_decode.py --variant 'shared tables: ds4x.kernels.quant_matmul.SHARED_TABLES=True'` is the
 # A/B, tests/test_quant_matmul.py's GPU case compares its bits with the gather's. The tile: one unit a thread and 8
 # rows, so the K loop moves nothing between threads (sm_90 SASS: 623 instructions a K step, 64 shared loads, no
-# shared stores, barriers or shuffles; 101 registers; 16 rows took 194 registers, 4 warps over 64 units added 8
+# shared stores, barriers or shuffles; 98 registers; 16 rows took 194 registers, 4 warps over 64 units added 8
 # barriers a K step)
 SHARED_TABLES = False
 SHARED_TABLES_GRID_COPIES = 32  # 16: 24 KB a program instead of 40 (a cheaper fill, more programs an SM), at most two
