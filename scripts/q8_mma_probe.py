@@ -2,12 +2,13 @@
 
 For each Flash Q8_0 shape and T in --tokens: ``q8_mma_linear`` (x quantized per 32 values + the int8 MMA kernel;
 default configuration, then the --sweep variants), the dp4a token tile of ``ds4x.kernels.quant_matmul``
-(``_token_tile`` with the token count ``quant_linear`` picks at 2-8 rows with mirrors on, called directly so that
-16 and 32 rows run it too) and the bf16 mirror (``F.linear`` / ``einsum`` on ``dequantize_gpu(w, bf16)``, what the
+(``_token_tile`` with the token count ``quant_linear`` picks at 2-8 rows with mirrors on, called directly so that 16
+and 32 rows run it too) and the bf16 mirror (``F.linear`` / ``einsum`` on ``dequantize_gpu(w, bf16)``, what the
 batched step runs today). Each call runs on ``copies`` distinct weight copies (>= 256 MB in all, so the 60 MB L2
-holds none) captured in one CUDA graph; a time is the median over --reps replays divided by the copies, after a
-warm-up. GB/s = the bytes that kernel's weight holds (Q8_0 split rows: 34 per 32 weights; mirror: 2 per weight)
-/ time; "of copy" against 4,260 GB/s. The q8_mma rows also say whether the result has the reference's bits.
+holds none) captured in one CUDA graph; a time is the median replay over --rep-ms milliseconds divided by the
+copies, after a warm-up (`ds4x.bench.timing.graph_replay_us`). GB/s = the bytes that kernel's weight holds (Q8_0
+split rows: 34 per 32 weights; mirror: 2 per weight) / time; "of copy" against 4,260 GB/s. The q8_mma rows also say
+whether the result has the reference's bits.
 
     PYTHONPATH=src python scripts/q8_mma_probe.py [--tokens 2,4,8,16,32] [--shapes wq_a,...] [--sweep] [--ledger PATH]
 
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -41,34 +40,12 @@ TO_BEAT_8 = {"wq_a": 4.8, "wq_b": 16.5, "wo_a": 15.9, "wo_b": 17.4, "shared_gate
 SWEEP = [dict(split=s, num_warps=w, stages=st) for s in (1, 2, 4, 8, 16) for w in (2, 4, 8) for st in (3, 4)]
 
 
-def timed(fns: list[Callable[[], object]], reps: int) -> float:
-    """Median us per call of ``fns`` (one per weight copy) replayed as one CUDA graph."""
-    for f in fns:  # warm-up outside the capture: compiles, allocates split-K counters and mirrors
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="2,4,8,16,32")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also time every valid (split, num_warps, stages)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rep-ms", type=int, default=50, help="milliseconds of replays per timing")
     ap.add_argument("--min-bytes", type=int, default=256 << 20, help="weight bytes over all copies")
     ap.add_argument("--ledger", type=Path, default=None, help="benchmark ledger to append rows to")
     args = ap.parse_args(argv)
@@ -76,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print("needs an sm_90 GPU and Triton's Gluon")
         return 2
     from ds4x.bench.ledger import append, environment
+    from ds4x.bench.timing import graph_replay_us
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -94,17 +72,18 @@ def main(argv: list[str] | None = None) -> int:
             configs = [dict()] + ([c for c in SWEEP if (k // (qm.BLOCK * qm.KB)) % c["split"] == 0]
                                   if args.sweep else [])
             for cfg in configs:
-                us = timed([partial(qm.q8_mma_linear, x, w, groups, **cfg) for w in ws], args.reps)
+                us = graph_replay_us([partial(qm.q8_mma_linear, x, w, groups, **cfg) for w in ws],
+                                     rep_ms=args.rep_ms)
                 label = ",".join(f"{a}={b}" for a, b in cfg.items()) or f"split={qm.q8_mma_config(n, k, groups)}"
                 rows.append((name, tokens, "q8_mma", label, us, one.nbytes, "yes" if exact else "NO"))
             tok = min(qmm.TILE_TOKENS["q8_0"], 1 << (tokens - 1).bit_length())
-            us = timed([partial(qmm._token_tile, x2, w, groups, tok) for w in ws], args.reps)
+            us = graph_replay_us([partial(qmm._token_tile, x2, w, groups, tok) for w in ws], rep_ms=args.rep_ms)
             rows.append((name, tokens, "dp4a token tile", f"tok={tok}", us, one.nbytes, ""))
             if groups == 1:
                 fns = [partial(torch.nn.functional.linear, x, m) for m in mirrors]
             else:
                 fns = [partial(torch.einsum, "tgi,goi->tgo", x, m.view(groups, n, k)) for m in mirrors]
-            us = timed(fns, args.reps)
+            us = graph_replay_us(fns, rep_ms=args.rep_ms)
             rows.append((name, tokens, "bf16 mirror", "", us, mirrors[0].numel() * 2, ""))
         del ws, mirrors
         torch.cuda.empty_cache()
