@@ -132,15 +132,16 @@ def test_wrapper_checks() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not qm.HAVE_GLUON, reason="needs Triton's Gluon")
 def test_kernel_compiles_for_sm90_to_imma_without_spills(tmp_path: Path) -> None:
-    """Offline (no GPU, a few seconds): scripts/q8_mma_sass.py compiles the Gluon kernel for sm_90 and checks for
+    """Offline (no GPU, a few seconds): scripts/kernel_sass.py compiles the Gluon kernel for sm_90 and checks for
     IMMA and LDGSTS, no local memory, no FFMA (the reference's separate products and sums), IEEE divisions in the
     quantizer. A fresh process: after the interpreter has run kernels in this one, Triton's language stays
     patched and a compile here fails."""
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
-    out = subprocess.run([sys.executable, str(root / "scripts" / "q8_mma_sass.py"), "--bt", "16,32", "--split", "1,4",
-                          "--dump", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    script = str(root / "scripts" / "kernel_sass.py")
+    out = subprocess.run([sys.executable, script, "q8_mma", "--bt", "16,32", "--split", "1,4", "--dump", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     loops = [line for line in out.stdout.splitlines() if line.strip().startswith("loop:")]
     assert [f"IMMA {qm.KB * bt // 8}," in line for line, bt in zip(loops, (16, 32, 16, 32), strict=True)] == [True] * 4

@@ -25,12 +25,12 @@ each row). A stage's weight codes (16-byte ``cp.async``, each warp copying its o
 are swizzled in 16-byte chunks (row r's chunk c at c ^ (r % 8)) so that ``ldmatrix`` and the copies are free of
 bank conflicts. One CTA barrier per stage orders "stage landed" and "slot free for reuse".
 
-Offline sm_90 build (``scripts/q8_mma_sass.py``, Triton 3.6, 4 warps, 3 stages) per stage of 4 blocks and warp: BT = 16
-8 ``IMMA.16832.S8.S8`` (the .SAT form Triton emits; block dots cannot overflow), 8 ``LDSM``, 7 ``LDGSTS``, 32 I2FP +
-64 FMUL + 32 FADD, 280 instructions, 74 registers, 33 KB shared; BT = 32: 16 IMMA, 424 instructions, 96 registers
-(128 with split-K), 40 KB; no spills. The loop has two CTA barriers: the one above, and one the compiler's
-barrier analysis adds between a stage's copies and the reads of another slot of the same buffer (it cannot tell
-slots apart); per-slot allocations with the loop unrolled by STAGES would drop it.
+Offline sm_90 build (``scripts/kernel_sass.py q8_mma``, Triton 3.6, 4 warps, 3 stages) per stage of 4 blocks and
+warp: BT = 16: 8 ``IMMA.16832.S8.S8`` (the .SAT form Triton emits; block dots cannot overflow), 8 ``LDSM``, 7
+``LDGSTS``, 32 I2FP + 64 FMUL + 32 FADD, 280 instructions, 74 registers, 33 KB shared; BT = 32: 16 IMMA, 424
+instructions, 96 registers (128 with split-K), 40 KB; no spills. The loop has two CTA barriers: the one above, and
+one the compiler's barrier analysis adds between a stage's copies and the reads of another slot of the same buffer
+(it cannot tell slots apart); per-slot allocations with the loop unrolled by STAGES would drop it.
 
 Split-K: the narrow shapes (wq_a has 1024 rows: 16 programs of 64 rows) cannot keep enough bytes in flight, so K
 is cut into ``split`` slices (``q8_mma_config``: a function of N, K and groups only, so batch invariance holds).
