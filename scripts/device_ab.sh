@@ -26,7 +26,8 @@ piece() {  # piece LOG COMMAND...: run it, output to the terminal and $out/LOG, 
 }
 case "$stage" in
 kernels)
-    piece gpu_tests.log python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py tests/test_sampling.py
+    piece gpu_tests.log python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py tests/test_sampling.py \
+        tests/test_serve_batching.py
     piece sweep.log python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 --down 8,32,1 16,32,1 4,32,1 \
         --shared 8,128,4 8,64,2 --programs-per-sm 2,4,8 --grid-copies 32,16 --ledger "$out/ledger.jsonl"
     piece q8_mma_probe.log python scripts/q8_mma_probe.py --tokens 2,4,8,16,32 --ledger "$out/ledger.jsonl"

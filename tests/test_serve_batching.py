@@ -380,6 +380,29 @@ def test_penalties_of_a_batch(engine: Engine) -> None:
     assert len({tuple(o) for o in outputs[:3]}) == 3  # one prompt, three penalties: three outputs
 
 
+@pytest.mark.gpu
+def test_scheduler_on_cuda_times_the_step_by_events() -> None:
+    """On CUDA the worker queues the sampling behind the step (no synchronize between them) and times the step by two
+    events: three greedy requests finish, every step is counted in both histograms, the model's part is positive."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda_engine = Engine.load("tiny", device="cuda")
+    sched = Scheduler(cuda_engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    got: dict[int, list] = {k: [] for k in range(3)}
+    for k in got:
+        sched.submit(Job([0, 5 + k, 6], 12, SamplingParams(), [], True, False), got[k].append)
+    sched.start()
+    try:
+        _wait_for(lambda: all(out and (isinstance(out[-1], Exception) or out[-1].finish) for out in got.values()),
+                  "the requests to end", seconds=120)
+    finally:
+        sched.stop()
+    assert all(out[-1].finish == "length" and sum(len(p.ids) for p in out) == 12 for out in got.values())
+    st = sched.stats
+    assert sum(st.step_model.counts) == sum(st.step_sample.counts) == st.steps > 0
+    assert st.step_model.total > 0 and st.step_sample.total >= 0
+
+
 def test_a_failing_request_does_not_stop_the_others(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     import ds4x.serve.scheduler as sched_mod
 

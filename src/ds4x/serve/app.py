@@ -249,9 +249,11 @@ class Metrics:
         lines += st.ttft.render("ds4x_time_to_first_token_seconds", "From arrival to the first token.")
         lines += st.itl.render("ds4x_inter_token_latency_seconds", "Between consecutive tokens of a request.")
         lines += st.step_model.render("ds4x_decode_step_model_seconds",
-                                      "A batched decode step's model call, from launch to logits ready.")
+                                      "A batched decode step's model call: its device time on CUDA, else from launch "
+                                      "to logits ready.")
         lines += st.step_sample.render("ds4x_decode_step_sample_seconds",
-                                       "Sampling and delivering the tokens of a batched decode step.")
+                                       "The rest of a batched decode step: sampling, reading and delivering its "
+                                       "tokens.")
         return "\n".join(lines) + "\n"
 
 

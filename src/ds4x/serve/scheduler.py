@@ -282,8 +282,9 @@ class EngineStats:
         (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)))
     itl: Histogram = field(default_factory=lambda: Histogram(
         (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)))
-    # where a decode step's time goes: the model (launch to logits ready), then sampling and delivering the
-    # batch's tokens; with the ITL the rest is the worker loop and the HTTP side
+    # where a decode step's time goes: the model (on CUDA the step's device time, else launch to logits ready), then
+    # the rest until the batch's tokens are sampled, read and delivered; with the ITL the rest is the worker loop and
+    # the HTTP side
     step_model: Histogram = field(default_factory=lambda: Histogram(
         (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1)))
     step_sample: Histogram = field(default_factory=lambda: Histogram(
@@ -505,14 +506,20 @@ class Scheduler:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
         if not batch:
             return
+        # on CUDA the host queues the sampling behind the step instead of waiting for the step first (its own time,
+        # not the device's, then overlaps the step); the step's device time comes from two events
+        events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                  if self.engine.model.device.type == "cuda" else None)
         t0 = time.perf_counter()
         try:
+            if events:
+                events[0].record()
             if self.slots is not None:
                 logits = self.slots.decode([(r.session, r.next_token) for r in batch])
             else:
                 logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
-            if logits[0].is_cuda:
-                torch.cuda.synchronize(logits[0].device)  # sampling would wait for it anyway: time the two apart
+            if events:
+                events[1].record()
         except Exception as exc:
             self._fail(batch, exc, finished)
             return
@@ -520,8 +527,14 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.batch_size.observe(len(batch))
         self._sample(list(zip(batch, logits, strict=True)), finished)
-        self.stats.step_model.observe(t1 - t0)
-        self.stats.step_sample.observe(time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        if events:
+            events[1].synchronize()  # done already where a token was read
+            model = events[0].elapsed_time(events[1]) / 1000
+        else:
+            model = t1 - t0
+        self.stats.step_model.observe(model)
+        self.stats.step_sample.observe(max(t2 - t0 - model, 0.0))
 
     def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation]) -> None:
         """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`),
