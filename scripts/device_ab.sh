@@ -5,12 +5,13 @@
 #   bash scripts/device_ab.sh kernels   # GPU tests of the candidates, routed matvec sweep, Q8_0 MMA probe (~6 min)
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~6 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1 and 8 streams (~4 min)
+#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions, the defaults against every switch on (~4 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
 # .whl/ when that folder is there.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -40,6 +41,10 @@ step)
         --variant "q8 mma: $qm.Q8_MMA=True" \
         --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True"
     ;;
+step32)
+    piece batched32.log python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
+        --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True"
+    ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &
     server=$!
@@ -61,7 +66,7 @@ PY
     wait "$server"
     ;;
 *)
-    echo "unknown stage $stage (kernels, step or serve)" >&2
+    echo "unknown stage $stage (kernels, step, serve or step32)" >&2
     exit 2
     ;;
 esac
