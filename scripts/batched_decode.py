@@ -21,18 +21,16 @@ captured pool, e.g. ``--variant 'multi-program select: ds4x.kernels.select.SMALL
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ds4x.bench.frontier import seed_frontier
 from ds4x.bench.ledger import append, environment
+from ds4x.bench.variants import parse_variant, variant_applied
 from ds4x.runtime.batch import DecodeSlots
 from ds4x.runtime.engine import Engine, Session
 
@@ -85,34 +83,6 @@ def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profil
         overlap = overlap_summary(kernels)
     return {"batch": batch, "step_ms": ms, "tok_s": 1000 * batch / ms, "first_s": first, "replay_ms": replay_ms,
             "overlap": overlap}
-
-
-def parse_variant(spec: str) -> tuple[str, list[tuple[Any, str, Any]]]:
-    """'NAME: pkg.module.attr=EXPR; ...' -> (NAME, [(module, attr, value)]): the attributes a variant sets."""
-    name, sep, body = spec.partition(":")
-    if not sep or not body.strip():
-        raise SystemExit(f"--variant wants 'NAME: module.attr=EXPR; ...', got {spec!r}")
-    sets = []
-    for assignment in filter(None, (a.strip() for a in body.split(";"))):
-        path, _, expr = assignment.partition("=")
-        module, _, attr = path.strip().rpartition(".")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, attr):
-            raise SystemExit(f"--variant {name!r}: {module} has no attribute {attr!r}")
-        sets.append((mod, attr, eval(expr)))  # a developer's own expression on the command line
-    return name.strip(), sets
-
-
-@contextmanager
-def variant_applied(sets: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
-    try:
-        for mod, attr, value in sets:
-            setattr(mod, attr, value)
-        yield
-    finally:
-        for mod, attr, value in saved:
-            setattr(mod, attr, value)
 
 
 def main() -> int:

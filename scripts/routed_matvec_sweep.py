@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ds4x.bench.variants import variant_applied
+
 GATE_UP = ["16,64,2", "8,64,2", "32,64,2", "16,32,1", "32,32,1", "16,64,1", "16,128,4", "32,128,4", "16,128,2"]
 DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
 SHARED = ["8,128,4", "8,64,2", "16,64,4", "16,128,4"]
@@ -35,15 +37,9 @@ def tiles(specs: list[str]) -> list[tuple[int, int, int]]:
 
 
 def switched(qm, switches: dict, call, *args, **kwargs):
-    """``call(*args, **kwargs)`` with module attributes of quant_matmul set as ``switches`` says (A/B switches)."""
-    was = {name: getattr(qm, name) for name in switches}
-    for name, value in switches.items():
-        setattr(qm, name, value)
-    try:
+    """``call(*args, **kwargs)`` with quant_matmul's attributes set as ``switches`` says (A/B switches)."""
+    with variant_applied([(qm, name, value) for name, value in switches.items()]):
         return call(*args, **kwargs)
-    finally:
-        for name, value in was.items():
-            setattr(qm, name, value)
 
 
 def main() -> int:
