@@ -1458,7 +1458,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
                 **launch_options(dev, "matvec"))
             return y
         n_blocks = triton.cdiv(n, r // 2 if swiglu is not None else r)
-        # shared tables: each program fills its 40 KB once, so it runs several row blocks of its pair (about
+        # shared tables: each program fills its copies once, so it runs several row blocks of its pair (about
         # SHARED_TABLES_PROGRAMS_PER_SM programs an SM over the launch)
         blocks = -(-n_blocks * n_pairs // (num_sms(dev) * SHARED_TABLES_PROGRAMS_PER_SM)) if shared else 1
         blocks = min(max(blocks, 1), n_blocks)
@@ -1466,8 +1466,8 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
             xq.sums if xq is not None and xq.sums is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev, SHARED_TABLES_GRID_COPIES) if iq2 else _dummy(dev), ids_t, y, n, n_units,
-            w.row_bytes, expert_bytes,
-            up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), blocks, X_DIV=x_div, HAS_IDS=has_ids,
+            w.row_bytes, expert_bytes, up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), blocks,
+            X_DIV=x_div, HAS_IDS=has_ids,
             QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
             SWIGLU=swiglu is not None, XQ=xq is not None,
             SHARED_TABLES=SHARED_TABLES_GRID_COPIES if shared else 0, INTERPRET=interpret_mode(),

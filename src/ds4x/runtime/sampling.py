@@ -136,10 +136,9 @@ def draw_rows(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],
               generators: Sequence[torch.Generator | None],
               histories: Sequence[TokenHistory | None] | None = None, together: bool | None = None) -> torch.Tensor:
     """The next token of each row of logits [V] (one device), each with its own parameters, generator and history,
-    as a tensor [B] on the logits' device, not read back. The rows go through each stage together (a batched
-    decode step samples its B requests in a fixed number of launches, not B times as many); each row's operations
-    are row-wise, so a row draws what it would draw alone. ``together`` (default: on CUDA only) says whether rows
-    go through the stages together or one at a time.
+    as a tensor [B] on the logits' device, not read back. With ``together`` (default: on CUDA) the rows go through
+    each stage together, so a batched decode step samples its B requests in a fixed number of launches, not B times
+    as many; else one at a time. Each row's operations are row-wise, so a row draws what it would draw alone.
 
     Order: the bias and penalties (`adjust`, per row where a row has them), then temperature, then top-k, top-p
     (smallest set whose mass reaches p) and min-p (drop tokens below min_p x the top probability), draw; greedy is
