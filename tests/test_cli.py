@@ -131,3 +131,24 @@ def test_generate_with_logit_bias_and_penalties(capsys):
     for bad in (["--logit-bias", "9"], ["--logit-bias", "300=1"], ["--presence-penalty", "3"]):
         assert main([*args, *bad]) == 2
         assert "error:" in capsys.readouterr().err
+
+
+def test_cpu_threads_policy(monkeypatch):
+    from ds4x.cli import cpu_threads
+
+    engine = Engine.load("tiny", device="cpu")
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert cpu_threads.apply_cpu_threads(engine, None) == 1  # a small model on the CPU: one thread
+        assert cpu_threads.apply_cpu_threads(engine, 2) == 2  # --threads wins
+        monkeypatch.setattr(cpu_threads, "SMALL_MODEL_BYTES", 1)
+        assert cpu_threads.apply_cpu_threads(engine, None) == 2  # a larger model keeps torch's setting
+        monkeypatch.setattr(cpu_threads, "SMALL_MODEL_BYTES", 1 << 40)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert cpu_threads.apply_cpu_threads(engine, None) == 2  # and so does an explicit OMP_NUM_THREADS
+        with pytest.raises(ValueError, match="--threads must be >= 1"):
+            cpu_threads.apply_cpu_threads(engine, 0)
+    finally:
+        torch.set_num_threads(before)

@@ -15,6 +15,8 @@ import logging
 import re
 import sys
 
+from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
 
@@ -60,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cache", default="packed", choices=["packed", "native", "float"],
                    help="attention history of the sessions (default packed)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    add_threads_argument(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--served-model-name", default=None,
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    apply_cpu_threads(engine, args.threads)
     max_ctx = engine.cfg.max_position_embeddings
     ctx = args.ctx if args.ctx is not None else min(4096, max_ctx)
     if not 0 < ctx <= max_ctx:
