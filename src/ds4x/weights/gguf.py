@@ -383,7 +383,14 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
     if any(c != clamps[0] for c in clamps):
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('swiglu_clamp_exp')}' varies by layer ({sorted(set(clamps))});"
                         f" ds4x supports one SwiGLU clamp for all layers")
-    n_hash = m.get_int("hash_layer_count", default=0)
+    if m.has("hash_layer_count"):
+        n_hash = m.get_int("hash_layer_count")
+    else:
+        # ds4.c requires the key; without it the leading layers that carry a tid2eid table are the hash
+        # layers (0 would route them by score, with the zero bias an absent exp_probs_b.bias means)
+        n_hash = 0
+        while f"blk.{n_hash}.ffn_gate_tid2eid.weight" in tensor_names:
+            n_hash += 1
     if not 0 <= n_hash <= n_layers:
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('hash_layer_count')}' = {n_hash} is outside [0, {n_layers}]")
 
@@ -535,7 +542,16 @@ def load_gguf(
     cfg = config_from_gguf(meta, names, p)
 
     want = expected_shapes(cfg)
+    # ds4.c binds blk.N.exp_probs_b.bias with tensor_by_namef (optional, unlike every other tensor) and
+    # adds it to the selection scores only when present (layer_topk_selected_experts_from_probs): a file
+    # without it routes by the unbiased scores, which is a zero bias here.
+    no_bias = {c: want.pop(c) for c in list(want) if c.endswith(".ffn.gate.bias") and gguf_tensor_name(c) not in names}
     weights = _bind_all(reader, want, cfg, dtype, device, p, "GGUF")
+    for c, shape in no_bias.items():
+        weights[c] = torch.zeros(shape, dtype=torch.float32, device=device)
+    if no_bias:
+        log.info("%s: %d layers have no routing bias (exp_probs_b.bias); routing by the unbiased scores", p,
+                 len(no_bias))
     # a hash layer may carry an (unused) routing bias; anything else unknown is reported
     known = {gguf_tensor_name(c) for c in want}
     unknown = [n for n in names - known if not n.startswith("mtp.")
