@@ -470,3 +470,21 @@ def test_tokenizer_specials_and_metadata(f32_gguf):
     with pytest.raises(ValueError, match="tokenizer.ggml.tokens"):
         GGUFTokenizer.from_metadata({})
     assert math.isfinite(len(GGUFTokenizer.from_gguf(f32_gguf).encode("abc")))
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", None])
+def test_tokenizer_unknown_or_missing_pre_splits_as_deepseek_v4(f32_gguf, pre):
+    """ds4 never reads tokenizer.ggml.pre: a file naming a split ds4x does not know still loads, split as
+    DeepSeek-V4 (joyai-llm) is."""
+    _, _, meta = load_gguf(f32_gguf)
+    meta = {k: v for k, v in meta.items() if k != "ds4x.tokenizer.pre_tokenizer"}
+    meta["tokenizer.ggml.pre"] = "joyai-llm"
+    want = GGUFTokenizer.from_metadata(meta)
+    if pre is None:
+        del meta["tokenizer.ggml.pre"]
+    else:
+        meta["tokenizer.ggml.pre"] = pre
+    tok = GGUFTokenizer.from_metadata(meta)
+    assert tok.pre == "joyai-llm"
+    text = "naïve café 日本語 12345, x=42\n\n  y"
+    assert tok.encode(text) == want.encode(text)

@@ -246,6 +246,12 @@ class GGUFTokenizer:
         pre = meta.get("tokenizer.ggml.pre")
         if pre_json is None and pre is None:
             log.warning("GGUF tokenizer: no 'tokenizer.ggml.pre'; splitting text as DeepSeek-V4 does (joyai-llm)")
+        elif pre_json is None and pre not in PRE_TOKENIZERS and pre != DS4_PRE:
+            # ds4 never reads this key, and writers put generic names here ("default" where llama.cpp does not
+            # know the tokenizer): the file still loads, split as a DeepSeek-V4 GGUF is
+            log.warning("GGUF tokenizer: unknown 'tokenizer.ggml.pre' = %r; splitting text as DeepSeek-V4 does "
+                        "(joyai-llm)", pre)
+            pre = None
         types = meta.get("tokenizer.ggml.token_type")
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
