@@ -426,7 +426,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "temperature": 1e9}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
-    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "top_p": -0.1}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "min_p": -0.1}, 400, "min_p", None),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", None),
@@ -470,7 +470,57 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "what is this?"}]}]}, 400, "messages", None),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
+    # no tool calls, structured or audio output: refused by name, not ignored
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400,
+     "tool_choice", None),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions", None),
+    ("/v1/chat/completions", {"messages": CHAT, "function_call": {"name": "f"}}, 400, "function_call", None),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
+     None),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}}}}, 400, "response_format", None),
+    ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio", None),
 ]
+
+
+def test_openai_fields_that_ask_for_nothing_missing_are_taken(client: TestClient) -> None:
+    """Fields clients send by default: null for "not given", no tools, text output; the answer is the plain one."""
+    req = {"messages": CHAT, "max_tokens": 5, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=req).json()["choices"][0]["message"]["content"]
+    nulls = dict.fromkeys(("model", "n", "stream", "stream_options", "logprobs", "top_logprobs", "top_p", "seed",
+                           "stop", "presence_penalty", "logit_bias", "max_completion_tokens", "tools", "tool_choice",
+                           "response_format", "user"))
+    for extra in (nulls, {"tools": [], "tool_choice": "none", "parallel_tool_calls": False, "user": "u",
+                          "response_format": {"type": "text"}, "function_call": "auto", "n": 1}):
+        r = client.post("/v1/chat/completions", json={**req, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == plain
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0, "n": None,
+                                             "echo": None, "suffix": None, "logprobs": None, "stream": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_top_p_zero_is_greedy(client: TestClient) -> None:
+    """OpenAI takes top_p in [0, 1]; 0 keeps the most likely token alone."""
+    req = {"prompt": "def f(x):", "max_tokens": 8}
+    _, greedy = _ids(client, **req, temperature=0)
+    assert _ids(client, **req, temperature=1.5, top_p=0, seed=1)[1] == greedy
+
+
+def test_system_fingerprint_and_model_retrieval(client: TestClient) -> None:
+    bodies = [client.post(url, json={**req, "max_tokens": 2}).json() for url, req in
+              (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", {"messages": CHAT}))]
+    stream = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    fingerprints = {b["system_fingerprint"] for b in [*bodies, *_chunks(stream.text)]}
+    assert len(fingerprints) == 1 and re.fullmatch(r"fp_[0-9a-f]{12}", fingerprints.pop())
+    r = client.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json() == client.get("/v1/models").json()["data"][0]
+    _assert_error(client.get("/v1/models/gpt-4"), 404, "model", "model_not_found")
+    _assert_error(client.get("/v1/models/org/gpt-4"), 404, "model", "model_not_found")
 
 
 def test_a_union_error_names_the_branch_the_value_takes(client: TestClient) -> None:
@@ -594,6 +644,10 @@ def test_real_server_subprocess() -> None:
             assert isinstance("".join(parts), str)
             with pytest.raises(openai.NotFoundError):
                 oc.completions.create(model="nope", prompt="def", max_tokens=1)
+            assert oc.models.retrieve("tiny").id == "tiny"
+            with pytest.raises(openai.BadRequestError, match="tools"):
+                oc.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, tools=[
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
             # logprobs as the client library reads them
             chat = oc.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
                                               logprobs=True, top_logprobs=2)

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over one :class:`~ds4x.runtime.engine.Engine`.
 
-Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or one JSON body),
+Endpoints: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (streaming as server-sent events in OpenAI's chunk format, ending with
+``data: [DONE]``, or one JSON body; either carries a ``system_fingerprint`` of the build, machine and model),
 ``GET /metrics`` (Prometheus text). Each ``/v1/models`` entry carries, besides OpenAI's fields, ``max_model_len``
 and a ``ds4x`` object describing the build, machine and model (:func:`ds4x.serve.info.server_info`).
 
@@ -20,8 +21,12 @@ token ids, as strings, to a bias in [-100, 100] added to their logits), ``n`` (1
 ``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
 divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
 (``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the
-ids generated since the previous chunk). Unknown fields are ignored. The bias and penalties apply before
-temperature and the top-k / top-p / min-p filters, and to greedy decoding (:mod:`ds4x.runtime.sampling`).
+ids generated since the previous chunk). A null field counts as absent (OpenAI's optional fields are
+nullable). Chat's ``tools`` / ``functions`` (non-empty), a ``tool_choice`` / ``function_call`` other than
+"none" / "auto", a ``response_format`` other than text, and ``audio`` are refused (400 naming the field): no
+tool calls, structured or audio output. Other unknown fields are ignored. ``top_p`` 0 decodes greedily. The
+bias and penalties apply before temperature and the top-k / top-p / min-p filters, and to greedy decoding
+(:mod:`ds4x.runtime.sampling`).
 
 Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions:
 0..5 alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax
@@ -47,6 +52,7 @@ Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -61,7 +67,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -104,6 +110,12 @@ class APIError(Exception):
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # OpenAI's optional fields are nullable and clients send null for "not given" (e.g. "n": null)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Base):
     include_usage: bool = False
@@ -114,7 +126,7 @@ class _SamplingRequest(_Base):
     max_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None  # 0 (OpenAI allows it): the most likely token
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=_MAX_INT)] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
@@ -131,8 +143,9 @@ class _SamplingRequest(_Base):
     return_token_ids: bool = False
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None else self.top_p,
+        greedy = self.top_p == 0  # a nucleus of the most likely token alone
+        return SamplingParams(temperature=0.0 if greedy else 1.0 if self.temperature is None else self.temperature,
+                              top_k=max(self.top_k or 0, 0), top_p=1.0 if self.top_p is None or greedy else self.top_p,
                               min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -170,6 +183,29 @@ class ChatRequest(_SamplingRequest):
     thinking: bool = False  # extension: DeepSeek-V4 thinking mode (GGUF chat encoding only)
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # taken only where they ask for nothing this server lacks (tool calls, structured or audio output): one that
+    # does gets a 400 naming it, not an answer that silently ignores it (check_supported)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse (APIError 400) the fields asking for tool calls, structured output or audio."""
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name}: tool calling is not supported by this server", param=name)
+        for name in ("tool_choice", "function_call"):
+            choice = getattr(self, name)
+            if choice not in (None, "none", "auto"):  # without tools both mean a plain answer
+                raise APIError(400, f"{name}: this server does not call tools ('none' or 'auto' only)", param=name)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported (no JSON mode or schemas)",
+                           param="response_format")
+        if self.audio is not None:
+            raise APIError(400, "audio: this server generates text only", param="audio")
 
     def alternatives(self) -> int | None:
         """Alternatives to report per token (None: no logprobs); ``top_logprobs`` needs ``logprobs``."""
@@ -473,6 +509,10 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                           slots=decode_slots, prefill_budget=prefill_budget)
     server = Server(engine, model_name, ctx, cache, scheduler)
     info = server_info(engine, cache)  # once: it runs git and nvidia-smi
+    card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "ds4x", "max_model_len": ctx,
+            "ds4x": info}
+    # OpenAI's system_fingerprint names the backend configuration: here the build, machine and model
+    fingerprint = "fp_" + hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:12]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -545,14 +585,22 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         count("/v1/models", 200)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "ds4x", "max_model_len": ctx, "ds4x": info}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (client.models.retrieve); ids may hold slashes
+    async def model(model_id: str) -> Response:
+        if model_id != model_name:
+            return error(APIError(404, f"The model '{model_id}' does not exist; this server serves '{model_name}'",
+                                  param="model", code="model_not_found"), "/v1/models")
+        count("/v1/models", 200)
+        return JSONResponse(card)
 
     async def serve(request: Request, endpoint: str, chat: bool) -> Response:
         try:
             req = await parse(request, ChatRequest if chat else CompletionRequest)
             server._check_model(req)
             if chat:
+                req.check_supported()
                 logprobs = req.alternatives()
                 prompt, text = server.chat_prompt(req), True
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -568,7 +616,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         head = {"id": rid, "object": obj + (".chunk" if chat and req.stream else ""), "created": created,
-                "model": model_name}
+                "model": model_name, "system_fingerprint": fingerprint}
 
         def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
             logprobs = None
