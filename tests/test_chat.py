@@ -117,3 +117,25 @@ def test_rendered_prompt_tokenizes_specials():
     ids = tok.encode(render_chat([{"role": "user", "content": "Hi"}], thinking=True))
     assert ids[0] == 0 and ids[1] == 2 and ids[-2:] == [3, 4]  # BOS, User ... Assistant, <think>
     assert tok.decode(ids) == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>"
+
+
+def test_chat_encoding_applies_where_the_tokenizer_has_the_chat_tokens(tmp_path):
+    """An official-style tokenizer.json (the chat tokens as added tokens) gets the chat encoding; the embedded
+    default model's and the byte tokenizer do not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ds4x.runtime.chat import ASSISTANT, USER, uses_chat_encoding
+    from ds4x.runtime.engine import Engine
+    from ds4x.runtime.tokenizer import ByteTokenizer, HFTokenizer
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert not uses_chat_encoding(HFTokenizer(path, None, ()))
+    tok.add_special_tokens([BOS, USER, ASSISTANT])
+    tok.save(str(path))
+    assert uses_chat_encoding(HFTokenizer(path, None, ()))
+    assert not uses_chat_encoding(ByteTokenizer())
+    assert not uses_chat_encoding(Engine.load("default", device="cpu").tokenizer)

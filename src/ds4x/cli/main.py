@@ -1,4 +1,4 @@
-"""``ds4x`` command line: generate, inspect."""
+"""``ds4x`` command line: generate, chat, inspect, bench, quality (convert and serve in their own modules)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from ds4x import __version__
 from ds4x.bench import plot as bench_plot
 from ds4x.bench import serve_load as bench_serve
 from ds4x.cli import bench_prefill
+from ds4x.cli import chat as chat_cmd
 from ds4x.cli import convert as convert_cmd
 from ds4x.cli import serve as serve_cmd
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
+from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
 from ds4x.config import ConfigError
 
 
@@ -27,20 +29,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src.add_argument("-p", "--prompt", default=None, help="prompt text")
     src.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids, e.g. 1,2,3")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x top probability")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtracted from the logit of every token generated so far, in [-2, 2] (0 = off)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="subtracted from a generated token's logit once per occurrence, in [-2, 2] (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divides the positive logits (multiplies the negative ones) of the tokens in the context or "
-                        "generated, in (0, 10] (1 = off)")
-    p.add_argument("--logit-bias", metavar="ID=BIAS,...", default=None,
-                   help="add BIAS in [-100, 100] to token ID's logit, e.g. 5=-100,7=2.5")
+    add_sampling_arguments(p)
     p.add_argument("--ctx", type=int, default=None,
                    help="context size of the session (default: 4096, or the model's maximum if smaller)")
     p.add_argument("--prefill-chunk", type=int, default=None,
@@ -242,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log details even with -q")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    chat_cmd.add_parser(sub)
     _add_inspect(sub)
     _add_bench(sub)
     _add_quality(sub)
@@ -260,28 +250,15 @@ def _parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return ids
 
 
-def _parse_bias(text: str) -> tuple[tuple[int, float], ...]:
-    """``--logit-bias``: comma-separated ID=BIAS pairs."""
-    try:
-        pairs = [item.split("=") for item in text.replace(" ", "").split(",") if item]
-        return tuple((int(t), float(b)) for t, b in pairs)
-    except ValueError:
-        raise ValueError(f"--logit-bias must be comma-separated ID=BIAS pairs, got {text!r}") from None
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from ds4x.runtime.engine import Engine, GenerationStats
-    from ds4x.runtime.sampling import SamplingParams
     from ds4x.runtime.tokenizer import TextStream
 
     if args.max_tokens < 0:
         raise ValueError(f"-n/--max-tokens must be >= 0, got {args.max_tokens}")
     if args.ctx is not None and args.ctx <= 0:
         raise ValueError(f"--ctx must be positive, got {args.ctx}")
-    params = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            seed=args.seed, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            logit_bias=_parse_bias(args.logit_bias) if args.logit_bias is not None else ())
+    params = sampling_params(args)
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     apply_cpu_threads(engine, args.threads)
     tok = engine.tokenizer
@@ -386,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "quality": cmd_quality,
-                    "convert": convert_cmd.run, "serve": serve_cmd.run}
+                    "convert": convert_cmd.run, "serve": serve_cmd.run, "chat": chat_cmd.run}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)

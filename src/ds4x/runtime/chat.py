@@ -211,6 +211,21 @@ def tool_schemas(tools: Iterable[Any] | None) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def uses_chat_encoding(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` knows DeepSeek-V4's chat tokens (BOS, User and Assistant each one token): a
+    conversation is then rendered by :func:`render_chat`. A model trained without them (the embedded default
+    model, the byte tokenizer) reads the contents joined by newlines instead (:func:`chat_text`)."""
+    return all(len(tokenizer.encode(t)) == 1 for t in (BOS, USER, ASSISTANT))
+
+
+def chat_text(messages: Iterable[Mapping[str, Any]], thinking: bool, templated: bool) -> str:
+    """The prompt text of a conversation: :func:`render_chat` (which starts with BOS) when ``templated``,
+    else the message contents joined by newlines (the caller adds the BOS id)."""
+    if templated:
+        return render_chat(messages, thinking)
+    return "\n".join(message_text(m.get("content")) for m in messages)
+
+
 def render_chat(
     messages: Iterable[Mapping[str, Any]],
     thinking: bool,

@@ -71,7 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ds4x.runtime.chat import message_text
+from ds4x.runtime.chat import chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
 from ds4x.serve.info import server_info
@@ -331,14 +331,10 @@ class Server:
         return list(prompt), self.engine.tokenizer is not None
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        from ds4x.runtime.chat import render_chat
-        from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
-
         messages = [m.model_dump(exclude_none=False) for m in req.messages]
-        templated = isinstance(self.engine.tokenizer, GGUFTokenizer)  # else: the contents joined by newlines
+        templated = self.engine.tokenizer is not None and uses_chat_encoding(self.engine.tokenizer)
         try:
-            text = (render_chat(messages, req.thinking) if templated
-                    else "\n".join(message_text(m["content"]) for m in messages))
+            text = chat_text(messages, req.thinking, templated)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from None
         return self._encode(text, bos=not templated, param="messages")  # the rendering starts with BOS
