@@ -124,6 +124,10 @@ def test_wrapper_checks() -> None:
         qm.q8_mma_linear(x.to(torch.int32), w)
     with pytest.raises(ValueError, match="at least one token"):
         qm.q8_mma_linear(torch.zeros(0, 256), w)
+    shifted = torch.empty(w.raw.numel() + 8, dtype=torch.uint8)[8:].view(w.raw.shape)  # 8 bytes past an allocation
+    shifted.copy_(w.raw)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        qm.q8_mma_linear(x, GGMLTensor(shifted, T.Q8_0, (64, 256), "split"))
     if qm.HAVE_GLUON:
         with pytest.raises(ValueError, match="CUDA device"):
             qm.q8_mma_linear(x, w)
@@ -145,6 +149,36 @@ def test_kernel_compiles_for_sm90_to_imma_without_spills(tmp_path: Path) -> None
     assert out.returncode == 0, out.stdout + out.stderr
     loops = [line for line in out.stdout.splitlines() if line.strip().startswith("loop:")]
     assert [f"IMMA {qm.KB * bt // 8}," in line for line, bt in zip(loops, (16, 32, 16, 32), strict=True)] == [True] * 4
+
+
+_ONE_TOKEN_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from ds4x.kernels import q8_mma as qm
+args = ("xq_ptr", "xs_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K", "row_bytes", "n_tok", "groups",
+        "stride_y")
+ptrs = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+sig = {a: ptrs.get(a, "i32") for a in args}
+consts = {"n_tok": 1, "groups": 1, "BT": 8, "KB": qm.KB, "STAGES": qm.STAGES, "SPLIT": 8, "num_warps": qm.NUM_WARPS}
+sig.update(dict.fromkeys(consts, "constexpr"))
+attrs = {(args.index(a),): [["tt.divisibility", 16]] for a in ("xq_ptr", "w_ptr", "K", "row_bytes")}
+triton.compile(GluonASTSource(qm._q8_mma_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+               options={"num_warps": qm.NUM_WARPS, "enable_fp_fusion": False})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not qm.HAVE_GLUON, reason="needs Triton's Gluon")
+def test_kernel_compiles_for_one_token_with_split_k() -> None:
+    """Triton passes an int argument equal to 1 as a constexpr: one token (n_tok = 1) and groups = 1 with split-K
+    (wq_a at T = 1) must compile for sm_90 (offline, in a fresh process as above)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    out = subprocess.run([sys.executable, "-c", _ONE_TOKEN_COMPILE], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------------------

@@ -212,7 +212,8 @@ if HAVE_GLUON:
             gl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             # partial tile of slice `part` at part_ptr[part, t, g N + n]; the last program of the tile sums them
-            slice_elems = n_tok.to(gl.int64) * stride_y
+            # to_tensor: Triton passes an int argument equal to 1 (n_tok of one token) as a constexpr int
+            slice_elems = gl.to_tensor(n_tok).to(gl.int64) * stride_y
             gl.store(part_ptr + part * slice_elems + out_off, acc, mask=mask)
             gl.thread_barrier()  # every thread's partial is written before the ticket publishes them
             counter = count_ptr + (g * gl.num_programs(1) + pid_t) * (gl.num_programs(0) // SPLIT) + tile
@@ -354,10 +355,11 @@ def _counters(device: torch.device, need: int) -> torch.Tensor:
 
 def serves(w: GGMLTensor, groups: int = 1) -> bool:
     """Whether ``q8_mma_linear`` can multiply by ``w`` here: a 2-D split Q8_0 weight on an sm_90 device, K a
-    multiple of 256 (rows of K + K / 16 bytes, a multiple of 16), Gluon present."""
+    multiple of 256 (rows of K + K / 16 bytes, a multiple of 16), its bytes 16-byte aligned, Gluon present."""
     return (HAVE_GLUON and isinstance(w, GGMLTensor) and w.qtype == GGMLQuantizationType.Q8_0
             and w.layout == "split" and w.ndim == 2 and w.is_cuda and w.shape[0] % groups == 0
-            and w.shape[1] % ROW_ALIGN_K == 0 and torch.cuda.get_device_capability(w.device)[0] == 9)
+            and w.shape[1] % ROW_ALIGN_K == 0 and w.raw.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(w.device)[0] == 9)
 
 
 def q8_mma_linear(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int | None = None,
@@ -372,6 +374,8 @@ def q8_mma_linear(x: torch.Tensor, w: GGMLTensor, groups: int = 1, split: int | 
     if k % ROW_ALIGN_K:
         raise ValueError(f"q8_mma_linear needs K a multiple of {ROW_ALIGN_K} (rows of K + K / 16 bytes copied 16 bytes "
                          f"at a time), got {k}")
+    if w.raw.data_ptr() % 16:  # the 16-byte cp.async of codes; an unaligned base does not even compile
+        raise ValueError("q8_mma_linear needs the weight's bytes 16-byte aligned")
     if not HAVE_GLUON:
         raise RuntimeError("q8_mma_linear needs Triton's Gluon")
     if not (x.is_cuda and w.is_cuda and x.device == w.device):
