@@ -526,26 +526,47 @@ def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
 @pytest.mark.parametrize("copies", [32, 16])
 def test_gpu_iq2_xxs_shared_tables_give_the_gathered_bits(monkeypatch, t, copies):
     """Flash's routed gate / up + SwiGLU (x quantized once) and a plain routed IQ2_XXS product with the tables' per-lane
-    copies in static shared memory (filled by cp.async before the PDL wait): the gather's bits."""
+    copies in static shared memory (filled by cp.async before the PDL wait): the gather's bits at the same tile (a
+    row's bits depend on the tile's U and warps, the order of its sums: the gather's default tiles have U = 64)."""
     g = torch.Generator(device="cuda").manual_seed(4)
     n_exp, n, k, limit = 64, 2048, 4096, 10.0
     w13 = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, n, k), g), T.IQ2_XXS, (2 * n_exp, n, k)))
     x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
     ids = torch.randint(0, n_exp, (t, 6), device="cuda", generator=g)
     xq = qm.quantize_activations(x)
+    cfg = qm.MATVEC_TILES_SHARED
 
-    def calls():
-        return (qm.quant_routed_swiglu(x, w13, ids, limit, int8=True, xq=xq),
-                qm.quant_matmul_routed(x, w13, ids, force="mv", int8=True))
+    def calls(config):
+        return (qm.quant_routed_swiglu(x, w13, ids, limit, config=config, int8=True, xq=xq),
+                qm.quant_matmul_routed(x, w13, ids, config=config, force="mv", int8=True))
 
-    want = calls()
+    want = calls(cfg)
     monkeypatch.setattr(qm, "SHARED_TABLES", True)
     monkeypatch.setattr(qm, "SHARED_TABLES_GRID_COPIES", copies)
     monkeypatch.setattr(qm, "SHARED_TABLES_MIN_PAIRS", 1)
-    got = calls()
+    got = calls(cfg)
+    default = calls(None)  # the shared path's own tile when none is given
     torch.cuda.synchronize()
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
+    for a, b, c in zip(got, want, default, strict=True):
+        assert torch.equal(a, b) and torch.equal(c, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 8])
+def test_gpu_routed_q2_k_prepared_activations_give_the_same_bits(monkeypatch, t):
+    """Flash's routed down projection (Q2_K, 64 experts of 4096 x 2048, one x row per pair) with x quantized once per
+    row with its groups' sums (Q2_K_PREPARED_ACTIVATIONS): the bits of each program quantizing x itself."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n_exp, n, k = 64, 4096, 2048
+    w2 = GGMLTensor(random_blocks(T.Q2_K, (n_exp, n, k), g), T.Q2_K, (n_exp, n, k))
+    x = torch.randn(6 * t, k, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, n_exp, (6 * t, 1), device="cuda", generator=g)
+    want = qm.quant_matmul_routed(x, w2, ids, force="mv", int8=True)
+    monkeypatch.setattr(qm, "Q2_K_PREPARED_ACTIVATIONS", True)
+    monkeypatch.setattr(qm, "Q2_K_PREPARED_MIN_PAIRS", 1)
+    got = qm.quant_matmul_routed(x, w2, ids, force="mv", int8=True)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 def test_startup_line_names_the_routed_decode_kernels(monkeypatch):
