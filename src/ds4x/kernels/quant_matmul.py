@@ -1298,7 +1298,9 @@ MATVEC_TILES_PREPARED = {T.IQ2_XXS: (8, 64, 2)}
 # A/B, tests/test_quant_matmul.py's GPU case compares its bits with the gather's. The tile: one unit a thread and 8
 # rows, so the K loop moves nothing between threads (sm_90 SASS: 623 instructions a K step, 64 shared loads, no
 # shared stores, barriers or shuffles; 98 registers; 16 rows took 194 registers, 4 warps over 64 units added 8
-# barriers a K step)
+# barriers a K step). Its tile sums a row in another order than the gather's (U 128 against 64), so with it on a
+# routed IQ2_XXS row's bits depend on whether the call has SHARED_TABLES_MIN_PAIRS pairs (batch-invariant decode,
+# one row at a time, is unaffected: a row is 6 pairs)
 SHARED_TABLES = False
 SHARED_TABLES_GRID_COPIES = 32  # 16: 24 KB a program instead of 40 (a cheaper fill, more programs an SM), at most two
 # wavefronts a grid lookup
