@@ -282,3 +282,19 @@ def test_switched_on_quant_linear_gives_the_kernels_bits_on_gpu(monkeypatch) -> 
     assert torch.equal(quant_matmul.quant_linear(x, w), qm.q8_mma_reference(x, w))
     xg = torch.randn(8, 8, 4096, device="cuda").to(torch.bfloat16)
     assert torch.equal(quant_matmul.quant_grouped_linear(xg, w, 8).reshape(8, -1), qm.q8_mma_reference(xg, w, 8))
+
+
+def test_counter_ring_runs_and_refuses_a_capture(monkeypatch) -> None:
+    """Each call takes the next run of the ring (wrapping at its end); the ring is never first made in a capture."""
+    dev = torch.device("cpu")  # the ring's bookkeeping is device-agnostic
+    monkeypatch.setattr(qm, "_COUNTERS", {})
+    monkeypatch.setattr(qm, "_NEXT_COUNTER", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="not in a capture"):
+        qm._counters(dev, 4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a, b = qm._counters(dev, 4), qm._counters(dev, 6)
+    assert a.data_ptr() + 4 * 4 == b.data_ptr() and not a.any() and not b.any()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # made already: fine in a capture
+    c = qm._counters(dev, qm._COUNTER_SLOTS - 5)  # does not fit after the 10 taken: starts over
+    assert c.data_ptr() == a.data_ptr()

@@ -345,6 +345,10 @@ def _counters(device: torch.device, need: int) -> torch.Tensor:
         raise ValueError(f"q8_mma: {need} split-K tiles exceed the counter buffer ({_COUNTER_SLOTS})")
     buf = _COUNTERS.get(device)
     if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            # zeros made inside a capture are set only when the graph replays: an eager call before that would
+            # read garbage counters (a failed capture falls back to eager decoding: runtime.decode_graph)
+            raise RuntimeError("q8_mma: the split-K counters are allocated by the first eager call, not in a capture")
         buf = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
     start = _NEXT_COUNTER.get(device, 0)
     if start + need > _COUNTER_SLOTS:
