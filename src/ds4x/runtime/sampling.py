@@ -138,7 +138,9 @@ def draw_rows(logits: Sequence[torch.Tensor], params: Sequence[SamplingParams],
     """The next token of each row of logits [V] (one device), each with its own parameters, generator and history,
     as a tensor [B] on the logits' device, not read back. With ``together`` (default: on CUDA) the rows go through
     each stage together, so a batched decode step samples its B requests in a fixed number of launches, not B times
-    as many; else one at a time. Each row's operations are row-wise, so a row draws what it would draw alone.
+    as many; else one at a time. Each row's operations are row-wise, so a row draws what it would draw alone
+    (on CUDA up to the last bits of its cumulative sums, whose kernel for one row differs from the one for several:
+    a token could differ only where a uniform falls within those bits of a boundary).
 
     Order: the bias and penalties (`adjust`, per row where a row has them), then temperature, then top-k, top-p
     (smallest set whose mass reaches p) and min-p (drop tokens below min_p x the top probability), draw; greedy is

@@ -508,18 +508,18 @@ class Scheduler:
             return
         # on CUDA the host queues the sampling behind the step instead of waiting for the step first (its own time,
         # not the device's, then overlaps the step); the step's device time comes from two events
-        events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                  if self.engine.model.device.type == "cuda" else None)
+        dev = self.engine.model.device
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
         t0 = time.perf_counter()
         try:
-            if events:
-                events[0].record()
+            if events:  # the model's device's stream (not the thread's current device's: cuda:N)
+                events[0].record(torch.cuda.current_stream(dev))
             if self.slots is not None:
                 logits = self.slots.decode([(r.session, r.next_token) for r in batch])
             else:
                 logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
             if events:
-                events[1].record()
+                events[1].record(torch.cuda.current_stream(dev))
         except Exception as exc:
             self._fail(batch, exc, finished)
             return
