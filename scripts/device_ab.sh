@@ -9,7 +9,12 @@
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
-# .whl/ when that folder is there.
+# .whl/ when that folder is there; it is git-ignored, so make it here and name it in the device call's carry:
+#   pip download -q gguf==0.19.0 --no-deps -d .whl
+#   pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_17_x86_64 -d .whl/serve fastapi uvicorn httpx
+# and commit first: the device call is then `DS4X_COMMIT=$(git rev-parse --short HEAD) OUT=$OUT bash
+# scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
 stage=${1:?usage: device_ab.sh kernels|step|serve|step32}
 out=${OUT:-ab-out}
