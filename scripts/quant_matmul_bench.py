@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 
+from ds4x.bench.timing import graph_replay_us
 from ds4x.formats.ggml import GGMLQuantizationType, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.kernels.quant_matmul import (
@@ -84,20 +85,8 @@ def run(out_json: str | None = None, deadline_s: float = 1e9) -> int:
 
     def timed(fns: list, nbytes: int) -> tuple[float, float]:
         # every call reads its own weight copy (no L2 reuse); one CUDA graph of all calls, median
-        for f in fns:
-            f()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        ms = do_bench(graph.replay, warmup=10, rep=40, return_mode="median") / len(fns)
-        return ms * 1e3, nbytes / (ms * 1e-3) / 1e9
+        us = graph_replay_us(fns, rep_ms=40)
+        return us, nbytes / (us * 1e-6) / 1e9
 
     def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
         if not torch.isfinite(y).all():
