@@ -139,3 +139,18 @@ def test_chat_encoding_applies_where_the_tokenizer_has_the_chat_tokens(tmp_path)
     assert uses_chat_encoding(HFTokenizer(path, None, ()))
     assert not uses_chat_encoding(ByteTokenizer())
     assert not uses_chat_encoding(Engine.load("default", device="cpu").tokenizer)
+
+
+def test_reasoning_split_whole_and_streamed():
+    from ds4x.runtime.chat import ReasoningStream, split_reasoning
+
+    assert split_reasoning("think</think>answer</think>x") == ("think", "answer</think>x")
+    assert split_reasoning("still thinking") == ("still thinking", "")
+    for pieces in (["ab</th", "ink>cd"], ["ab<", "/", "think>", "c", "d"], ["ab</think>cd"], ["a", "b</think>", "cd"]):
+        s = ReasoningStream()
+        parts = [s.feed(p) for p in pieces] + [s.flush()]
+        assert ("".join(r for r, _ in parts), "".join(a for _, a in parts)) == ("ab", "cd"), pieces
+    s = ReasoningStream()
+    assert s.feed("x</thi") == ("x", "") and s.feed("nk") == ("", "")  # still the start of the tag
+    assert s.feed("!<") == ("</think!", "")  # not the tag after all
+    assert s.flush() == ("<", "")

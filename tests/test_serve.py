@@ -594,6 +594,44 @@ def test_chat_prompt_encoding(client: TestClient) -> None:
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
 
 
+def test_thinking_reply_gives_reasoning_content(tmp_path) -> None:
+    """A model whose tokenizer has the chat tokens (a GGUF) in thinking mode: the reply's text before </think> is
+    reasoning_content, the rest content, streamed and not; vLLM's chat_template_kwargs spelling turns it on too."""
+    pytest.importorskip("gguf")
+    from ds4x.config import tiny_config
+    from ds4x.weights.gguf_writer import write_gguf
+    from ds4x.weights.synthetic import synthetic_weights
+
+    cfg = tiny_config()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, cfg, synthetic_weights(cfg, seed=0), "f32")
+    engine = Engine.load(str(path), device="cpu")
+    think_end = engine.tokenizer.encode("</think>")
+    assert len(think_end) == 1
+    with TestClient(create_app(engine, "g", CTX, "packed")) as c:
+        def ask(stream: bool, **extra) -> tuple[str, str]:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+                    "stream": stream, **extra}
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            if not stream:
+                msg = r.json()["choices"][0]["message"]
+                return msg.get("reasoning_content"), msg["content"]
+            deltas = [ch["choices"][0]["delta"] for ch in _chunks(r.text)]
+            return ("".join(d.get("reasoning_content", "") for d in deltas) if "reasoning_content" in deltas[0]
+                    else None), "".join(d["content"] for d in deltas)
+
+        plain = ask(False)
+        assert plain[0] is None  # thinking off: no reasoning field
+        for stream in (False, True):
+            # every token forced to </think>: the first ends the (empty) reasoning, the next four are the answer
+            forced = ask(stream, thinking=True, logit_bias={str(think_end[0]): 100})
+            assert forced == ("", "</think>" * 4)
+            thought, answer = ask(stream, chat_template_kwargs={"thinking": True})
+            whole = ask(False, thinking=True)
+            assert (thought, answer) == whole and thought + answer != ""
+
+
 # ---- a real server -------------------------------------------------------------------------------
 
 def _free_port() -> int:

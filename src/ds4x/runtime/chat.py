@@ -226,6 +226,39 @@ def chat_text(messages: Iterable[Mapping[str, Any]], thinking: bool, templated: 
     return "\n".join(message_text(m.get("content")) for m in messages)
 
 
+def split_reasoning(text: str) -> tuple[str, str]:
+    """A thinking-mode reply (generated after ``<think>``) as (reasoning, answer): the text before the first
+    ``</think>`` and the text after it; all reasoning while the tag has not come."""
+    reasoning, tag, answer = text.partition(THINK_END)
+    return reasoning, answer if tag else ""
+
+
+class ReasoningStream:
+    """:func:`split_reasoning` of a reply that arrives in pieces: ``feed`` returns each piece's (reasoning, answer)
+    parts; a piece that ends in the start of ``</think>`` keeps that start until the next piece says whether the
+    tag follows (``flush`` returns it at the end)."""
+
+    def __init__(self) -> None:
+        self.answering = False
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self.answering:
+            return "", text
+        text, self._held = self._held + text, ""
+        reasoning, answer = split_reasoning(text)
+        if THINK_END in text:
+            self.answering = True
+            return reasoning, answer
+        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1) if text.endswith(THINK_END[:k])), 0)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""  # only ever a start of the tag, before the answer: reasoning
+        return held, ""
+
+
 def render_chat(
     messages: Iterable[Mapping[str, Any]],
     thinking: bool,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ds4x.runtime.chat import EOS, THINK_END, chat_text, uses_chat_encoding
+from ds4x.runtime.chat import EOS, chat_text, split_reasoning, uses_chat_encoding
 from ds4x.runtime.engine import GenerationStats, Session
 from ds4x.runtime.sampling import SamplingParams
 
@@ -83,8 +83,6 @@ class Conversation:
         text = tok.decode([t for t in generated if t not in self.session.engine.cfg.eos_token_ids])
         text = text.removesuffix(EOS)
         if self.templated and self.thinking:  # the generation prompt opened <think>: reasoning, </think>, reply
-            reasoning, sep, answer = text.partition(THINK_END)
-            if sep:
-                return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
-            return {"role": "assistant", "content": "", "reasoning_content": reasoning}
+            reasoning, answer = split_reasoning(text)
+            return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
         return {"role": "assistant", "content": text}

@@ -12,21 +12,23 @@ chunks between them, and admission is bounded by a KV-memory budget and a wait q
 shutting down: 503). A client that disconnects frees its session before the next step. Prefix reuse across
 requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
 
-Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of
-one of those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string
-or list), ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and
-``frequency_penalty`` ([-2, 2], over the tokens generated so far), ``logit_bias`` (an object of at most 300
-token ids, as strings, to a bias in [-100, 100] added to their logits), ``n`` (1 only), ``stream``,
-``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
-``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
-divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
-(``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the
-ids generated since the previous chunk). A null field counts as absent (OpenAI's optional fields are
-nullable). Chat's ``tools`` / ``functions`` (non-empty), a ``tool_choice`` / ``function_call`` other than
-"none" / "auto", a ``response_format`` other than text, and ``audio`` are refused (400 naming the field): no
-tool calls, structured or audio output. Other unknown fields are ignored. ``top_p`` 0 decodes greedily. The
-bias and penalties apply before temperature and the top-k / top-p / min-p filters, and to greedy decoding
-(:mod:`ds4x.runtime.sampling`).
+Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of one of
+those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string or list),
+``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and ``frequency_penalty`` ([-2, 2],
+over the tokens generated so far), ``logit_bias`` (an object of at most 300 token ids, as strings, to a bias in
+[-100, 100] added to their logits), ``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``logprobs`` and
+(chat) ``top_logprobs`` (below). Extensions: ``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the
+prompt and generated tokens, a positive logit divided by it, a negative one multiplied), ``ignore_eos`` (keep
+generating past EOS) and ``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids`` in the response;
+``token_ids`` in every streamed chunk: the ids generated since the previous chunk), and for chat ``thinking`` (or
+vLLM's ``chat_template_kwargs`` ``{"thinking": true}``): DeepSeek-V4's thinking mode where the chat encoding applies
+(a tokenizer with its chat tokens), the reply's text before ``</think>`` given apart as the message's (or delta's)
+``reasoning_content``, as DeepSeek's API does; an assistant message's ``reasoning_content`` is rendered back. A null
+field counts as absent (OpenAI's optional fields are nullable). Chat's ``tools`` / ``functions`` (non-empty), a
+``tool_choice`` / ``function_call`` other than "none" / "auto", a ``response_format`` other than text, and ``audio``
+are refused (400 naming the field): no tool calls, structured or audio output. Other unknown fields are ignored.
+``top_p`` 0 decodes greedily. The bias and penalties apply before temperature and the top-k / top-p / min-p filters,
+and to greedy decoding (:mod:`ds4x.runtime.sampling`).
 
 Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions:
 0..5 alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax
@@ -71,7 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ds4x.runtime.chat import chat_text, uses_chat_encoding
+from ds4x.runtime.chat import ReasoningStream, chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
 from ds4x.serve.info import server_info
@@ -180,7 +182,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
-    thinking: bool = False  # extension: DeepSeek-V4 thinking mode (GGUF chat encoding only)
+    thinking: bool = False  # extension: DeepSeek-V4 thinking mode (where the chat encoding applies)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's spelling: {"thinking": true} (or "enable_thinking")
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # taken only where they ask for nothing this server lacks (tool calls, structured or audio output): one that
@@ -206,6 +209,10 @@ class ChatRequest(_SamplingRequest):
                            param="response_format")
         if self.audio is not None:
             raise APIError(400, "audio: this server generates text only", param="audio")
+
+    def thinking_mode(self) -> bool:
+        kwargs = self.chat_template_kwargs or {}
+        return bool(self.thinking or kwargs.get("thinking") or kwargs.get("enable_thinking"))
 
     def alternatives(self) -> int | None:
         """Alternatives to report per token (None: no logprobs); ``top_logprobs`` needs ``logprobs``."""
@@ -303,6 +310,8 @@ class Server:
         self.scheduler = scheduler
         self.metrics = Metrics()
         self.created = int(time.time())
+        # the DeepSeek-V4 chat encoding where the tokenizer has its tokens, else the contents joined by newlines
+        self.templated = engine.tokenizer is not None and uses_chat_encoding(engine.tokenizer)
 
     # request -> prompt ids
     def _check_model(self, req: _SamplingRequest) -> None:
@@ -332,12 +341,11 @@ class Server:
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=False) for m in req.messages]
-        templated = self.engine.tokenizer is not None and uses_chat_encoding(self.engine.tokenizer)
         try:
-            text = chat_text(messages, req.thinking, templated)
+            text = chat_text(messages, req.thinking_mode(), self.templated)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from None
-        return self._encode(text, bos=not templated, param="messages")  # the rendering starts with BOS
+        return self._encode(text, bos=not self.templated, param="messages")  # the rendering starts with BOS
 
     def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
                  logprobs: int | None) -> Job:
@@ -614,6 +622,9 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         head = {"id": rid, "object": obj + (".chunk" if chat and req.stream else ""), "created": created,
                 "model": model_name, "system_fingerprint": fingerprint}
 
+        # a thinking-mode reply: the text before </think> is the message's reasoning_content (DeepSeek's API field)
+        reasoning = ReasoningStream() if chat and server.templated and req.thinking_mode() else None
+
         def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
             logprobs = None
             if job.logprobs is not None:
@@ -622,6 +633,11 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             if chat:
                 key = "delta" if req.stream else "message"
                 msg: dict[str, Any] = {"content": piece.text}
+                if reasoning is not None:
+                    thought, answer = reasoning.feed(piece.text)
+                    if piece.finish is not None:
+                        thought += reasoning.flush()[0]
+                    msg = {"content": answer, "reasoning_content": thought}
                 if first or not req.stream:
                     msg = {"role": "assistant", **msg}
                 c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": piece.finish}
