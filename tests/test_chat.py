@@ -154,3 +154,46 @@ def test_reasoning_split_whole_and_streamed():
     assert s.feed("x</thi") == ("x", "") and s.feed("nk") == ("", "")  # still the start of the tag
     assert s.feed("!<") == ("</think!", "")  # not the tag after all
     assert s.flush() == ("<", "")
+
+
+def test_tool_calls_parse_back_what_the_encoding_writes():
+    """An assistant turn's tool calls as render_chat writes them (the format its tools prompt asks the model for)
+    parse back to the same calls: names, and arguments as JSON objects (strings with the closing tag escaped,
+    nested JSON, numbers, an attribute-escaped name)."""
+    import json
+
+    from ds4x.runtime.chat import parse_tool_calls
+
+    calls = [{"function": {"name": 'get "weather" & <more>', "arguments": json.dumps(
+                 {"city": "Paris </｜DSML｜parameter> & co", "days": 3, "opts": {"a": [1, 2.5], "s": "x"}, "n": None},
+                 ensure_ascii=False)}},
+             {"type": "function", "function": {"name": "noop", "arguments": "{}"}}]
+    text = render_chat([{"role": "user", "content": "u"}, {"role": "assistant", "content": "Checking.",
+                                                           "tool_calls": calls}], thinking=False)
+    reply = text[text.rindex("</think>") + len("</think>"):].removesuffix("<｜end▁of▁sentence｜>")
+    content, parsed = parse_tool_calls(reply)
+    assert content == "Checking."
+    assert [(c["name"], json.loads(c["arguments"])) for c in parsed] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_tool_call_stream_equals_the_whole_parse_at_every_split():
+    from ds4x.runtime.chat import ReplyParts, ToolCallStream, parse_tool_calls
+
+    block = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="false">[1]'
+             '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+    cases = ["Sure.  \n\n" + block, block, "no calls here <｜DSML｜tool", "Broken " + block.replace("invoke>", "inv>"),
+             "a\n\n", "a <｜DSML｜tool_calls> never closed"]
+    for text in cases:
+        whole = parse_tool_calls(text)
+        assert (whole[1] is not None) == (text.startswith(("Sure", "<"))), text
+        for cut in range(len(text) + 1):
+            s = ToolCallStream()
+            shown = s.feed(text[:cut]) + s.feed(text[cut:])
+            tail, calls = s.finish()
+            assert (shown + tail, calls) == whole, (text, cut)
+    parts = ReplyParts(thinking=True, tools=True)
+    pieces = ["why</th", "ink>Sure.", "\n\n" + block[:20], block[20:]]
+    got = [parts.feed(p, last=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    assert "".join(g[0] for g in got) == "why" and "".join(g[1] for g in got) == "Sure."
+    assert got[-1][2] == [{"name": "f", "arguments": '{"x": [1]}'}]

@@ -594,42 +594,105 @@ def test_chat_prompt_encoding(client: TestClient) -> None:
     assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
 
 
-def test_thinking_reply_gives_reasoning_content(tmp_path) -> None:
-    """A model whose tokenizer has the chat tokens (a GGUF) in thinking mode: the reply's text before </think> is
-    reasoning_content, the rest content, streamed and not; vLLM's chat_template_kwargs spelling turns it on too."""
+@pytest.fixture(scope="module")
+def gguf_client(tmp_path_factory) -> TestClient:
+    """A model whose tokenizer has the chat tokens (a tiny GGUF), so the DeepSeek-V4 chat encoding applies."""
     pytest.importorskip("gguf")
     from ds4x.config import tiny_config
     from ds4x.weights.gguf_writer import write_gguf
     from ds4x.weights.synthetic import synthetic_weights
 
     cfg = tiny_config()
-    path = tmp_path / "tiny.gguf"
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_gguf(path, cfg, synthetic_weights(cfg, seed=0), "f32")
-    engine = Engine.load(str(path), device="cpu")
-    think_end = engine.tokenizer.encode("</think>")
-    assert len(think_end) == 1
-    with TestClient(create_app(engine, "g", CTX, "packed")) as c:
-        def ask(stream: bool, **extra) -> tuple[str, str]:
-            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
-                    "stream": stream, **extra}
-            r = c.post("/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            if not stream:
-                msg = r.json()["choices"][0]["message"]
-                return msg.get("reasoning_content"), msg["content"]
-            deltas = [ch["choices"][0]["delta"] for ch in _chunks(r.text)]
-            return ("".join(d.get("reasoning_content", "") for d in deltas) if "reasoning_content" in deltas[0]
-                    else None), "".join(d["content"] for d in deltas)
+    with TestClient(create_app(Engine.load(str(path), device="cpu"), "g", 2048, "packed")) as c:  # room for tools
+        yield c
 
-        plain = ask(False)
-        assert plain[0] is None  # thinking off: no reasoning field
-        for stream in (False, True):
-            # every token forced to </think>: the first ends the (empty) reasoning, the next four are the answer
-            forced = ask(stream, thinking=True, logit_bias={str(think_end[0]): 100})
-            assert forced == ("", "</think>" * 4)
-            thought, answer = ask(stream, chat_template_kwargs={"thinking": True})
-            whole = ask(False, thinking=True)
-            assert (thought, answer) == whole and thought + answer != ""
+
+def _reply(c: TestClient, stream: bool, **extra) -> tuple[dict, str]:
+    """(the assistant message, assembled from the deltas when streamed; the finish reason)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": stream,
+            **extra}
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    choices = [ch["choices"][0] for ch in _chunks(r.text)]
+    msg: dict = {"role": choices[0]["delta"]["role"], "content": "".join(ch["delta"]["content"] for ch in choices)}
+    if "reasoning_content" in choices[0]["delta"]:
+        msg["reasoning_content"] = "".join(ch["delta"]["reasoning_content"] for ch in choices)
+    calls = [call for ch in choices for call in ch["delta"].get("tool_calls", [])]
+    if calls:
+        assert [call.pop("index") for call in calls] == list(range(len(calls)))
+        msg["tool_calls"] = calls
+    return msg, choices[-1]["finish_reason"]
+
+
+def test_thinking_reply_gives_reasoning_content(gguf_client) -> None:
+    """Thinking mode: the reply's text before </think> is reasoning_content, the rest content, streamed and not;
+    vLLM's chat_template_kwargs spelling turns it on too."""
+    think_end = gguf_client.app.state.server.engine.tokenizer.encode("</think>")
+    assert len(think_end) == 1
+    plain, _ = _reply(gguf_client, False)
+    assert "reasoning_content" not in plain  # thinking off: no reasoning field
+    for stream in (False, True):
+        # every token forced to </think>: the first ends the (empty) reasoning, the next four are the answer
+        forced, _ = _reply(gguf_client, stream, thinking=True, logit_bias={str(think_end[0]): 100})
+        assert (forced["reasoning_content"], forced["content"]) == ("", "</think>" * 4)
+        assert _reply(gguf_client, stream, chat_template_kwargs={"thinking": True}) == _reply(gguf_client, False,
+                                                                                               thinking=True)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+def test_tools_are_offered_in_the_chat_encoding(gguf_client) -> None:
+    from ds4x.runtime.chat import render_chat
+    from ds4x.serve.app import ChatRequest
+
+    server = gguf_client.app.state.server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tok = server.engine.tokenizer
+    with_tools = ChatRequest.model_validate({"messages": messages, "tools": TOOLS})
+    assert server.chat_prompt(with_tools) == tok.encode(render_chat(messages, False, tools=TOOLS))
+    none = ChatRequest.model_validate({"messages": messages, "tools": TOOLS, "tool_choice": "none"})
+    assert server.chat_prompt(none) == tok.encode(render_chat(messages, False))
+    msg, finish = _reply(gguf_client, False, tools=TOOLS)  # the random model calls nothing: a plain answer
+    assert "tool_calls" not in msg and finish == "length"
+    bad = gguf_client.post("/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function"}]})
+    _assert_error(bad, 400, "tools")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_tool_call_block_becomes_tool_calls(gguf_client, monkeypatch, thinking) -> None:
+    """The reply's DSML tool-call block (scripted here: the tiny model is random) comes back as OpenAI tool_calls,
+    streamed (one delta at the end, the block's text never shown as content) and not, finish reason tool_calls."""
+    from ds4x.serve.scheduler import Piece
+
+    server = gguf_client.app.state.server
+    block = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+             '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+             '</｜DSML｜tool_calls>')
+    text = ("the user asks</think>" if thinking else "") + "Let me check." + block
+    cuts = [0, 5, 17, 30, 44, 60, 95, len(text) - 3, len(text)]
+
+    async def scripted(request, handle, queue):
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False)):
+            yield Piece(text[a:b], [], "stop" if i == len(cuts) - 2 else None)
+
+    monkeypatch.setattr(server, "pieces", scripted)
+    want_call = {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
+    for stream in (False, True):
+        msg, finish = _reply(gguf_client, stream, tools=TOOLS, thinking=thinking)
+        assert finish == "tool_calls"
+        assert msg["content"] == "Let me check."
+        assert msg.get("reasoning_content") == ("the user asks" if thinking else None)
+        [call] = msg["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"] == want_call
 
 
 # ---- a real server -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ definitions (the ``function`` object of each is listed, as JSON, one per line) o
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -77,6 +78,11 @@ _TOOLS_PROMPT_TAIL = (
 _SYSTEM_ROLES = ("system", "developer")
 _TOOL_ROLES = ("tool", "function")
 _PARAM_END = f"</{DSML}parameter>"
+_CALLS_START, _CALLS_END = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+_INVOKE_START = re.compile(rf'\s*<{re.escape(DSML)}invoke name="([^"]*)">')
+_INVOKE_END = re.compile(rf"\s*</{re.escape(DSML)}invoke>")
+_PARAM = re.compile(rf'\s*<{re.escape(DSML)}parameter name="([^"]*)" string="(true|false)">(.*?)'
+                    + re.escape(_PARAM_END), re.S)
 _RESULT_END = "</tool_result>"
 
 
@@ -218,12 +224,82 @@ def uses_chat_encoding(tokenizer: Any) -> bool:
     return all(len(tokenizer.encode(t)) == 1 for t in (BOS, USER, ASSISTANT))
 
 
-def chat_text(messages: Iterable[Mapping[str, Any]], thinking: bool, templated: bool) -> str:
+def chat_text(messages: Iterable[Mapping[str, Any]], thinking: bool, templated: bool,
+              tools: Iterable[Any] | None = None) -> str:
     """The prompt text of a conversation: :func:`render_chat` (which starts with BOS) when ``templated``,
-    else the message contents joined by newlines (the caller adds the BOS id)."""
+    else the message contents joined by newlines (the caller adds the BOS id; no tools there)."""
     if templated:
-        return render_chat(messages, thinking)
+        return render_chat(messages, thinking, tools=tools)
+    if tools:
+        raise ValueError("tools need a model with the DeepSeek-V4 chat encoding (a tokenizer with its chat tokens)")
     return "\n".join(message_text(m.get("content")) for m in messages)
+
+
+def _unattr(text: str) -> str:
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"').replace("&amp;", "&")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, str]] | None]:
+    """A reply's (content, tool calls): the inverse of how :func:`render_chat` writes an assistant's calls, the
+    DSML block its tools prompt asks the model for. Content is the text before the block, trailing whitespace
+    dropped; each call is ``{"name", "arguments"}`` with the arguments as a JSON object text (``string="true"``
+    parameters as strings, the others as the JSON they hold). Text without a complete, well-formed block is all
+    content (None: no calls), as is anything after the block."""
+    start = text.find(_CALLS_START)
+    end = text.find(_CALLS_END, start)
+    if start < 0 or end < 0:
+        return text, None
+    body, pos, calls = text[start + len(_CALLS_START):end], 0, []
+    while (invoke := _INVOKE_START.match(body, pos)) is not None:
+        args: dict[str, Any] = {}
+        pos = invoke.end()
+        while (param := _PARAM.match(body, pos)) is not None:
+            name, is_string, value = _unattr(param[1]), param[2] == "true", param[3]
+            if is_string:
+                args[name] = value.replace("&lt;" + _PARAM_END[1:], _PARAM_END)
+            else:
+                try:
+                    args[name] = json.loads(value)
+                except json.JSONDecodeError:  # not JSON after all: keep the text rather than drop the call
+                    args[name] = value
+            pos = param.end()
+        closing = _INVOKE_END.match(body, pos)
+        if closing is None:
+            return text, None
+        calls.append({"name": _unattr(invoke[1]), "arguments": json.dumps(args, ensure_ascii=False)})
+        pos = closing.end()
+    if not calls or body[pos:].strip():
+        return text, None
+    return text[:start].rstrip(), calls
+
+
+class ToolCallStream:
+    """:func:`parse_tool_calls` of a reply that arrives in pieces: ``feed`` returns the text that is content for
+    certain; from the start of a tool-call block on (with the whitespace and any start of the block's tag before
+    it) the text is held, and ``finish`` returns the rest of the content and the calls (None: none)."""
+
+    def __init__(self) -> None:
+        self._held, self._in_block = "", False
+
+    def feed(self, text: str) -> str:
+        text, self._held = self._held + text, ""
+        if self._in_block:
+            self._held = text
+            return ""
+        at = text.find(_CALLS_START)
+        if at >= 0:
+            self._in_block = True
+            cut = len(text[:at].rstrip())
+        else:
+            keep = next((k for k in range(min(len(_CALLS_START) - 1, len(text)), 0, -1)
+                         if text.endswith(_CALLS_START[:k])), 0)
+            cut = len(text[:len(text) - keep].rstrip())
+        self._held = text[cut:]
+        return text[:cut]
+
+    def finish(self) -> tuple[str, list[dict[str, str]] | None]:
+        held, self._held = self._held, ""
+        return parse_tool_calls(held) if self._in_block else (held, None)
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -257,6 +333,28 @@ class ReasoningStream:
     def flush(self) -> tuple[str, str]:
         held, self._held = self._held, ""  # only ever a start of the tag, before the answer: reasoning
         return held, ""
+
+
+class ReplyParts:
+    """A chat reply, piece by piece, as its parts: with ``thinking`` the reasoning (before ``</think>``), then the
+    content, and with ``tools`` the calls of a tool-call block at its end (known once the last piece is in)."""
+
+    def __init__(self, thinking: bool, tools: bool):
+        self.reasoning = ReasoningStream() if thinking else None
+        self.tools = ToolCallStream() if tools else None
+
+    def feed(self, text: str, last: bool) -> tuple[str, str, list[dict[str, str]] | None]:
+        """(reasoning, content, calls) of this piece; ``last``: the reply ends with it."""
+        thought, answer = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        if last and self.reasoning is not None:
+            thought += self.reasoning.flush()[0]
+        calls = None
+        if self.tools is not None:
+            answer = self.tools.feed(answer)
+            if last:
+                tail, calls = self.tools.finish()
+                answer += tail
+        return thought, answer, calls
 
 
 def render_chat(

@@ -24,9 +24,12 @@ generating past EOS) and ``return_token_ids`` (``prompt_token_ids`` and per-choi
 vLLM's ``chat_template_kwargs`` ``{"thinking": true}``): DeepSeek-V4's thinking mode where the chat encoding applies
 (a tokenizer with its chat tokens), the reply's text before ``</think>`` given apart as the message's (or delta's)
 ``reasoning_content``, as DeepSeek's API does; an assistant message's ``reasoning_content`` is rendered back. A null
-field counts as absent (OpenAI's optional fields are nullable). Chat's ``tools`` / ``functions`` (non-empty), a
-``tool_choice`` / ``function_call`` other than "none" / "auto", a ``response_format`` other than text, and ``audio``
-are refused (400 naming the field): no tool calls, structured or audio output. Other unknown fields are ignored.
+field counts as absent (OpenAI's optional fields are nullable). Chat ``tools`` (OpenAI function tools; where the
+chat encoding applies, else a 400) are offered in the encoding's tools prompt, and a DSML tool-call block closing the
+reply comes back as the message's ``tool_calls`` (streamed as one delta at the end; finish reason ``tool_calls``;
+:class:`ds4x.runtime.chat.ReplyParts`); ``tool_choice`` "none" offers none. The legacy ``functions`` /
+``function_call``, a forced ``tool_choice``, a ``response_format`` other than text, and ``audio`` are refused (400
+naming the field). Other unknown fields are ignored.
 ``top_p`` 0 decodes greedily. The bias and penalties apply before temperature and the top-k / top-p / min-p filters,
 and to greedy decoding (:mod:`ds4x.runtime.sampling`).
 
@@ -73,7 +76,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ds4x.runtime.chat import ReasoningStream, chat_text, uses_chat_encoding
+from ds4x.runtime.chat import ReplyParts, chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
 from ds4x.serve.info import server_info
@@ -186,29 +189,45 @@ class ChatRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's spelling: {"thinking": true} (or "enable_thinking")
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # taken only where they ask for nothing this server lacks (tool calls, structured or audio output): one that
-    # does gets a 400 naming it, not an answer that silently ignores it (check_supported)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # OpenAI function tools (where the chat encoding applies)
     tool_choice: str | dict[str, Any] | None = None
+    # taken only where they ask for nothing this server lacks (forced tool calls, the legacy functions, structured
+    # or audio output): one that does gets a 400 naming it, not an answer that silently ignores it
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
 
-    def check_supported(self) -> None:
-        """Refuse (APIError 400) the fields asking for tool calls, structured output or audio."""
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError(400, f"{name}: tool calling is not supported by this server", param=name)
-        for name in ("tool_choice", "function_call"):
-            choice = getattr(self, name)
-            if choice not in (None, "none", "auto"):  # without tools both mean a plain answer
-                raise APIError(400, f"{name}: this server does not call tools ('none' or 'auto' only)", param=name)
+    def check_supported(self, templated: bool) -> None:
+        """Refuse (APIError 400) what asks for forced tool calls, structured output or audio, and tools where the
+        model has no chat encoding to offer them in."""
+        if self.functions:
+            raise APIError(400, "functions: the legacy function calling is not supported; use tools", param="functions")
+        if self.function_call not in (None, "none", "auto"):
+            raise APIError(400, "function_call: the legacy function calling is not supported; use tools",
+                           param="function_call")
+        if self.tools:
+            if not templated:
+                raise APIError(400, "tools: this model has no DeepSeek-V4 chat encoding (a tokenizer with its chat "
+                                    "tokens) to offer tools in", param="tools")
+            for tool in self.tools:
+                fn = tool.get("function") if isinstance(tool, dict) else None
+                if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                        or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise APIError(400, "tools: each tool must be {'type': 'function', 'function': {'name': ...}}",
+                                   param="tools")
+        if self.tool_choice not in (None, "none", "auto"):  # the model decides; a call cannot be forced here
+            raise APIError(400, "tool_choice: 'none' or 'auto' only (a tool call cannot be forced)",
+                           param="tool_choice")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(400, "response_format: only {'type': 'text'} is supported (no JSON mode or schemas)",
                            param="response_format")
         if self.audio is not None:
             raise APIError(400, "audio: this server generates text only", param="audio")
+
+    def offered_tools(self) -> list[Any]:
+        """The tools the prompt offers (none with tool_choice 'none')."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
 
     def thinking_mode(self) -> bool:
         kwargs = self.chat_template_kwargs or {}
@@ -342,7 +361,7 @@ class Server:
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=False) for m in req.messages]
         try:
-            text = chat_text(messages, req.thinking_mode(), self.templated)
+            text = chat_text(messages, req.thinking_mode(), self.templated, tools=req.offered_tools())
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param="messages") from None
         return self._encode(text, bos=not self.templated, param="messages")  # the rendering starts with BOS
@@ -604,7 +623,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             req = await parse(request, ChatRequest if chat else CompletionRequest)
             server._check_model(req)
             if chat:
-                req.check_supported()
+                req.check_supported(server.templated)
                 logprobs = req.alternatives()
                 prompt, text = server.chat_prompt(req), True
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -622,25 +641,31 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         head = {"id": rid, "object": obj + (".chunk" if chat and req.stream else ""), "created": created,
                 "model": model_name, "system_fingerprint": fingerprint}
 
-        # a thinking-mode reply: the text before </think> is the message's reasoning_content (DeepSeek's API field)
-        reasoning = ReasoningStream() if chat and server.templated and req.thinking_mode() else None
+        # a chat reply's parts: in thinking mode the text before </think> is reasoning_content (DeepSeek's API field),
+        # with tools offered a closing DSML tool-call block becomes tool_calls
+        reply = ReplyParts(server.templated and req.thinking_mode(), bool(req.offered_tools())) if chat else None
 
         def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
             logprobs = None
             if job.logprobs is not None:
                 render = server.chat_logprobs if chat else server.completion_logprobs
                 logprobs = render(job, piece.logprobs)
-            if chat:
+            if reply is not None:
                 key = "delta" if req.stream else "message"
-                msg: dict[str, Any] = {"content": piece.text}
-                if reasoning is not None:
-                    thought, answer = reasoning.feed(piece.text)
-                    if piece.finish is not None:
-                        thought += reasoning.flush()[0]
-                    msg = {"content": answer, "reasoning_content": thought}
+                thought, answer, calls = reply.feed(piece.text, piece.finish is not None)
+                msg: dict[str, Any] = {"content": answer}
+                if reply.reasoning is not None:
+                    msg["reasoning_content"] = thought
+                finish = piece.finish
+                if calls:
+                    msg["tool_calls"] = [{**({"index": i} if req.stream else {}), "id": "call_" + uuid.uuid4().hex[:24],
+                                          "type": "function", "function": call} for i, call in enumerate(calls)]
+                    if not req.stream and not answer:
+                        msg["content"] = None  # as OpenAI answers a reply that is only tool calls
+                    finish = "tool_calls" if finish == "stop" else finish
                 if first or not req.stream:
                     msg = {"role": "assistant", **msg}
-                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": piece.finish}
+                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}
             else:
                 c = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
             if req.return_token_ids:
