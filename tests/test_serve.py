@@ -662,8 +662,9 @@ def test_tools_are_offered_in_the_chat_encoding(gguf_client) -> None:
     assert server.chat_prompt(none) == tok.encode(render_chat(messages, False))
     msg, finish = _reply(gguf_client, False, tools=TOOLS)  # the random model calls nothing: a plain answer
     assert "tool_calls" not in msg and finish == "length"
-    bad = gguf_client.post("/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function"}]})
-    _assert_error(bad, 400, "tools")
+    for bad_tools in ([{"type": "function"}], ["get_weather"], [{"type": "web", "function": {"name": "f"}}]):
+        bad = gguf_client.post("/v1/chat/completions", json={"messages": messages, "tools": bad_tools})
+        _assert_error(bad, 400, "tools")
 
 
 @pytest.mark.parametrize("thinking", [False, True])

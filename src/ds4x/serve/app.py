@@ -212,7 +212,7 @@ class ChatRequest(_SamplingRequest):
                                     "tokens) to offer tools in", param="tools")
             for tool in self.tools:
                 fn = tool.get("function") if isinstance(tool, dict) else None
-                if tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                if not isinstance(fn, dict) or tool.get("type", "function") != "function" \
                         or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise APIError(400, "tools: each tool must be {'type': 'function', 'function': {'name': ...}}",
                                    param="tools")
