@@ -235,6 +235,11 @@ def chat_text(messages: Iterable[Mapping[str, Any]], thinking: bool, templated: 
     return "\n".join(message_text(m.get("content")) for m in messages)
 
 
+def _tag_start_at_end(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (what a stream must hold back)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
 def _unattr(text: str) -> str:
     return text.replace("&lt;", "<").replace("&gt;", ">").replace("&quot;", '"').replace("&amp;", "&")
 
@@ -291,9 +296,7 @@ class ToolCallStream:
             self._in_block = True
             cut = len(text[:at].rstrip())
         else:
-            keep = next((k for k in range(min(len(_CALLS_START) - 1, len(text)), 0, -1)
-                         if text.endswith(_CALLS_START[:k])), 0)
-            cut = len(text[:len(text) - keep].rstrip())
+            cut = len(text[:len(text) - _tag_start_at_end(text, _CALLS_START)].rstrip())
         self._held = text[cut:]
         return text[:cut]
 
@@ -326,7 +329,7 @@ class ReasoningStream:
         if THINK_END in text:
             self.answering = True
             return reasoning, answer
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(text)), 0, -1) if text.endswith(THINK_END[:k])), 0)
+        keep = _tag_start_at_end(text, THINK_END)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
