@@ -101,3 +101,22 @@ def test_chat_command_one_shot_and_piped_turns(gguf_engine, capsys):
     assert held[0] == 0 and held[1] > 0 and held[2] > 0  # the second turn and the repeated first reuse the session
     assert main(["chat", "-m", gguf, "-p", "x", "-n", "0"]) == 2
     assert "-n/--max-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_chat_command_shows_reasoning_apart_on_a_terminal(gguf_engine):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    think_end = gguf_engine.tokenizer.encode("</think>")[0]
+    argv = ["chat", "-m", gguf_engine.name, "-p", "hi", "--think", "-n", "3", "--logit-bias", f"{think_end}=100", "-q"]
+    # every token forced to </think>: no reasoning, then an answer of the two later tags
+    term, pipe = Terminal(), io.StringIO()
+    assert chat_cmd.run(build_parser().parse_args(argv), out=term) == 0
+    assert term.getvalue() == "\n" + "</think>" * 2 + "\n"
+    assert chat_cmd.run(build_parser().parse_args(argv), out=pipe) == 0
+    assert pipe.getvalue() == "</think>" * 3 + "\n"  # not a terminal: the text as generated
+    argv[argv.index("--logit-bias") + 1] = f"{think_end}=-100"  # never the tag: three tokens of reasoning, dimmed
+    dimmed = Terminal()
+    assert chat_cmd.run(build_parser().parse_args(argv), out=dimmed) == 0
+    assert dimmed.getvalue().startswith("\033[2m") and "</think>" not in dimmed.getvalue()

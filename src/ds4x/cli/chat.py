@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the command line starts without importing torch
     from ds4x.runtime.sampling import SamplingParams
 
 HELP = "/reset: start a new conversation; /exit (or Ctrl-D): quit; /help: this text"
+_DIM, _PLAIN = "\033[2m", "\033[0m"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | Non
 
 def _answer(chat: Conversation, text: str, args: argparse.Namespace, params: SamplingParams, out: TextIO) -> None:
     """Stream one reply to ``out``; statistics to stderr."""
+    from ds4x.runtime.chat import ReplyParts
     from ds4x.runtime.engine import GenerationStats
     from ds4x.runtime.tokenizer import TextStream
 
@@ -109,17 +111,35 @@ def _answer(chat: Conversation, text: str, args: argparse.Namespace, params: Sam
     stream = TextStream(engine.tokenizer)
     stats = GenerationStats()
     eos = set(engine.cfg.eos_token_ids)
+    # thinking mode on a terminal: the reasoning dimmed, the answer after it on its own line (elsewhere the text as
+    # generated, </think> included)
+    parts = ReplyParts(thinking=True, tools=False) if chat.templated and chat.thinking and out.isatty() else None
+    answering = False
+
+    def show(piece: str, last: bool = False) -> None:
+        nonlocal answering
+        if parts is None:
+            out.write(piece)
+        else:
+            thought, answer, _ = parts.feed(piece, last)
+            out.write(f"{_DIM}{thought}{_PLAIN}" if thought else "")
+            if answer and not answering:
+                answering = True
+                out.write("\n")
+            out.write(answer)
+        out.flush()
+
     reply = chat.reply(text, args.max_tokens, params, stats=stats)
     try:
         for token in reply:
             if token not in eos:
-                out.write(stream.push(token))
-                out.flush()
+                show(stream.push(token))
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
     finally:
         reply.close()  # the reply joins the conversation now, before the next turn
-    out.write(stream.flush() + "\n")
+    show(stream.flush(), last=True)
+    out.write("\n")
     out.flush()
     if not args.quiet:
         dec = (stats.generated - 1) / stats.decode_s if stats.decode_s and stats.generated > 1 else 0.0
