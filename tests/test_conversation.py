@@ -77,7 +77,7 @@ def test_a_conversation_over_the_context_is_refused_and_the_chat_goes_on(gguf_en
     assert len(list(chat.reply("x", 4))) == 4
 
 
-def test_untemplated_model_turns_are_lines_and_reuse(monkeypatch):
+def test_untemplated_model_turns_are_lines_and_reuse():
     engine = Engine.load("default", device="cpu")
     assert not uses_chat_encoding(engine.tokenizer)
     chat = Conversation(engine.new_session(ctx=512))
