@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the candidates, routed matvec sweep, Q8_0 MMA probe (~6 min)
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~6 min)
-#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1 and 8 streams (~4 min)
+#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions, the defaults against every switch on (~5 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
@@ -92,8 +92,9 @@ else:
     raise SystemExit("the server did not come up in 300 s")
 PY
     then
-        piece serve_bench.log 200 python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency 1,8 \
-            --seconds "${DS4X_AB_SECONDS:-30}" --warmup 5 --prompt-tokens 128 --gen-tokens 128 --temperature 0.2 \
+        # issue 6's harness command (its default prompts)
+        piece serve_bench.log 400 python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency \
+            "${DS4X_AB_CONCURRENCY:-1,8,32}" --seconds "${DS4X_AB_SECONDS:-60}" --gen-tokens 384 --temperature 0.2 \
             --ignore-eos --ledger "$out/serve_ledger.jsonl"
     else
         status=1

@@ -28,10 +28,10 @@ Routed products with a few or more pairs per expert (prompts, prefill chunks) go
 :mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
 multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
 
-Candidates compiled for sm_90 but not yet timed on a GPU sit behind module switches, off by default:
-``SHARED_TABLES`` (IQ2_XXS tables as per-lane copies in shared memory), ``Q2_K_PREPARED_ACTIVATIONS`` (the Q2_K
-matvec on x quantized once per row) and ``Q8_MMA`` (a batched step's Q8_0 rows on the int8 tensor cores,
-:mod:`ds4x.kernels.q8_mma`); ``scripts/device_ab.sh`` times them.
+The routed Q2_K matvec of a batched step reads x quantized once per row (``Q2_K_PREPARED_ACTIVATIONS``, on since
+timed). ``Q8_MMA`` (a batched step's Q8_0 rows on the int8 tensor cores, :mod:`ds4x.kernels.q8_mma`) is off: it
+measured level with the default in the step; ``SHARED_TABLES`` (IQ2_XXS tables as per-lane copies in shared memory)
+is off: it measured slower. ``scripts/device_ab.sh`` times such switches.
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
@@ -1732,11 +1732,11 @@ def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activat
 PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launch quantizes x (an A/B switch)
 # The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
 # once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
-# (512 at Flash's 4096 rows); the same bits. sm_90 SASS at (8, 32, 1): 1,120 instructions against 1,464. Not
-# yet timed on a GPU, so off: `scripts/batched_decode.py --variant 'prepared down:
-# ds4x.kernels.quant_matmul.Q2_K_PREPARED_ACTIVATIONS=True'` is the A/B (one session's 6 pairs keep the per-program
-# path either way: the extra launch would sit on the step's path)
-Q2_K_PREPARED_ACTIVATIONS = False
+# (512 at Flash's 4096 rows); the same bits. H200 (9fa0861, flash:q2 seed 0): routed down at 8 tokens 46.3 against
+# 56.4 us (66.9% of copy bandwidth against 55.0%), one token 12.26 / 12.29; the replayed step at 8 sessions 13.91
+# against 14.36 ms, at 32 sessions 36.78 against 38.72 (`scripts/batched_decode.py --variant`, one process). One
+# session's 6 pairs keep the per-program path: the extra launch would sit on the step's path
+Q2_K_PREPARED_ACTIVATIONS = True
 Q2_K_PREPARED_MIN_PAIRS = 8
 # The routed gate / up + SwiGLU launch over many tokens' pairs (a batched decode step) decodes each expert's rows
 # once for two of its pairs (_qmv_expert_pairs_kernel; the same bits per pair) from EXPERT_PAIRS_MIN to
