@@ -133,6 +133,29 @@ def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: E
         pool.decode([(stepping[0], 10**6)])
 
 
+def test_decode_slots_warm_up_makes_every_step_and_leaves_the_pool_as_new(engine: Engine) -> None:
+    """Warming up makes the step of every batch size (on CUDA: compiled and captured) and frees every slot; the
+    sessions decoded afterwards get the bits of a pool never warmed up."""
+    warm = DecodeSlots(engine, 512, "packed", 64, capacity=6, rowwise=True)
+    done: list[int] = []
+    warm.warm_up(done.append)
+    assert done == [1, 2, 4, 6] and set(warm.steps) == {1, 2, 4, 6} and warm.free == list(range(6))
+    cold = DecodeSlots(engine, 512, "packed", 64, capacity=6, rowwise=True)
+    pairs = [(Session(engine, warm.acquire(), 64), Session(engine, cold.acquire(), 64)) for _ in range(3)]
+    assert all(w.cache.length == 0 for w, _ in pairs)
+    for text, (w, c) in zip(TEXTS, pairs, strict=False):
+        ids = engine.tokenizer.encode(text)
+        assert torch.equal(w.prefill(ids), c.prefill(ids))
+    tokens = [int(c.logits.argmax()) for _, c in pairs]
+    for _ in range(8):
+        got = warm.decode([(w, t) for (w, _), t in zip(pairs, tokens, strict=True)])
+        want = cold.decode([(c, t) for (_, c), t in zip(pairs, tokens, strict=True)])
+        assert all(torch.equal(g, x) for g, x in zip(got, want, strict=True))
+        tokens = [int(x.argmax()) for x in want]
+    with pytest.raises(RuntimeError, match="every decode slot free"):
+        warm.warm_up()
+
+
 def _three_prefilled_twice(engine: Engine, pool: DecodeSlots) -> tuple[list[Session], list[Session]]:
     """Three sessions of their own and three of the pool, each pair prefilled with one of the texts."""
     alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]

@@ -290,6 +290,40 @@ def test_scheduler_admission_by_kv_budget(engine: Engine) -> None:
     assert exc.value.status == 503
 
 
+def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
+    """The server's warm-up before listening (decode slots: CUDA graphs, here stepped eagerly): a prompt chunk and
+    every batch size's step, reported line by line; requests afterwards get a cold scheduler's tokens. Without
+    slots (the eager decode) it does nothing; after `start` it is refused."""
+    prompts = [[0, *range(5, 5 + n)] for n in (3, 40, 9)]
+
+    def run(warm: bool) -> list[list[int]]:
+        sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, max_batch=4, kv_budget=2**30, slots=True,
+                          rowwise=True)
+        lines: list[str] = []
+        if warm:
+            sched.warm_up(lines.append)
+            assert lines == [f"a prompt chunk of {CHUNK} tokens", "the decode step of 1 session",
+                             "the decode step of 2 sessions", "the decode step of 4 sessions"]
+            assert sched.stats.steps == 0 and sched.slots is not None and len(sched.slots.free) == 4
+        got: dict[int, list] = {i: [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            sched.submit(Job(p, 6, SamplingParams(), [], True, True, ids_every_token=True), got[i].append)
+        sched.start()
+        try:
+            _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
+            with pytest.raises(RuntimeError, match="before the scheduler starts"):
+                sched.warm_up()
+        finally:
+            sched.stop()
+        return [[t for piece in g for t in piece.ids] for g in got.values()]
+
+    assert run(True) == run(False)
+    eager = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30, slots=False)
+    lines: list[str] = []
+    eager.warm_up(lines.append)
+    assert lines == []
+
+
 def test_a_long_prompt_is_evaluated_between_decode_steps(engine: Engine) -> None:
     """A running stream gets a token after every prefill chunk of a newcomer's long prompt (no stall)."""
     sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
@@ -320,7 +354,7 @@ def test_prompts_of_several_requests_share_a_prefill_call_without_batch_invarian
                           prefill_budget=2 * CHUNK)
         got: dict[int, list] = {i: [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):  # all admitted before the worker starts: one prefill pass sees them all
-            sched.submit(Job(p, 6, SamplingParams(), [], True, True), got[i].append)
+            sched.submit(Job(p, 6, SamplingParams(), [], True, True, ids_every_token=True), got[i].append)
         sched.start()
         try:
             _wait_for(lambda got=got: all(any(getattr(x, "finish", None) for x in g) for g in got.values()),

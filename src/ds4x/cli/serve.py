@@ -3,6 +3,7 @@
     ds4x serve [-m default] [--host 127.0.0.1] [--port 8000] [--ctx 4096] [--cache packed] [--device auto]
                [--max-batch 32] [--max-queue 128] [--kv-budget 8GiB] [--prefill-chunk 256]
                [--prefix-cache-bytes 64MiB] [--prefix-cache-dir DIR] [--prefix-cache-disk-bytes 8GiB]
+               [--no-warmup]
 
 Registered by ``ds4x.cli.main`` through :func:`add_parser` / :func:`run`. Needs the ``serve`` extra
 (fastapi, uvicorn).
@@ -14,6 +15,7 @@ import argparse
 import logging
 import re
 import sys
+import time
 
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 
@@ -88,6 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="directory that keeps stored sessions evicted from memory (and across restarts)")
     p.add_argument("--prefix-cache-disk-bytes", type=parse_bytes, default=8 * 2**30,
                    help="size cap of --prefix-cache-dir (default 8GiB)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="listen at once: with CUDA graphs the first requests then wait while kernels compile and "
+                        "each decode batch size's graph is captured (default: before listening)")
     p.add_argument("-q", "--quiet", action="store_true", help="no startup or access log")
     return p
 
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                      max_queue=args.max_queue, kv_budget=args.kv_budget, batch_invariant=invariant,
                      prefix_cache=prefix_cache, prefill_budget=args.prefill_budget)
     sched = app.state.server.scheduler
-    logging.getLogger(__name__).info(
+    log = logging.getLogger(__name__)
+    log.info(
         "serving %s as %r on http://%s:%d (ctx %d, %s cache; batches of up to %d, KV budget %.2f GiB = %d sessions "
         "of %.1f MiB, queue %d, prefill chunk %d (up to %d tokens a call), batch-invariant decode %s, decode %s, "
         "prefix cache %s)", args.model, name,
@@ -135,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         "off" if prefix_cache is None else f"{args.prefix_cache_bytes / 2**30:.2f} GiB in memory"
         + (f", {args.prefix_cache_dir} (cap {args.prefix_cache_disk_bytes / 2**30:.2f} GiB)"
            if args.prefix_cache_dir else ""))
+    if args.warmup and sched.slots is not None:
+        t0 = time.perf_counter()
+        log.info("warming up before listening (--no-warmup: on the first requests instead): kernels compile and a "
+                 "CUDA graph is captured per decode batch size (%s)", ", ".join(map(str, sched.slots.sizes)))
+        sched.warm_up(lambda what: log.info("warm: %s (%.1f s)", what, time.perf_counter() - t0))
     sys.stderr.flush()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0

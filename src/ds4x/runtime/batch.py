@@ -21,7 +21,7 @@ very logits a step of that session alone gives (on the CPU: bit-identical; the t
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -106,6 +106,25 @@ class DecodeSlots:
 
     def owns(self, cache: ModelCache) -> bool:
         return id(cache) in self.slot_of
+
+    def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
+        """Make every batch size's step now, with all slots free: a first use compiles the step's kernels for its
+        shapes and captures its graph (seconds each on a large model), which a request would otherwise wait for.
+        ``progress(b)`` after each size. The slots are free again afterwards, their rows dropped."""
+        if len(self.free) != self.capacity:
+            raise RuntimeError(f"warming up needs every decode slot free; {self.capacity - len(self.free)} in use")
+        sessions = [Session(self.engine, self.acquire(), self.chunk) for _ in range(self.capacity)]
+        try:
+            for b in self.sizes:
+                for session in sessions[:b]:  # from position 0, so a context of any size holds the step
+                    session.cache.reset()
+                    session.tokens.clear()
+                self.decode([(session, 1 % self.engine.cfg.vocab_size) for session in sessions[:b]])
+                if progress:
+                    progress(b)
+        finally:
+            for session in sessions:
+                self.release(session.cache)
 
     def decode(self, items: Sequence[tuple[Session, int]]) -> list[torch.Tensor]:
         """Advance each session (its cache from this pool) by one token; return each one's logits [V]."""

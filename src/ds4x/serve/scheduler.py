@@ -326,6 +326,26 @@ class Scheduler:
 
     # ---- called from the server (any thread) ---------------------------------------------------------------
 
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Before `start`, where decode runs from CUDA graphs: evaluate one prompt chunk and make the decode step of
+        every batch size (`DecodeSlots.warm_up`), so that no request waits while kernels compile and graphs are
+        captured. ``progress`` gets a line per piece. A no-op for the eager decode (nothing is captured)."""
+        if self._thread is not None:
+            raise RuntimeError("warm up before the scheduler starts")
+        if self.slots is None:
+            return
+        cache = self.slots.acquire()
+        try:
+            n = min(self.chunk, self.ctx - 1)
+            vocab = self.engine.cfg.vocab_size
+            step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])],
+                          rowwise=self.rowwise)
+        finally:
+            self.slots.release(cache)
+        if progress:
+            progress(f"a prompt chunk of {n} tokens")
+        self.slots.warm_up(lambda b: progress and progress(f"the decode step of {b} session{'s' * (b > 1)}"))
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ds4x-engine", daemon=True)
         self._thread.start()
