@@ -286,6 +286,57 @@ def test_completion_logprobs(client: TestClient) -> None:
     assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
 
 
+def test_completion_echo_with_prompt_logprobs(client: TestClient) -> None:
+    """``echo``: the prompt before the completion's text, and with ``logprobs`` its tokens' entries first (the
+    first token's null; the others the log_softmax of the logits before them, as lm-eval's loglikelihood reads
+    them), the completion's entries after, their offsets counted after the prompt. Streamed: the same, the echo
+    in the first chunk. ``max_tokens`` 0 scores the prompt alone."""
+    prompt = "def f(x):\n    return x"
+    req = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+           "return_token_ids": True}
+    plain = client.post("/v1/completions", json=req).json()["choices"][0]
+    body = client.post("/v1/completions", json={**req, "echo": True}).json()
+    (choice,) = body["choices"]
+    ids, n = body["prompt_token_ids"], len(body["prompt_token_ids"])
+    assert choice["text"] == prompt + plain["text"] and choice["token_ids"] == plain["token_ids"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n + 5 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # the same to float rounding (the output head multiplied every prompt position, not the last alone)
+    assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)
+    assert [list(t) for t in lp["top_logprobs"][n:]] == [list(t) for t in plain["logprobs"]["top_logprobs"]]
+    assert lp["text_offset"][n:] == [o + len(prompt) for o in plain["logprobs"]["text_offset"]]
+    offsets = lp["text_offset"][:n]
+    assert offsets[:2] == [0, 0] and offsets == sorted(offsets)  # BOS (the server's), then the text from 0
+    assert "".join(lp["tokens"][1:n]) == prompt
+    for tok, at in zip(lp["tokens"][1:n], offsets[1:], strict=True):
+        assert choice["text"].startswith(tok, at)
+    engine = client.app.state.server.engine
+    session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=256, announce=False)
+    want = engine.model.forward(torch.tensor(ids), session.cache, all_logits=True).log_softmax(-1)
+    for i in range(1, n):
+        assert lp["token_logprobs"][i] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        top = want[i - 1].topk(2)
+        expected: dict[str, float] = {}
+        for t, v in [*zip(top.indices.tolist(), top.values.tolist(), strict=True), (ids[i], want[i - 1, ids[i]])]:
+            expected.setdefault(engine.tokenizer.token_bytes(t).decode("utf-8", errors="replace"), float(v))
+        assert lp["top_logprobs"][i] == pytest.approx(expected, abs=1e-4)
+    chunks = [c["choices"][0] for c in _chunks(client.post("/v1/completions",
+                                                           json={**req, "echo": True, "stream": True}).text)]
+    assert chunks[0]["text"].startswith(prompt) and "".join(c["text"] for c in chunks) == choice["text"]
+    assert {key: [v for c in chunks for v in c["logprobs"][key]] for key in lp} == lp
+    # the prompt scored alone, streamed or not; echo without logprobs; a prompt of token ids echoes their text
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**req, "echo": True, "max_tokens": 0, "stream": stream})
+        got = _chunks(r.text)[0]["choices"][0] if stream else r.json()["choices"][0]
+        assert got["text"] == prompt and got["finish_reason"] == "length"
+        assert got["logprobs"] == {key: v[:n] for key, v in lp.items()}
+    r = client.post("/v1/completions", json={**req, "echo": True, "logprobs": None}).json()
+    assert r["choices"][0]["text"] == choice["text"] and r["choices"][0]["logprobs"] is None
+    r = client.post("/v1/completions", json={**req, "prompt": ids[1:], "echo": True, "max_tokens": 0}).json()
+    assert r["choices"][0]["text"] == prompt and r["usage"] == {"prompt_tokens": n - 1, "completion_tokens": 0,
+                                                                "total_tokens": n - 1}
+
+
 def test_completion_logprobs_with_stop_string(client: TestClient) -> None:
     """A stop string cuts the text, not the entries of the tokens generated (streamed or not)."""
     req = {"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}

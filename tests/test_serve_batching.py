@@ -324,6 +324,46 @@ def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
     assert lines == []
 
 
+def test_prompt_logprobs_across_prefill_chunks(engine: Engine) -> None:
+    """A job asking for its prompt's logprobs (a completion's echo) gets one entry per prompt token across prefill
+    chunks (the first None; each the log_softmax of the logits before the token, the chunk's last row scoring the
+    next chunk's first token), evaluated alone in its calls beside a job reading its own prompt; max_tokens 0
+    generates nothing."""
+    prompt = [0, *torch.randint(3, 259, (2 * CHUNK + 7,), generator=torch.Generator().manual_seed(1)).tolist()]
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30, rowwise=False)
+    calls: list[tuple[int, bool]] = []
+    model_batch = engine.model.forward_batch
+
+    def counting(tokens, caches, **kw):
+        calls.append((len(caches), kw.get("all_logits", False)))
+        return model_batch(tokens, caches, **kw)
+
+    engine.model.forward_batch = counting
+    scored = Job(prompt, 0, SamplingParams(), [], True, True, prompt_logprobs=3)
+    other = Job(prompt[:50], 2, SamplingParams(), [], True, True)
+    got: dict[str, list] = {"scored": [], "other": []}
+    try:
+        sched.submit(other, got["other"].append)
+        sched.submit(scored, got["scored"].append)
+        sched.start()
+        _wait_for(lambda: all(g and g[-1].finish for g in got.values()), "the requests")
+    finally:
+        sched.stop()
+        del engine.model.forward_batch
+    assert [(p.ids, p.finish) for p in got["scored"]] == [([], "length")] and scored.generated == 0
+    assert len(scored.prompt_scores) == len(prompt) and scored.prompt_scores[0] is None
+    session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
+    rows = torch.cat([engine.model.forward(torch.tensor(prompt[a : a + CHUNK]), session.cache, all_logits=True)
+                      for a in range(0, len(prompt), CHUNK)]).log_softmax(-1)
+    for i, (logprob, top) in enumerate(scored.prompt_scores[1:], 1):
+        assert logprob == pytest.approx(rows[i - 1, prompt[i]].item(), abs=1e-4)
+        want = rows[i - 1].topk(3)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    # the scored prompt's 3 chunks alone in their calls, each keeping every position's logits
+    assert [n for n, every in calls if every] == [1, 1, 1]
+
+
 def test_a_long_prompt_is_evaluated_between_decode_steps(engine: Engine) -> None:
     """A running stream gets a token after every prefill chunk of a newcomer's long prompt (no stall)."""
     sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)

@@ -31,8 +31,10 @@ from ds4x.runtime.decode_graph import CapturedStep
 from ds4x.runtime.engine import Engine, Session
 
 
-def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool = False) -> list[torch.Tensor]:
-    """Advance every session by its token ids (one model call); return each one's next-token logits [V].
+def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool = False,
+                  all_logits: bool = False) -> list[torch.Tensor]:
+    """Advance every session by its token ids (one model call); return each one's next-token logits [V] (with
+    ``all_logits`` the logits after each of its ids [T_i, V], the last row its next-token logits).
 
     Each session's ids must fit its context and its cache's prefill chunk; all sessions belong to one engine.
     ``rowwise``: batch-invariant products (each row computed as in a batch of one; see
@@ -48,12 +50,14 @@ def step_sessions(items: Sequence[tuple[Session, Sequence[int]]], rowwise: bool 
             raise ValueError("every session of a batched step needs at least one token")
         session._check_ids(list(ids))
     logits = engine.model.forward_batch([torch.tensor(list(ids), dtype=torch.long) for _, ids in items],
-                                        [session.cache for session, _ in items], rowwise=rowwise)
+                                        [session.cache for session, _ in items], rowwise=rowwise,
+                                        all_logits=all_logits)
+    rows = logits.split([len(ids) for _, ids in items]) if all_logits else logits
     out = []
-    for (session, ids), row in zip(items, logits, strict=True):
+    for (session, ids), row in zip(items, rows, strict=True):
         session.tokens.extend(ids)
-        session.logits = row.clone()  # its own storage: a session outlives the batch (saved, cloned)
-        out.append(session.logits)
+        session.logits = (row[-1] if all_logits else row).clone()  # its own storage: a session outlives the batch
+        out.append(row if all_logits else session.logits)
     return out
 
 

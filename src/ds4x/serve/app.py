@@ -16,22 +16,22 @@ Request fields: ``model`` (must be the served name), ``prompt`` (completions: te
 those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string or list),
 ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and ``frequency_penalty`` ([-2, 2],
 over the tokens generated so far), ``logit_bias`` (an object of at most 300 token ids, as strings, to a bias in
-[-100, 100] added to their logits), ``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``logprobs`` and
-(chat) ``top_logprobs`` (below). Extensions: ``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the
-prompt and generated tokens, a positive logit divided by it, a negative one multiplied), ``ignore_eos`` (keep
-generating past EOS) and ``return_token_ids`` (``prompt_token_ids`` and per-choice ``token_ids`` in the response;
-``token_ids`` in every streamed chunk: the ids generated since the previous chunk), and for chat ``thinking`` (or
-vLLM's ``chat_template_kwargs`` ``{"thinking": true}``): DeepSeek-V4's thinking mode where the chat encoding applies
-(a tokenizer with its chat tokens), the reply's text before ``</think>`` given apart as the message's (or delta's)
-``reasoning_content``, as DeepSeek's API does; an assistant message's ``reasoning_content`` is rendered back. A null
-field counts as absent (OpenAI's optional fields are nullable). Chat ``tools`` (OpenAI function tools; where the
-chat encoding applies, else a 400) are offered in the encoding's tools prompt, and a DSML tool-call block closing the
-reply comes back as the message's ``tool_calls`` (streamed as one delta at the end; finish reason ``tool_calls``;
+[-100, 100] added to their logits), ``n`` (1 only), ``echo`` (completions), ``stream``,
+``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
+``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
+divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
+(``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the ids
+generated since the previous chunk), and for chat ``thinking`` (or vLLM's ``chat_template_kwargs`` ``{"thinking":
+true}``): DeepSeek-V4's thinking mode where the chat encoding applies (a tokenizer with its chat tokens), the
+reply's text before ``</think>`` given apart as the message's (or delta's) ``reasoning_content``, as DeepSeek's API
+does; an assistant message's ``reasoning_content`` is rendered back. A null field counts as absent (OpenAI's
+optional fields are nullable). Chat ``tools`` (OpenAI function tools; where the chat encoding applies, else a 400)
+are offered in the encoding's tools prompt, and a DSML tool-call block closing the reply comes back as the message's
+``tool_calls`` (streamed as one delta at the end; finish reason ``tool_calls``;
 :class:`ds4x.runtime.chat.ReplyParts`); ``tool_choice`` "none" offers none. The legacy ``functions`` /
 ``function_call``, a forced ``tool_choice``, a ``response_format`` other than text, and ``audio`` are refused (400
-naming the field). Other unknown fields are ignored.
-``top_p`` 0 decodes greedily. The bias and penalties apply before temperature and the top-k / top-p / min-p filters,
-and to greedy decoding (:mod:`ds4x.runtime.sampling`).
+naming the field). Other unknown fields are ignored. ``top_p`` 0 decodes greedily. The bias and penalties apply
+before temperature and the top-k / top-p / min-p filters, and to greedy decoding (:mod:`ds4x.runtime.sampling`).
 
 Logprobs: ``logprobs`` (chat: true, with ``top_logprobs`` 0..20 alternatives, which needs it; completions:
 0..5 alternatives) gives each generated token's logprob and those of the k most likely tokens: the log_softmax
@@ -43,7 +43,11 @@ too, ``text_offset``: the characters of the choice's text completed before the t
 chunks, so that is where its text starts unless the token before left a character unfinished); ``null`` when
 not asked. A token's string is its own text, with U+FFFD where it holds part of a character (chat's ``bytes``
 are then its raw bytes); "" for a model without a tokenizer. Tokens cut off by a stop string keep their
-entries.
+entries. A completion's ``echo`` puts the prompt before the completion's text (the text sent; token ids: their
+decoded text; streamed: in the first chunk); with ``logprobs`` the prompt's tokens' entries come first (the first
+token's logprob and alternatives null, a BOS the server added at offset 0) and the completion's offsets count
+the prompt's text, and ``max_tokens`` 0 scores the prompt alone (lm-eval-harness's loglikelihood requests). Such
+a prompt is evaluated whole, alone in its prefill calls, with no stored prefix reused.
 
 Chat prompts use the DeepSeek-V4 chat encoding (:func:`ds4x.runtime.chat.render_chat`) when the model has
 a GGUF tokenizer (the only one that knows its special tokens); otherwise BOS followed by the message
@@ -79,6 +83,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ds4x.runtime.chat import ReplyParts, chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
+from ds4x.runtime.tokenizer import TextStream
 from ds4x.serve.info import server_info
 from ds4x.serve.scheduler import (
     Generation,
@@ -86,6 +91,7 @@ from ds4x.serve.scheduler import (
     Piece,
     Rejected,
     Scheduler,
+    Scores,
     TokenLogprob,
     default_kv_budget,
     queue_delivery,
@@ -255,6 +261,14 @@ def _resident_bytes() -> int | None:
 
 
 @dataclass
+class Echo:
+    """A completion's prompt as ``echo`` shows it: the text, and where each prompt token's text starts in it."""
+
+    text: str
+    offsets: list[int]
+
+
+@dataclass
 class Metrics:
     """Counters of the HTTP side (the event loop); the engine's own come from the scheduler."""
 
@@ -370,8 +384,7 @@ class Server:
                  logprobs: int | None) -> Job:
         if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
-        if getattr(req, "echo", False):
-            raise APIError(400, "echo is not supported", param="echo")
+        echo = getattr(req, "echo", False)
         if getattr(req, "suffix", None):
             raise APIError(400, "suffix (text after the completion) is not supported", param="suffix")
         vocab = self.engine.cfg.vocab_size
@@ -400,13 +413,14 @@ class Server:
                            param="logit_bias")
         # streamed token ids arrive with their token, not when held-back text completes (clients time them)
         return Job(prompt, max_tokens, params, req.stops(), req.ignore_eos, text,
-                   ids_every_token=bool(req.stream and req.return_token_ids), logprobs=logprobs)
+                   ids_every_token=bool(req.stream and req.return_token_ids), logprobs=logprobs,
+                   prompt_logprobs=logprobs if echo else None)
 
     def submit(self, job: Job) -> tuple[Generation | None, asyncio.Queue]:
         """Hand ``job`` to the scheduler (or raise the APIError of a refusal); its pieces arrive on the queue."""
         assert self.scheduler is not None
         queue, put = queue_delivery(asyncio.get_running_loop())
-        if job.max_tokens == 0:  # nothing to generate: no session needed
+        if job.max_tokens == 0 and job.prompt_logprobs is None:  # nothing to evaluate: no session needed
             put(Piece("", [], "length"))
             return None, queue
         try:
@@ -464,17 +478,53 @@ class Server:
         return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
                             for e in entries]}
 
-    def completion_logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict[str, Any]:
-        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists."""
-        tokens, tops = [], []
-        for e in entries:
-            tokens.append(self._token(job, e.token)[0])
+    def completion_logprobs(self, job: Job, entries: list[TokenLogprob], echo: Echo | None = None,
+                            shift: int = 0) -> dict[str, Any]:
+        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists; with ``echo`` the prompt's
+        tokens first (the first one's logprob and alternatives null), the others' offsets after its text
+        (``shift``: that text's length, where the echo went out in an earlier chunk)."""
+        tokens: list[str] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+
+        def add(token: int, scores: Scores | None, offset: int) -> None:
+            tokens.append(self._token(job, token)[0])
+            offsets.append(offset)
+            if scores is None:
+                logprobs.append(None)
+                tops.append(None)
+                return
             top: dict[str, float] = {}
-            for t, lp in [*e.top, (e.token, e.logprob)]:  # the chosen token too, as OpenAI's
+            for t, lp in [*scores[1], (token, scores[0])]:  # the chosen token too, as OpenAI's
                 top.setdefault(self._token(job, t)[0], lp)  # tokens of the same string: the most likely one
+            logprobs.append(scores[0])
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": [e.offset for e in entries]}
+
+        if echo is not None:
+            for token, scores, offset in zip(job.prompt, job.prompt_scores, echo.offsets, strict=True):
+                add(token, scores, offset)
+            shift = len(echo.text)
+        for e in entries:
+            add(e.token, (e.logprob, e.top), e.offset + shift)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo(self, req: CompletionRequest, job: Job) -> Echo:
+        """The prompt as a completion echoes it: the text sent (token ids: their decoded text), and where each
+        prompt token's text starts in it (a BOS this server put first: at 0)."""
+        tok = self.engine.tokenizer
+        ids = job.prompt
+        if not job.text or tok is None:
+            return Echo("", [0] * len(ids))
+        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str | list) \
+            else req.prompt
+        added_bos = isinstance(prompt, str) and tok.bos_id is not None and ids[:1] == [tok.bos_id]
+        stream, offsets, at = TextStream(tok), [], 0
+        for i, token in enumerate(ids):
+            offsets.append(at)
+            if not (added_bos and i == 0):
+                at += len(stream.push(token))
+        return Echo(prompt if isinstance(prompt, str) else tok.decode(ids), offsets)
 
     def usage(self, job: Job) -> dict[str, int]:
         p, g = len(job.prompt), job.generated
@@ -645,11 +695,18 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         # with tools offered a closing DSML tool-call block becomes tool_calls
         reply = ReplyParts(server.templated and req.thinking_mode(), bool(req.offered_tools())) if chat else None
 
+        # a completion's echo: the prompt before the first piece's text (and its tokens' logprobs before the
+        # generated ones'); the later pieces' text offsets count it
+        echo = server.echo(req, job) if not chat and req.echo else None
+
         def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
             logprobs = None
             if job.logprobs is not None:
-                render = server.chat_logprobs if chat else server.completion_logprobs
-                logprobs = render(job, piece.logprobs)
+                if chat:
+                    logprobs = server.chat_logprobs(job, piece.logprobs)
+                else:
+                    logprobs = server.completion_logprobs(job, piece.logprobs, echo if first else None,
+                                                          len(echo.text) if echo else 0)
             if reply is not None:
                 key = "delta" if req.stream else "message"
                 thought, answer, calls = reply.feed(piece.text, piece.finish is not None)
@@ -667,7 +724,8 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                     msg = {"role": "assistant", **msg}
                 c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}
             else:
-                c = {"index": 0, "text": piece.text, "logprobs": logprobs, "finish_reason": piece.finish}
+                text = echo.text + piece.text if echo is not None and first else piece.text
+                c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish}
             if req.return_token_ids:
                 c["token_ids"] = piece.ids
             return c
@@ -711,7 +769,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         finish = parts[-1].finish if parts else None
         whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish,
                       [lp for p in parts for lp in p.logprobs])
-        body = {**head, "choices": [choice(whole)], "usage": server.usage(job)}
+        body = {**head, "choices": [choice(whole, first=True)], "usage": server.usage(job)}
         if req.return_token_ids:
             body["prompt_token_ids"] = job.prompt
         count(endpoint, 200)

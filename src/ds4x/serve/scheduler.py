@@ -91,6 +91,11 @@ class Job:
     text: bool  # detokenize (False: a model without a tokenizer; ids only)
     ids_every_token: bool = False  # a piece per token even while its text is held back (streamed token ids)
     logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no logprobs)
+    # the same for the prompt's tokens (None: not asked), into prompt_scores before the first piece is sent: one
+    # entry per prompt token, None for the first (nothing predicts it); such a prompt is evaluated whole (no
+    # stored prefix), alone in its prefill calls, and with max_tokens 0 nothing is generated
+    prompt_logprobs: int | None = None
+    prompt_scores: list[Scores | None] = field(default_factory=list)
     prompt_tokens: int = 0  # evaluated so far (reused prefix tokens are not evaluated)
     reused_tokens: int = 0
     generated: int = 0
@@ -443,7 +448,7 @@ class Scheduler:
         """Give an admitted request its session: a stored prefix if one is usable, else a fresh one."""
         job, params = req.job, req.job.params
         slot = self.slots.acquire() if self.slots is not None else None
-        session, n = self._reuse(job.prompt, slot)
+        session, n = self._reuse(job.prompt, slot) if job.prompt_logprobs is None else (None, 0)
         if session is None and slot is not None:
             slot.reset()  # a lookup may have loaded a prefix it then could not use
             session, n = Session(self.engine, slot, self.chunk), 0
@@ -501,14 +506,21 @@ class Scheduler:
                 self._fail([req], exc, finished)
                 continue
             part = req.job.prompt[req.fed : req.fed + self.chunk]
-            if batch and (self.rowwise or total + len(part) > self.prefill_budget):
+            scored = req.job.prompt_logprobs is not None  # alone: its call keeps every position's logits
+            if batch and (self.rowwise or scored or total + len(part) > self.prefill_budget):
                 break
             batch.append((req, part))
             total += len(part)
+            if scored:
+                break
         if not batch:
             return
+        scored = batch[0][0].job.prompt_logprobs is not None
         try:
-            logits = step_sessions([(req.session, part) for req, part in batch])
+            logits = step_sessions([(req.session, part) for req, part in batch], all_logits=scored)
+            if scored:
+                self._score_prompt(batch[0][0], logits[0])
+                logits = [logits[0][-1]]
         except Exception as exc:
             self._fail([req for req, _ in batch], exc, finished)
             return
@@ -518,9 +530,31 @@ class Scheduler:
             req.fed += len(part)
             req.job.prompt_tokens += len(part)
             self.stats.prompt_tokens += len(part)
-            if req.fed == len(req.job.prompt):
+            if req.fed < len(req.job.prompt):
+                continue
+            if req.job.max_tokens == 0:  # the prompt's logprobs only
+                req.job.stop_reason = "length"
+                self._finish(req, Piece("", [], "length"), finished)
+            else:
                 ready.append((req, row))
         self._sample(ready, finished)
+
+    def _score_prompt(self, req: Generation, rows: torch.Tensor) -> None:
+        """The prompt logprobs (`Job.prompt_logprobs`) of the tokens that ``rows``, the logits after each of this
+        chunk's tokens, predict: from the second token of the chunk to the first of the next (one device read)."""
+        job, k = req.job, req.job.prompt_logprobs
+        assert k is not None
+        if req.fed == 0:
+            job.prompt_scores.append(None)
+        targets = job.prompt[req.fed + 1 : req.fed + rows.shape[0] + 1]
+        if not targets:
+            return
+        lp = rows[: len(targets)].float().log_softmax(-1).clamp_min(_LOGPROB_FLOOR)
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+        top = lp.topk(k, dim=-1)
+        values = torch.cat([chosen.double(), top.values.double(), top.indices.double()], dim=1).tolist()
+        for v in values:
+            job.prompt_scores.append((v[0], [(int(i), lp_) for lp_, i in zip(v[1 : 1 + k], v[1 + k :], strict=True)]))
 
     def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
