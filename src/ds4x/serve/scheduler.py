@@ -339,16 +339,17 @@ class Scheduler:
             raise RuntimeError("warm up before the scheduler starts")
         if self.slots is None:
             return
-        cache = self.slots.acquire()
-        try:
-            n = min(self.chunk, self.ctx - 1)
-            vocab = self.engine.cfg.vocab_size
-            step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])],
-                          rowwise=self.rowwise)
-        finally:
-            self.slots.release(cache)
-        if progress:
-            progress(f"a prompt chunk of {n} tokens")
+        n = min(self.chunk, self.ctx - 1)  # leaves a row for the decode steps' token
+        if n > 0:
+            cache = self.slots.acquire()
+            try:
+                vocab = self.engine.cfg.vocab_size
+                step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])],
+                              rowwise=self.rowwise)
+            finally:
+                self.slots.release(cache)
+            if progress:
+                progress(f"a prompt chunk of {n} token{'s' * (n > 1)}")
         self.slots.warm_up(lambda b: progress and progress(f"the decode step of {b} session{'s' * (b > 1)}"))
 
     def start(self) -> None:
