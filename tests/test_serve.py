@@ -337,6 +337,29 @@ def test_completion_echo_with_prompt_logprobs(client: TestClient) -> None:
                                                                 "total_tokens": n - 1}
 
 
+def test_lm_eval_loglikelihood_request(client: TestClient) -> None:
+    """lm-eval-harness's ``local-completions`` loglikelihood request (token ids, one generated token, echo) read as
+    it reads it: the continuation's logprobs are ``token_logprobs[ctxlen:-1]``, greedy when each is its top entry's
+    maximum. They match the model's own scoring of the continuation."""
+    engine = client.app.state.server.engine
+    tok = engine.tokenizer
+    context, continuation = [tok.bos_id, *tok.encode("def add(a, b):")], tok.encode("\n    return a + b")
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": [context + continuation],
+                                                 "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                                                 "echo": True}).json()
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    got = lp["token_logprobs"][len(context) : -1]
+    tops = lp["top_logprobs"][len(context) : -1]
+    assert len(got) == len(continuation)
+    session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=256, announce=False)
+    rows = engine.model.forward(torch.tensor(context + continuation), session.cache, all_logits=True).log_softmax(-1)
+    want = [rows[len(context) + i - 1, t].item() for i, t in enumerate(continuation)]
+    assert sum(got) == pytest.approx(sum(want), abs=1e-3)
+    greedy = all(v == max(top.values()) for v, top in zip(got, tops, strict=True))
+    assert greedy == all(rows[len(context) + i - 1].argmax().item() == t for i, t in enumerate(continuation))
+
+
 def test_completion_logprobs_with_stop_string(client: TestClient) -> None:
     """A stop string cuts the text, not the entries of the tokens generated (streamed or not)."""
     req = {"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}
