@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The GPU measurements pending on main: kernel candidates that landed behind A/B switches, off by default until timed
-# (docs/PROFILE.md, "Session of 2026-12-04 (night, fifth)"). One stage per device call (each stays under the 600 s call limit):
+# GPU A/B measurements of main's quantized-product switches (module attributes of ds4x.kernels.quant_matmul; history
+# in docs/PROFILE.md). One stage per device call (each stays under the 600 s call limit):
 #
-#   bash scripts/device_ab.sh kernels   # GPU tests of the candidates, routed matvec sweep, Q8_0 MMA probe (~6 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, each switch on as a variant (~6 min)
+#   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, against the prepared Q2_K down off (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
-#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions, the defaults against every switch on (~5 min)
+#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions, against the expert-pairs kernel off (<10 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
@@ -40,28 +40,19 @@ piece() {  # piece LOG SECONDS COMMAND...: run it for at most SECONDS (so that o
 }
 case "$stage" in
 kernels)
-    piece gpu_tests.log 200 python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_q8_mma.py \
-        tests/test_sampling.py tests/test_serve_batching.py
+    piece gpu_tests.log 200 python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_sampling.py \
+        tests/test_serve_batching.py
     piece sweep.log 170 python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 \
-        --down 8,32,1 16,32,1 4,32,1 --shared 8,128,4 8,64,2 --programs-per-sm 2,4,8 --grid-copies 32,16 \
-        --ledger "$out/ledger.jsonl"
-    piece q8_mma_probe.log 170 python scripts/q8_mma_probe.py --tokens 2,4,8,16,32 --ledger "$out/ledger.jsonl"
+        --down 8,32,1 16,32,1 4,32,1 --ledger "$out/ledger.jsonl"
     ;;
 step)
     piece batched.log 560 python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "shared tables: $qm.SHARED_TABLES=True" \
-        --variant "shared tables 16: $qm.SHARED_TABLES=True; $qm.SHARED_TABLES_GRID_COPIES=16" \
-        --variant "prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=True" \
-        --variant "q8 mma: $qm.Q8_MMA=True" \
-        --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True"
+        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False"
     ;;
 step32)
+    # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
     piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "all: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True" \
-        --variant "all, no expert pairs: $qm.SHARED_TABLES=True; $qm.Q2_K_PREPARED_ACTIVATIONS=True; $qm.Q8_MMA=True; \
-$qm.EXPERT_PAIRS=False"
-    # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN, before SHARED_TABLES is
-    # looked at: "all" has the shared tables off there, "all, no expert pairs" has them on)
+        --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
     ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &

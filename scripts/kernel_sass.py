@@ -2,17 +2,13 @@
 
 Prints, per configuration: registers, local memory (spills), shared memory, the count of each SASS opcode family
 that matters here (IMMA, IDP, LDGSTS, LDSM, LDS, STS, BAR, SHFL, FFMA / FMUL / FADD, I2FP, ...) over the whole kernel
-and inside its K loop (the range closed by the first backward branch around the kernel's multiplies: IMMA, or IDP).
+and inside its K loop (the range closed by the first backward branch around the kernel's multiplies: IDP).
 
-``q8_mma``: ds4x.kernels.q8_mma (one stage of KB blocks per K-loop iteration); also checks that the float math was
-not contracted (no FFMA) and that the quantize kernel divides with IEEE rounding. ``qmv``: the matvec of
-ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations, per (R rows, U units,
-warps) tile, x quantized in the kernel or beforehand, and the IQ2_XXS tables gathered or in shared copies.
+``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
+per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 
-    PYTHONPATH=src python scripts/kernel_sass.py q8_mma [--bt 8,16,32] [--split 1,4] [--warps 4] [--stages 3]
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
-        [--shared 0,32,16]
-    (either: [--dump DIR] writes cubin / SASS / PTX / TTGIR)
+        [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
 """
 
 from __future__ import annotations
@@ -31,45 +27,20 @@ if __name__ == "__main__":  # compile real kernels even from a shell that set th
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from ds4x.kernels import q8_mma, quant_matmul  # noqa: E402
+from ds4x.kernels import quant_matmul  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 FAMILIES = ("IMMA", "IDP", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "STG", "BAR", "DEPBAR", "SHFL", "ATOMG", "RED",
             "FFMA", "FMUL", "FADD", "FMNMX", "I2FP", "I2F", "F2F", "HADD2", "PRMT", "SHF", "LOP3", "IMAD", "IADD3",
             "BRA")
 
-KERNEL_ARGS = ("xq_ptr", "xs_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "N", "K", "row_bytes", "n_tok",
-               "groups", "stride_y")
-POINTERS = {"xq_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*u8", "y_ptr": "*bf16", "part_ptr": "*fp32",
-            "count_ptr": "*i32"}
-DIVISIBLE = ("xq_ptr", "xs_ptr", "w_ptr", "y_ptr", "part_ptr", "count_ptr", "K", "row_bytes", "stride_y")
-
 
 def _nvdisasm_tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def compile_mma(bt: int, split: int, num_warps: int, stages: int) -> triton.compiler.CompiledKernel:
-    """The Gluon kernel for one configuration (pointers and K / row_bytes / stride_y 16-divisible, as in use)."""
-    sig = {a: POINTERS.get(a, "i32") for a in KERNEL_ARGS}
-    consts = {"BT": bt, "KB": q8_mma.KB, "STAGES": stages, "SPLIT": split, "num_warps": num_warps}
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    attrs = {(KERNEL_ARGS.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE}
-    src = GluonASTSource(q8_mma._q8_mma_kernel, sig, consts, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "enable_fp_fusion": False})
-
-
-def compile_quantize() -> triton.compiler.CompiledKernel:
-    names = ("x_ptr", "q_ptr", "s_ptr", "nb", "stride_x", "B")
-    sig = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32", "nb": "i32", "stride_x": "i32", "B": "constexpr"}
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("x_ptr", "q_ptr", "s_ptr", "stride_x")}
-    src = ASTSource(q8_mma._quantize_32_kernel, sig, {"B": 32}, attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": 4, "enable_fp_fusion": False})
-
-
-def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool, shared: int) -> triton.compiler.CompiledKernel:
+def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compiler.CompiledKernel:
     """``_qmv_kernel`` as a decode step launches it for the routed experts: ids, int8 activations, PDL; IQ2_XXS (split
     rows, code 17) as the fused gate / up + SwiGLU, Q2_K (code 10) as the down projection."""
     fn = quant_matmul._kernels()._qmv_kernel
@@ -78,7 +49,7 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool, shared: int) ->
                 "grid_ptr": "*i32", "ids_ptr": "*i32", "y_ptr": "*bf16"}
     r, u, warps = tile
     consts = {"X_DIV": 1, "HAS_IDS": True, "QTYPE": code, "ACT8": True, "R": r, "U": u, "SWIGLU": code == 17,
-              "XQ": xq, "SHARED_TABLES": shared, "INTERPRET": False, "PDL": True}
+              "XQ": xq, "INTERPRET": False, "PDL": True}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "limit" else "i32") for a in names}
     divisible = set(pointers) | {"row_bytes", "expert_bytes", "up_bytes", "n_units", "stride_x", "stride_y"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in divisible}
@@ -144,68 +115,30 @@ def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, 
     return whole, spill
 
 
-def main_q8_mma(args: argparse.Namespace) -> bool:
-    ok = True
-    for nw in map(int, args.warps.split(",")):
-        for stages in map(int, args.stages.split(",")):
-            for split in map(int, args.split.split(",")):
-                for bt in map(int, args.bt.split(",")):
-                    whole, spill = report(compile_mma(bt, split, nw, stages), args.dump,
-                                          f"q8_mma_bt{bt}_split{split}_w{nw}_s{stages}", "IMMA")
-                    if whole["IMMA"] == 0 or whole["LDGSTS"] == 0:
-                        print("   !! no IMMA or no LDGSTS")
-                        ok = False
-                    if whole["FFMA"]:
-                        print("   !! FFMA present: float math was contracted (the reference's bits need mul + add)")
-                        ok = False
-                    if spill:
-                        print("   !! local memory in use (spills)")
-                        ok = False
-    qk = compile_quantize()
-    ptx = qk.asm["ptx"]
-    div_rn, div_approx = ptx.count("div.rn.f32"), ptx.count("div.full.f32") + ptx.count("div.approx.f32")
-    fma = ptx.count("fma.rn.f32")
-    print(f"quantize_activations_32: div.rn.f32 {div_rn}, approximate divisions "
-          f"{div_approx}, fma.rn.f32 {fma}")
-    if div_approx or fma or not div_rn:
-        print("   !! the quantize kernel would not give the reference's bits")
-        ok = False
-    return ok
-
-
 def main_qmv(args: argparse.Namespace) -> bool:
     code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
     ok = True
     for spec in args.tile:
         tile = tuple(int(v) for v in spec.split(","))
         for xq in (bool(int(v)) for v in args.xq.split(",")):
-            for shared in (int(v) for v in args.shared.split(",")) if code == 17 else (0,):
-                tag = f"qmv_{args.qtype}_r{tile[0]}_u{tile[1]}_w{tile[2]}_xq{int(xq)}_shared{shared}"
-                _, spill = report(compile_qmv(code, tile, xq, shared), args.dump, tag, "IDP")  # type: ignore[arg-type]
-                if spill:
-                    print("   !! local memory in use (spills)")
-                    ok = False
+            tag = f"qmv_{args.qtype}_r{tile[0]}_u{tile[1]}_w{tile[2]}_xq{int(xq)}"
+            _, spill = report(compile_qmv(code, tile, xq), args.dump, tag, "IDP")  # type: ignore[arg-type]
+            if spill:
+                print("   !! local memory in use (spills)")
+                ok = False
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
-    mma = sub.add_parser("q8_mma", help="ds4x.kernels.q8_mma")
-    mma.add_argument("--bt", default="8,16,32")
-    mma.add_argument("--split", default="1,4")
-    mma.add_argument("--warps", default="4")
-    mma.add_argument("--stages", default=str(q8_mma.STAGES))
     qmv = sub.add_parser("qmv", help="the routed experts' matvec of ds4x.kernels.quant_matmul")
     qmv.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
     qmv.add_argument("--tile", nargs="+", default=["8,64,2", "8,128,4"], help="R,U,warps tiles")
     qmv.add_argument("--xq", default="1", help="x quantized beforehand: 1, in the kernel: 0 (comma-separated)")
-    qmv.add_argument("--shared", default="0,32,16", help="IQ2_XXS tables: 0 gathered, else shared grid copies")
-    for p in (mma, qmv):
-        p.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
+    qmv.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
-    ok = main_q8_mma(args) if args.kernel == "q8_mma" else main_qmv(args)
-    return 0 if ok else 1
+    return 0 if main_qmv(args) else 1
 
 
 if __name__ == "__main__":

@@ -5,10 +5,7 @@ experts of 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, war
 of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading
 x quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down
 xq": the down launch with ``Q2_K_PREPARED_ACTIVATIONS`` on (x quantized with its groups' sums in one more launch,
-timed in, at any number of pairs here); "gate/up xq shPcC": gate / up on prepared x with ``SHARED_TABLES`` on
-(the IQ2_XXS tables' per-lane copies in shared memory, C of the grid, from any number of pairs here) at P programs an
-SM. The
-figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
+timed in, at any number of pairs here). The figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
     PYTHONPATH=src python scripts/routed_matvec_sweep.py --tokens 1,8,32 --ledger benchmarks/ledger.jsonl
 
@@ -27,7 +24,6 @@ from ds4x.bench.variants import variant_applied
 
 GATE_UP = ["16,64,2", "8,64,2", "32,64,2", "16,32,1", "32,32,1", "16,64,1", "16,128,4", "32,128,4", "16,128,2"]
 DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
-SHARED = ["8,128,4", "8,64,2", "16,64,4", "16,128,4"]
 PREPARED_DOWN = {"Q2_K_PREPARED_ACTIVATIONS": True, "Q2_K_PREPARED_MIN_PAIRS": 1}
 COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §7
 
@@ -47,9 +43,6 @@ def main() -> int:
     p.add_argument("--tokens", default="1,8,32")
     p.add_argument("--gate-up", nargs="*", default=GATE_UP, help="R,U,warps tiles of the gate / up + SwiGLU launch")
     p.add_argument("--down", nargs="*", default=DOWN, help="R,U,warps tiles of the down launch")
-    p.add_argument("--shared", nargs="*", default=SHARED, help="R,U,warps tiles of gate / up with shared tables")
-    p.add_argument("--programs-per-sm", default="2,4,5", help="SHARED_TABLES_PROGRAMS_PER_SM values to sweep")
-    p.add_argument("--grid-copies", default="32,16", help="SHARED_TABLES_GRID_COPIES values to sweep")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ledger", type=Path, default=None)
     args = p.parse_args()
@@ -94,16 +87,6 @@ def main() -> int:
                                                  ids.reshape(t * k, 1), config=cfg),
              f"Q2_K 4096x2048 x{k} routed", "matvec int8, x quantized once with sums (launch timed in)"),
         ]
-        for copies in (int(v) for v in args.grid_copies.split(",")):
-            for per_sm in (int(v) for v in args.programs_per_sm.split(",")):
-                on = {"SHARED_TABLES": True, "SHARED_TABLES_MIN_PAIRS": 1, "SHARED_TABLES_PROGRAMS_PER_SM": per_sm,
-                      "SHARED_TABLES_GRID_COPIES": copies}
-                cases.append((f"gate/up xq sh{per_sm}c{copies}", tiles(args.shared), t * k * 2 * inter * w13.row_bytes,
-                              lambda cfg, ids, x=x, xq=xq, on=on: switched(qm, on, qm.quant_routed_swiglu, x, w13,
-                                                                           ids, 10.0, config=cfg, xq=xq),
-                              f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU",
-                              f"routed swiglu int8, x quantized once, shared tables ({copies} grid copies), "
-                              f"{per_sm} programs an SM"))
         for what, configs, nbytes, call, shape, kernel in cases:
             ref = call(configs[0], id_sets[0]).float()
             for cfg in configs:

@@ -306,36 +306,6 @@ def test_routed_q2_k_reads_x_quantized_once_interpreter(interp, monkeypatch):
         qm._launch(x, w, ids, 1, 6, 1, 1, MV, "mv", True, xq=qm.quantize_activations(x))
 
 
-@pytest.mark.parametrize("copies", [32, 16])
-def test_iq2_xxs_shared_tables_interpreter(interp, monkeypatch, copies):
-    # the tables' per-lane copies (SHARED_TABLES; the interpreter reads their image, lane = unit % 32): the bits of
-    # the gather, with programs running several row blocks (N = 40: 5 blocks of 8 SwiGLU rows, 2 a program, the
-    # last program one), for the fused gate / up with x quantized once or in each program, and a plain routed product
-    n_exp, n, k, limit = 5, 40, 512, 0.25
-    w13 = weight(T.IQ2_XXS, (2 * n_exp, n, k), seed=77).split()
-    ids = torch.tensor([[0, 4, 2], [3, 3, 1]])
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(78)).to(torch.bfloat16)
-    xq = qm.quantize_activations(x)
-    cfg = (16, 64, 2)
-
-    def calls():
-        return (qm.quant_routed_swiglu(x, w13, ids, limit, config=cfg, int8=True, xq=xq),
-                qm.quant_routed_swiglu(x, w13, ids, limit, config=cfg, int8=True),
-                qm.quant_matmul_routed(x, w13, ids, config=cfg, force="mv", int8=True))
-
-    want = calls()
-    monkeypatch.setattr(qm, "SHARED_TABLES", True)
-    monkeypatch.setattr(qm, "SHARED_TABLES_GRID_COPIES", copies)
-    monkeypatch.setattr(qm, "SHARED_TABLES_MIN_PAIRS", 6)
-    for got, ref in zip(calls(), want, strict=True):
-        assert torch.equal(got, ref)
-    # what they read is the image: corrupting one lane's copies of the grid changes the results
-    tables = qm._iq2_xxs_tables(torch.device("cpu"), copies).clone()
-    tables[512 + 3::copies][:256] ^= 0x11111111
-    monkeypatch.setattr(qm, "_iq2_xxs_tables", lambda device, grid_copies=32: tables)
-    assert not torch.equal(calls()[0], want[0])
-
-
 def test_routed_grouped_interpreter(interp, monkeypatch):
     # bf16 activations past the routed matvec's range: bf16 experts + torch._grouped_mm, in slices of experts
     # (a 2-expert scratch here), with an expert no row picks
@@ -519,36 +489,6 @@ def test_gpu_routed_swiglu_matches_product_then_swiglu(t):
     prepared = qm.routed_swiglu_input(x, w13, 6)  # x quantized once beforehand (int8 activations): the same bits
     assert (prepared is not None) == qm.int8_activations(T.IQ2_XXS)
     assert torch.equal(qm.quant_routed_swiglu(x, w13, ids, limit, xq=prepared), got)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8])
-@pytest.mark.parametrize("copies", [32, 16])
-def test_gpu_iq2_xxs_shared_tables_give_the_gathered_bits(monkeypatch, t, copies):
-    """Flash's routed gate / up + SwiGLU (x quantized once) and a plain routed IQ2_XXS product with the tables' per-lane
-    copies in static shared memory (filled by cp.async before the PDL wait): the gather's bits at the same tile (a
-    row's bits depend on the tile's U and warps, the order of its sums: the gather's default tiles have U = 64)."""
-    g = torch.Generator(device="cuda").manual_seed(4)
-    n_exp, n, k, limit = 64, 2048, 4096, 10.0
-    w13 = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, n, k), g), T.IQ2_XXS, (2 * n_exp, n, k)))
-    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
-    ids = torch.randint(0, n_exp, (t, 6), device="cuda", generator=g)
-    xq = qm.quantize_activations(x)
-    cfg = qm.MATVEC_TILES_SHARED
-
-    def calls(config):
-        return (qm.quant_routed_swiglu(x, w13, ids, limit, config=config, int8=True, xq=xq),
-                qm.quant_matmul_routed(x, w13, ids, config=config, force="mv", int8=True))
-
-    want = calls(cfg)
-    monkeypatch.setattr(qm, "SHARED_TABLES", True)
-    monkeypatch.setattr(qm, "SHARED_TABLES_GRID_COPIES", copies)
-    monkeypatch.setattr(qm, "SHARED_TABLES_MIN_PAIRS", 1)
-    got = calls(cfg)
-    default = calls(None)  # the shared path's own tile when none is given
-    torch.cuda.synchronize()
-    for a, b, c in zip(got, want, default, strict=True):
-        assert torch.equal(a, b) and torch.equal(c, b)
 
 
 @pytest.mark.gpu

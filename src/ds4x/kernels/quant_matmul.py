@@ -28,10 +28,9 @@ Routed products with a few or more pairs per expert (prompts, prefill chunks) go
 :mod:`ds4x.kernels.routed_wgmma` (IQ2_XXS / Q2_K tiles decoded once per chunk of an expert's pairs into shared memory,
 multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
 
-The routed Q2_K matvec of a batched step reads x quantized once per row (``Q2_K_PREPARED_ACTIVATIONS``, on since
-timed). ``Q8_MMA`` (a batched step's Q8_0 rows on the int8 tensor cores, :mod:`ds4x.kernels.q8_mma`) is off: it
-measured level with the default in the step; ``SHARED_TABLES`` (IQ2_XXS tables as per-lane copies in shared memory)
-is off: it measured slower. ``scripts/device_ab.sh`` times such switches.
+The routed Q2_K matvec of a batched step reads x quantized once per row (``Q2_K_PREPARED_ACTIVATIONS``, from
+``Q2_K_PREPARED_MIN_PAIRS`` pairs). Such choices are module attributes (A/B switches: that one, ``EXPERT_PAIRS``,
+``PREPARED_ACTIVATIONS``); ``scripts/device_ab.sh`` times them in a batched decode step.
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
@@ -100,8 +99,7 @@ from ds4x.formats.ggml import GGMLQuantizationType, _iq2xxs_grid_cpu
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.formats.pdl import launch_options
 from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode, module_for_current_mode, tl, triton
-from ds4x.kernels import q8_mma, routed_wgmma
-from ds4x.kernels.indexer import num_sms
+from ds4x.kernels import routed_wgmma
 from ds4x.memory import free_memory
 
 T = GGMLQuantizationType
@@ -619,35 +617,8 @@ if HAVE_TRITON:
         return g0 | s0, g1 | s1, g2 | s2, g3 | s3
 
     @triton.jit
-    def _table_word(gridp, addr, INTERPRET: tl.constexpr):
-        # the int32 at byte ``addr`` of the shared copies of the tables (one ld.shared; the interpreter reads the
-        # same word of their image in global memory, _iq2_xxs_tables from word 512)
-        if INTERPRET:
-            out = tl.load(gridp + 512 + addr // 4)
-        else:
-            out = tl.inline_asm_elementwise("ld.shared.u32 $0, [$1];", "=r,r", [addr], dtype=tl.int32,
-                                            is_pure=False, pack=1)
-        return out
-
-    @triton.jit
-    def _selectors_shared(g01, g23, aux, gridp, grid_lane, sign_lane, GC: tl.constexpr, INTERPRET: tl.constexpr):
-        # _selectors from this lane's own copies of the tables in shared memory (see _iq2_xxs_tables): grid entry e
-        # at byte grid_lane + 4 GC e (GC copies), sign entry s at sign_lane + 64 s (16 copies), so that a warp's
-        # grid lookups are one bank wavefront (GC = 32; at most two with 16) and its sign lookups at most two,
-        # whatever the indices
-        sel0 = (_table_word(gridp, grid_lane + 4 * GC * (g01 & 255), INTERPRET)
-                | _table_word(gridp, sign_lane + 64 * (aux & 127), INTERPRET))
-        sel1 = (_table_word(gridp, grid_lane + 4 * GC * (g01 >> 8), INTERPRET)
-                | _table_word(gridp, sign_lane + 64 * ((aux >> 7) & 127), INTERPRET))
-        sel2 = (_table_word(gridp, grid_lane + 4 * GC * (g23 & 255), INTERPRET)
-                | _table_word(gridp, sign_lane + 64 * ((aux >> 14) & 127), INTERPRET))
-        sel3 = (_table_word(gridp, grid_lane + 4 * GC * (g23 >> 8), INTERPRET)
-                | _table_word(gridp, sign_lane + 64 * ((aux >> 21) & 127), INTERPRET))
-        return sel0, sel1, sel2, sel3
-
-    @triton.jit
-    def _iq2_xxs_words(rowp, c, gridp, tables, signs, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
-                       SHARED: tl.constexpr, INTERPRET: tl.constexpr):
+    def _iq2_xxs_words(rowp, c, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                       INTERPRET: tl.constexpr):
         # unit: group c % 8 (32 weights) of block c // 8: 4 grid indices (one per 8 weights) and a word of four
         # 7-bit sign indices plus a 4-bit scale, at byte 2 + 8 (c % 8) (2-byte aligned only: uint16 loads; in
         # split rows one 8-byte load). The tables (see _iq2_xxs_tables): grid entry g's 8 level indices as
@@ -655,9 +626,7 @@ if HAVE_TRITON:
         # 7) as bit 2 of that weight's nibble, so that one byte permute per 4 weights picks signed magnitudes
         # from two words of levels: signed int8 for the integer dot products, else 64 + the signed magnitude,
         # which one more permute per weight turns into the float 2^23 + 64 + signed magnitude. Returns the
-        # unit's scale and its 8 words of 4 weights (word 2 j + h: weights 8 j + 4 h .. 8 j + 4 h + 3). SHARED (the
-        # grid's copies, 0: none): the tables are the lane's shared copies at byte offsets ``tables`` (grid) and
-        # ``signs``, else a register tile
+        # unit's scale and its 8 words of 4 weights (word 2 j + h: weights 8 j + 4 h .. 8 j + 4 h + 3)
         if SPLIT:  # the unit's 8 bytes at 8c (one load), the block's scale at kb + 2 (c // 8)
             q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
             lo = q.to(tl.int32)
@@ -681,10 +650,7 @@ if HAVE_TRITON:
         else:
             pos_levels = tl.load(gridp + 387)
             neg_levels = tl.load(gridp + 388)
-        if SHARED:
-            sel0, sel1, sel2, sel3 = _selectors_shared(g01, g23, aux, gridp, tables, signs, SHARED, INTERPRET)
-        else:
-            sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
+        sel0, sel1, sel2, sel3 = _selectors(g01, g23, aux, tables)
         p, n = pos_levels, neg_levels
         return (db, _permute(p, sel0, n, INTERPRET), _permute(p, sel0 >> 16, n, INTERPRET),
                 _permute(p, sel1, n, INTERPRET), _permute(p, sel1 >> 16, n, INTERPRET),
@@ -720,10 +686,9 @@ if HAVE_TRITON:
         return db * out, db * out1
 
     @triton.jit
-    def _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, signs, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
-                    XQ: tl.constexpr, SHARED: tl.constexpr, INTERPRET: tl.constexpr):
-        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, gridp, tables, signs, kb, SPLIT, ACT8, SHARED,
-                                                            INTERPRET)
+    def _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr,
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr):
+        db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, gridp, tables, kb, SPLIT, ACT8, INTERPRET)
         if ACT8:
             out, _ = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xp, xqp, xsp, xqp, xsp, XQ, False,
                                    INTERPRET)
@@ -767,11 +732,10 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, xqp, xsp, xsump, gridp, tables, signs, kb,
-                 XQ: tl.constexpr, SHARED: tl.constexpr, INTERPRET: tl.constexpr):
-        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers, or with
-        # signs the offsets of the lane's shared copies (SHARED); XQ: the activations' int8 codes and scales at
-        # xqp / xsp (IQ2_XXS, Q2_K) and their groups' sums at xsump (Q2_K)
+    def _mv_unit(QTYPE: tl.constexpr, ACT8: tl.constexpr, rowp, c, xp, xqp, xsp, xsump, gridp, tables, kb,
+                 XQ: tl.constexpr, INTERPRET: tl.constexpr):
+        # kb: bytes of codes per row (the split layouts' scale offset); tables: IQ2_XXS's, in registers; XQ: the
+        # activations' int8 codes and scales at xqp / xsp (IQ2_XXS, Q2_K) and their groups' sums at xsump (Q2_K)
         if QTYPE == 30 or QTYPE == 1:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
@@ -781,8 +745,7 @@ if HAVE_TRITON:
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
-            out = _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, signs, kb, QTYPE == 17, ACT8, XQ, SHARED,
-                              INTERPRET)
+            out = _mv_iq2_xxs(rowp, c, xp, xqp, xsp, gridp, tables, kb, QTYPE == 17, ACT8, XQ, INTERPRET)
         return out
 
     @triton.jit
@@ -812,46 +775,9 @@ if HAVE_TRITON:
         return tl.load(grid_ptr + t, mask=t < 384, other=0)
 
     @triton.jit
-    def _shared_tables_fill(src, GC: tl.constexpr):
-        # GPU: declares the static shared array of the IQ2_XXS tables' per-lane copies (GC of the grid: 40 KB with
-        # 32, 24 KB with 16), starts copying their image (_iq2_xxs_tables from word 512, at ``src``) into it by
-        # cp.async, 16 bytes an element, and returns its shared address; no wait here (see _shared_tables_wait), so
-        # the copy overlaps the kernel's start. The array is declared by inline PTX because a Triton kernel has no
-        # static shared memory of its own to index per lane
-        if GC == 32:
-            base = tl.inline_asm_elementwise(
-                ".shared .align 16 .b8 ds4x_iq2_xxs_tables[40960];\n\tmov.u32 $0, ds4x_iq2_xxs_tables;", "=r,r",
-                [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            base = tl.inline_asm_elementwise(
-                ".shared .align 16 .b8 ds4x_iq2_xxs_tables[24576];\n\tmov.u32 $0, ds4x_iq2_xxs_tables;", "=r,r",
-                [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
-        src_addr = src.to(tl.int64, bitcast=True)
-        for part in tl.static_range((256 * GC + 2048) // 2048):  # chunks of 16 bytes, 512 at a time
-            chunk = part * 512 + tl.arange(0, 512)
-            tl.inline_asm_elementwise("cp.async.cg.shared.global [$1], [$2], 16;\n\tmov.u32 $0, 0;", "=r,r,l",
-                                      [base + 16 * chunk, src_addr + 16 * chunk], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-        tl.inline_asm_elementwise("cp.async.commit_group;\n\tmov.u32 $0, 0;", "=r,r", [base], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-        return base
-
-    @triton.jit
-    def _shared_tables_wait(base):
-        # the copies of _shared_tables_fill have landed and every thread's are visible to the program
-        tl.inline_asm_elementwise("cp.async.wait_all;\n\tbar.sync 0;\n\tmov.u32 $0, 0;", "=r,r", [base],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _lane_id(like):
-        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True,
-                                         pack=1)
-
-    @triton.jit
-    def _qmv_block(pid_n, pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, signs, y_ptr, N, n_units,
-                   row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE: tl.constexpr, ACT8: tl.constexpr,
-                   R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr, XQ: tl.constexpr, SHARED: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+    def _qmv_block(pid_n, pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, y_ptr, N, n_units, row_bytes,
+                   expert_bytes, up_bytes, limit, stride_y, QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr,
+                   U: tl.constexpr, SWIGLU: tl.constexpr, XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # row block pid_n of pair ``pair`` (expert e, x at xp / xqp / xsp / xsump): its R rows' K loop and store
         if SWIGLU:
             rowp = _swiglu_rows(w_ptr, e, pid_n, N, row_bytes, expert_bytes, up_bytes, R)
@@ -865,12 +791,12 @@ if HAVE_TRITON:
             u0 = 0
             while u0 < n_units:
                 acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, xsump, grid_ptr,
-                                tables, signs, kb, XQ, SHARED, INTERPRET)
+                                tables, kb, XQ, INTERPRET)
                 u0 += U
         else:
             for u0 in range(0, n_units, U):  # U divides n_units (host side)
                 acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, xsump, grid_ptr,
-                                tables, signs, kb, XQ, SHARED, INTERPRET)
+                                tables, kb, XQ, INTERPRET)
         y = tl.sum(acc, axis=0)
         if SWIGLU:
             _swiglu_store(y, y_ptr, pair, pid_n, N, limit, stride_y, R)
@@ -879,25 +805,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes,
-                    expert_bytes, up_bytes, limit, stride_x, stride_y, blocks, X_DIV: tl.constexpr,
-                    HAS_IDS: tl.constexpr, QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr,
-                    SWIGLU: tl.constexpr, XQ: tl.constexpr, SHARED_TABLES: tl.constexpr, INTERPRET: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    expert_bytes, up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
+                    QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
-        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
-        # SHARED_TABLES (IQ2_XXS; the grid's copies, 0: none): the tables' per-lane copies in shared memory, filled
-        # once per program, which then runs ``blocks`` row blocks of its pair; else one row block and the tables in
-        # registers (tl.gather)
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
         pair = tl.program_id(1)
-        if SHARED_TABLES:  # the tables are constants: their copy starts before the wait for the previous kernel
-            if INTERPRET:
-                base = 0
-                lane = tl.arange(0, U)[:, None] % 32
-            else:
-                base = _shared_tables_fill(grid_ptr + 512, SHARED_TABLES)
-                lane = _lane_id(base)
-            tables = base + 4 * (lane % SHARED_TABLES)
-            signs = base + 1024 * SHARED_TABLES + 4 * (lane & 15)
         wait_upstream(PDL, RELEASE=True)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -913,28 +826,12 @@ if HAVE_TRITON:
         xqp = xq_ptr + xrow * (4 * n_groups)
         xsp = xs_ptr + xrow * n_groups
         xsump = xsum_ptr + xrow * n_groups
-        if SHARED_TABLES:
-            if not INTERPRET:
-                _shared_tables_wait(base)
-            if SWIGLU:
-                n_blocks = tl.cdiv(N, R // 2)
-            else:
-                n_blocks = tl.cdiv(N, R)
-            b = tl.program_id(0) * blocks
-            end = tl.minimum(b + blocks, n_blocks)
-            while b < end:
-                _qmv_block(b, pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, signs, y_ptr, N, n_units,
-                           row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ,
-                           SHARED_TABLES, INTERPRET)
-                b += 1
+        if QTYPE == 16 or QTYPE == 17:
+            tables = _iq2_xxs_tables_tile(grid_ptr)
         else:
-            if QTYPE == 16 or QTYPE == 17:
-                tables = _iq2_xxs_tables_tile(grid_ptr)
-            else:
-                tables = 0
-            _qmv_block(tl.program_id(0), pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, tables, y_ptr, N,
-                       n_units, row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ,
-                       0, INTERPRET)
+            tables = 0
+        _qmv_block(tl.program_id(0), pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, y_ptr, N, n_units,
+                   row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ, INTERPRET)
 
     @triton.jit
     def _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq1, xs1, R: tl.constexpr, U: tl.constexpr,
@@ -946,8 +843,7 @@ if HAVE_TRITON:
         u0 = 0
         while u0 < n_units:
             c = u0 + tl.arange(0, U)[:, None]
-            db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, tables, kb, True, True,
-                                                                0, INTERPRET)
+            db, w0, w1, w2, w3, w4, w5, w6, w7 = _iq2_xxs_words(rowp, c, grid_ptr, tables, kb, True, True, INTERPRET)
             o0, o1 = _iq2_xxs_dots(db, w0, w1, w2, w3, w4, w5, w6, w7, c, xq0, xq0, xs0, xq1, xs1, True, TWO,
                                    INTERPRET)
             acc0 += o0
@@ -1211,8 +1107,8 @@ def _grid_bytes(device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
-def _iq2_xxs_tables(device: torch.device, grid_copies: int = 32) -> torch.Tensor:
-    """The IQ2_XXS matvec's tables as int32 [512 + 256 grid_copies + 2,048]:
+def _iq2_xxs_tables(device: torch.device) -> torch.Tensor:
+    """The IQ2_XXS matvec's tables as int32 [391]:
 
     - [0, 256): grid entry g's 8 magnitudes as level indices (8, 25, 43 -> 0, 1, 2), weight j in nibble j;
     - [256, 384): for each 7-bit sign index, bit 2 of nibble j set where weight j is negative (the 8th weight's
@@ -1220,11 +1116,7 @@ def _iq2_xxs_tables(device: torch.device, grid_copies: int = 32) -> torch.Tensor
     - 384: the float magic 0x4B000000;
     - 385, 386: the levels as signed bytes (8, 25, 43) and (-8, -25, -43);
     - 387, 388: the same as 64 + level: (72, 89, 107) and (56, 39, 21);
-    - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _iq2_xxs_words);
-    - from 512, the image of their per-lane copies in shared memory (SHARED_TABLES): with C = ``grid_copies``
-      (32 or 16), word C e + l is grid entry e (lane l's copy, l < C: with 32 a warp's lookups fall in 32 distinct
-      banks, with 16 lanes l and l + 16 share a copy, at most two wavefronts a lookup), word 256 C + 16 s + l the
-      sign entry s (l < 16); 40 KB with 32 grid copies, 24 KB with 16."""
+    - 389, 390: 385 and 386 again (the matvec reads one pair or the other by unit parity, see _iq2_xxs_words)."""
     mags = _iq2xxs_grid_cpu()  # (256, 8)
     levels = (mags > 8).to(torch.int64) + (mags > 25).to(torch.int64)
     grid = (levels << (4 * torch.arange(8))).sum(dim=1)
@@ -1238,9 +1130,7 @@ def _iq2_xxs_tables(device: torch.device, grid_copies: int = 32) -> torch.Tensor
 
     consts = [0x4B000000, word([8, 25, 43, 0]), word([-8, -25, -43, 0]), word([72, 89, 107, 0]),
               word([56, 39, 21, 0]), word([8, 25, 43, 0]), word([-8, -25, -43, 0])]
-    tables = torch.cat([grid, signs, torch.tensor(consts), torch.zeros(512 - 391, dtype=torch.int64)])
-    image = torch.cat([grid.repeat_interleave(grid_copies), signs.repeat_interleave(16)])
-    return torch.cat([tables, image]).to(torch.int32).to(device)
+    return torch.cat([grid, signs, torch.tensor(consts)]).to(torch.int32).to(device)
 
 
 @lru_cache(maxsize=64)
@@ -1287,26 +1177,6 @@ MATVEC_TILES = {T.IQ2_XXS: (16, 64, 2), T.Q2_K: (8, 128, 4)}
 # rows of 7d24f11: 8 rows 19.6 / 116.7 / 449.2, 16 rows 20.9 / 128.6 / 495.8; quantizing in every program at 16
 # rows 23.1 / 143.0 / 548.5)
 MATVEC_TILES_PREPARED = {T.IQ2_XXS: (8, 64, 2)}
-# The IQ2_XXS matvec's table lookups through tl.gather are ~2.85 shared-memory wavefronts each (random indices into
-# one copy of the tables: ncu, routed gate / up at 8 tokens, 12.4 M bank conflicts, L1 LSU 94% busy). SHARED_TABLES:
-# each lane reads its own copies (_iq2_xxs_tables, image from word 512), one wavefront a grid lookup and at most two
-# a sign lookup, in a static shared array each program fills once by cp.async before its PDL wait, from
-# SHARED_TABLES_MIN_PAIRS (row, expert) pairs (one session's 6 keep the gather), tile MATVEC_TILES_SHARED. A first
-# form that filled the copies in every program of the usual grid measured slower (H200: 39.46 / 262.64 us at 1 / 8
-# tokens against 19.22 / 115.86; 24,576 fills of 40 KB at 15% occupancy); this one is not yet timed on a GPU, so
-# off: `scripts/batched_decode.py --variant 'shared tables: ds4x.kernels.quant_matmul.SHARED_TABLES=True'` is the
-# A/B, tests/test_quant_matmul.py's GPU case compares its bits with the gather's. The tile: one unit a thread and 8
-# rows, so the K loop moves nothing between threads (sm_90 SASS: 623 instructions a K step, 64 shared loads, no
-# shared stores, barriers or shuffles; 98 registers; 16 rows took 194 registers, 4 warps over 64 units added 8
-# barriers a K step). Its tile sums a row in another order than the gather's (U 128 against 64), so with it on a
-# routed IQ2_XXS row's bits depend on whether the call has SHARED_TABLES_MIN_PAIRS pairs (batch-invariant decode,
-# one row at a time, is unaffected: a row is 6 pairs)
-SHARED_TABLES = False
-SHARED_TABLES_GRID_COPIES = 32  # 16: 24 KB a program instead of 40 (a cheaper fill, more programs an SM), at most two
-# wavefronts a grid lookup
-SHARED_TABLES_MIN_PAIRS = 8
-SHARED_TABLES_PROGRAMS_PER_SM = 4
-MATVEC_TILES_SHARED = (8, 128, 4)
 
 
 def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
@@ -1354,20 +1224,6 @@ def _token_tile_tokens(w: GGMLTensor, rows: int, int8: bool | None) -> int:
             and (w.is_cuda or interpret_mode())):
         return min(TILE_TOKENS["q8_0"], triton.next_power_of_2(rows))
     return 0
-
-
-# Q8_MMA: batched Q8_0 products of MIRROR_MIN_ROWS .. Q8_MMA_MAX_ROWS rows (where mirrors are on) on the int8 tensor
-# cores (ds4x.kernels.q8_mma) instead of the token tile and the bf16 mirrors. Written and compiled for sm_90 but not
-# yet timed, so off: `scripts/batched_decode.py --variant 'q8 mma: ds4x.kernels.quant_matmul.Q8_MMA=True'` is the
-# step's A/B, scripts/q8_mma_probe.py the kernels'
-Q8_MMA = False
-Q8_MMA_MAX_ROWS = 32
-
-
-def _q8_mma_serves(w: GGMLTensor, rows: int, groups: int, int8: bool | None) -> bool:
-    """Whether a product of ``rows`` rows times ``w`` goes to `q8_mma.q8_mma_linear` (see Q8_MMA)."""
-    return (Q8_MMA and _mirrors["on"] and MIRROR_MIN_ROWS <= rows <= Q8_MMA_MAX_ROWS
-            and int8_activations(w.qtype, int8) and q8_mma.serves(w, groups))
 
 
 def _token_tile(x2: torch.Tensor, w: GGMLTensor | torch.Tensor, groups: int, tok: int) -> torch.Tensor:
@@ -1439,13 +1295,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
         raise ValueError("_launch: prepared int8 activations serve the IQ2_XXS matvec (and with their groups' sums "
                          "the Q2_K one) on int8 activations of x")
     if use_mv:
-        shared = (iq2 and SHARED_TABLES and n_pairs >= SHARED_TABLES_MIN_PAIRS and int8_activations(w.qtype, int8))
-        if config is not None:
-            r, u, nw = config
-        elif shared:
-            r, u, nw = MATVEC_TILES_SHARED
-        else:
-            r, u, nw = matvec_config(w.qtype, n, k, slots, xq is not None)
+        r, u, nw = config if config is not None else matvec_config(w.qtype, n, k, slots, xq is not None)
         if swiglu is not None and r % 2:
             raise ValueError(f"_launch: the fused SwiGLU splits a program's rows in two halves, got {r} rows")
         n_units = k // unit
@@ -1458,21 +1308,13 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
                 PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw,
                 **launch_options(dev, "matvec"))
             return y
-        n_blocks = triton.cdiv(n, r // 2 if swiglu is not None else r)
-        # shared tables: each program fills its copies once, so it runs several row blocks of its pair (about
-        # SHARED_TABLES_PROGRAMS_PER_SM programs an SM over the launch)
-        blocks = -(-n_blocks * n_pairs // (num_sms(dev) * SHARED_TABLES_PROGRAMS_PER_SM)) if shared else 1
-        blocks = min(max(blocks, 1), n_blocks)
-        mod._qmv_kernel[(triton.cdiv(n_blocks, blocks), n_pairs)](
+        mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
             xq.sums if xq is not None and xq.sums is not None else _dummy(dev), wr,
-            _iq2_xxs_tables(dev, SHARED_TABLES_GRID_COPIES) if iq2 else _dummy(dev), ids_t, y, n, n_units,
-            w.row_bytes, expert_bytes, up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), blocks,
-            X_DIV=x_div, HAS_IDS=has_ids,
-            QTYPE=code, ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u),
-            SWIGLU=swiglu is not None, XQ=xq is not None,
-            SHARED_TABLES=SHARED_TABLES_GRID_COPIES if shared else 0, INTERPRET=interpret_mode(),
-            num_warps=nw, **launch_options(dev, "matvec"))
+            _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
+            up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
+            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1594,8 +1436,6 @@ def quant_linear(x: torch.Tensor, w: GGMLTensor, *, config: tuple[int, ...] | No
         raise ValueError(f"quant_linear: weight must be 2-D, got {list(w.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if force is None and _q8_mma_serves(w, x2.shape[0], 1, int8):
-        return q8_mma.q8_mma_linear(x2, w).reshape(*lead, w.shape[0])
     if force is None and (tok := _token_tile_tokens(w, x2.shape[0], int8)):
         return _token_tile(x2, w, 1, tok).reshape(*lead, w.shape[0])
     if force is None and (dense := _dense_mirror(w, x2.shape[0], x.dtype)) is not None:
@@ -1784,8 +1624,6 @@ def quant_grouped_linear(x: torch.Tensor, w: GGMLTensor, groups: int, *, config:
         raise ValueError(f"quant_grouped_linear: x {list(x.shape)} and weight {list(w.shape)} do not fit "
                          f"{groups} groups")
     out_g = w.shape[0] // groups
-    if force is None and _q8_mma_serves(w, t, groups, int8):
-        return q8_mma.q8_mma_linear(x, w, groups).reshape(t, g, out_g)
     if force is None and (tok := _token_tile_tokens(w, t, int8)):
         return _token_tile(x.reshape(t * g, kin), w, g, tok).reshape(t, g, out_g)
     if force is None and (dense := _dense_mirror(w, t, x.dtype)) is not None:
