@@ -3,9 +3,9 @@
 # in docs/PROFILE.md). One stage per device call (each stays under the 600 s call limit):
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions, against the prepared Q2_K down off (<10 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off, sign ALU on (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
-#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions, against the expert-pairs kernel off (<10 min)
+#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off, sign ALU on (<10 min)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
@@ -47,12 +47,13 @@ kernels)
     ;;
 step)
     piece batched.log 560 python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False"
+        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False" \
+        --variant "sign alu: $qm.IQ2_XXS_SIGNS_BY_ALU=True"
     ;;
 step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
     piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
+        --variant "no expert pairs: $qm.EXPERT_PAIRS=False" --variant "sign alu: $qm.IQ2_XXS_SIGNS_BY_ALU=True"
     ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &
