@@ -360,6 +360,35 @@ def test_lm_eval_loglikelihood_request(client: TestClient) -> None:
     assert greedy == all(rows[len(context) + i - 1].argmax().item() == t for i, t in enumerate(continuation))
 
 
+def test_tokenizer_endpoints(client: TestClient) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval-harness's remote tokenizer reads them): a text
+    with or without the BOS a completion's text prompt gets, chat messages as the chat endpoint renders them, ids
+    back to text; bad input is a 400 / 404 naming the field."""
+    engine = client.app.state.server.engine
+    tok = engine.tokenizer
+    info = client.get("/tokenizer_info").json()
+    # the byte tokenizer's specials have no text: null, as a client expects of a token it cannot write
+    assert info["eos_token"] == (tok.decode([tok.eos_ids[0]]) or None)
+    assert info["bos_token"] == (tok.decode([tok.bos_id]) or None)
+    assert info["model_max_length"] == CTX and info["add_bos_token"] is (tok.bos_id is not None)
+    text = "def f(x):\n    return x"
+    r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == CTX
+    with_bos = client.post("/tokenize", json={"model": "tiny", "prompt": text}).json()["tokens"]
+    body = client.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "return_token_ids": True}).json()
+    assert with_bos == body["prompt_token_ids"] == [tok.bos_id, *r["tokens"]]
+    chat = client.post("/tokenize", json={"messages": CHAT}).json()["tokens"]
+    body = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "return_token_ids": True})
+    assert chat == body.json()["prompt_token_ids"]
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    _assert_error(client.post("/detokenize", json={"tokens": [10**6]}), 400, "tokens")
+    _assert_error(client.post("/detokenize", json={"tokens": [-1]}), 400)
+    _assert_error(client.post("/tokenize", json={}), 400, "prompt")
+    _assert_error(client.post("/tokenize", json={"prompt": "a", "messages": CHAT}), 400, "prompt")
+    _assert_error(client.post("/tokenize", json={"prompt": "a", "model": "other"}), 404, "model")
+    _assert_error(client.post("/tokenize", content=b"{"), 400)
+
+
 def test_completion_logprobs_with_stop_string(client: TestClient) -> None:
     """A stop string cuts the text, not the entries of the tokens generated (streamed or not)."""
     req = {"prompt": "stop here", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}

@@ -1,10 +1,14 @@
 """OpenAI-compatible HTTP API over one :class:`~ds4x.runtime.engine.Engine`.
 
-Endpoints: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions`` (streaming as server-sent events in OpenAI's chunk format, ending with
-``data: [DONE]``, or one JSON body; either carries a ``system_fingerprint`` of the build, machine and model),
-``GET /metrics`` (Prometheus text). Each ``/v1/models`` entry carries, besides OpenAI's fields, ``max_model_len``
-and a ``ds4x`` object describing the build, machine and model (:func:`ds4x.serve.info.server_info`).
+Endpoints: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``, ``POST
+/v1/chat/completions`` (streaming as server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``, or
+one JSON body; either carries a ``system_fingerprint`` of the build, machine and model), ``GET /metrics``
+(Prometheus text), and vLLM's tokenizer endpoints ``POST /tokenize`` (``prompt``, BOS first unless
+``add_special_tokens`` is false, or chat ``messages`` rendered as the chat endpoint renders them: ``tokens``,
+``count``, ``max_model_len``), ``POST /detokenize`` (``tokens`` -> ``prompt``) and ``GET /tokenizer_info`` (the BOS
+and EOS tokens' text, the context), which lm-eval-harness's ``local-completions`` finds and tokenizes with. Each
+``/v1/models`` entry carries, besides OpenAI's fields, ``max_model_len`` and a ``ds4x`` object describing the build,
+machine and model (:func:`ds4x.serve.info.server_info`).
 
 Requests are served with continuous batching by one engine worker thread (:mod:`ds4x.serve.scheduler`): each
 request gets its own session, decode steps are batched over all generating requests, prompts are evaluated in
@@ -188,6 +192,22 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any] | str] | None = None
 
 
+class TokenizeRequest(_Base):
+    """vLLM's ``/tokenize``: a text (BOS first with ``add_special_tokens``, as a completion's text prompt gets it) or
+    chat messages (rendered as the chat endpoint renders them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    thinking: bool = False
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=_MAX_INT)]]
+
+
 class ChatRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=0, le=_MAX_INT)] | None = None
@@ -347,7 +367,7 @@ class Server:
         self.templated = engine.tokenizer is not None and uses_chat_encoding(engine.tokenizer)
 
     # request -> prompt ids
-    def _check_model(self, req: _SamplingRequest) -> None:
+    def _check_model(self, req: _SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
@@ -371,6 +391,41 @@ class Server:
         if isinstance(prompt, str):
             return self._encode(prompt), self.engine.tokenizer is not None
         return list(prompt), self.engine.tokenizer is not None
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        """``/tokenize``: the ids of a text or of chat messages (exactly one of them)."""
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt (a text) or messages", param="prompt")
+        if req.messages is not None:
+            return self.chat_prompt(ChatRequest(messages=req.messages, thinking=req.thinking))
+        assert req.prompt is not None
+        return self._encode(req.prompt, bos=req.add_special_tokens)
+
+    def detokenize(self, req: DetokenizeRequest) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return tok.decode(req.tokens)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """``/tokenizer_info`` (vLLM's): what a client needs to tokenize for this server (lm-eval-harness's remote
+        tokenizer reads it): the BOS and EOS tokens' text (null where a special token has none), the context, and
+        whether a completion's text prompt gets BOS first."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+
+        def text_of(token: int | None) -> str | None:
+            return (tok.decode([token]) or None) if token is not None else None
+
+        return {"tokenizer_class": type(tok).__name__, "bos_token": text_of(tok.bos_id),
+                "eos_token": text_of(tok.eos_ids[0] if tok.eos_ids else None), "pad_token": None,
+                "add_bos_token": tok.bos_id is not None, "model_max_length": self.ctx,
+                "vocab_size": self.engine.cfg.vocab_size, "chat_template": None}
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         messages = [m.model_dump(exclude_none=False) for m in req.messages]
@@ -531,7 +586,8 @@ class Server:
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
-_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+_ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+              "/detokenize", "/tokenizer_info")
 
 
 def _endpoint(request: Request) -> str:
@@ -629,7 +685,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(request: Request, model: type[_SamplingRequest]) -> Any:
+    async def parse(request: Request, model: type[_Base]) -> Any:
         raw = await read_body(request)
         try:
             data = json.loads(raw)
@@ -644,6 +700,37 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         except ValidationError as exc:
             msg, param = _param_of(exc)
             raise APIError(400, msg, param=param) from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            req = await parse(request, TokenizeRequest)
+            server._check_model(req)
+            ids = server.tokenize(req)
+        except APIError as exc:
+            return error(exc, "/tokenize")
+        count("/tokenize", 200)
+        return JSONResponse({"count": len(ids), "max_model_len": ctx, "tokens": ids, "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = await parse(request, DetokenizeRequest)
+            server._check_model(req)
+            text = server.detokenize(req)
+        except APIError as exc:
+            return error(exc, "/detokenize")
+        count("/detokenize", 200)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        try:
+            info = server.tokenizer_info()
+        except APIError as exc:
+            return error(exc, "/tokenizer_info")
+        count("/tokenizer_info", 200)
+        return JSONResponse(info)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
