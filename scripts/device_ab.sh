@@ -6,6 +6,8 @@
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off, sign ALU on (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off, sign ALU on (<10 min)
+#   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
+#                                       # 26 s: one machine start instead of three)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
 # rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
@@ -16,10 +18,18 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if [ "$stage" = all ]; then  # each stage installs the wheels and keeps its pieces' limits; the call's own limit
+    # (600 s) bounds the sum
+    failed=0
+    for part in kernels step step32; do
+        bash "$0" "$part" || failed=1
+    done
+    exit $failed
+fi
 [ -n "${DS4X_COMMIT:-}" ] || echo "warning: DS4X_COMMIT is not set: the ledger rows say git's commit or 'unknown'" >&2
 if [ -d .whl ]; then  # whatever wheels are there (a missing folder's pattern would fail the whole install)
     shopt -s nullglob
@@ -100,7 +110,7 @@ PY
     wait "$server" 2>/dev/null
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve or step32)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32 or all)" >&2
     exit 2
     ;;
 esac
