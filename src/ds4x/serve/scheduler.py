@@ -130,11 +130,16 @@ class Piece:
 
 
 def _logprobs(logits: torch.Tensor, token: torch.Tensor, k: int) -> torch.Tensor:
-    """The logprob of ``token`` [1] under raw ``logits`` [V], then the ``k`` highest logprobs and their ids, as
-    float64 [1 + 2k] on the logits' device (not read back)."""
+    """The logprob of ``token`` [..., 1] under raw ``logits`` [..., V], then the ``k`` highest logprobs and their
+    ids, as float64 [..., 1 + 2k] on the logits' device (not read back; `_scores` reads one row)."""
     lp = logits.float().log_softmax(-1).clamp_min(_LOGPROB_FLOOR)
-    top = lp.topk(k)
-    return torch.cat([lp[token].double(), top.values.double(), top.indices.double()])
+    top = lp.topk(k, dim=-1)
+    return torch.cat([lp.gather(-1, token).double(), top.values.double(), top.indices.double()], dim=-1)
+
+
+def _scores(row: list[float], k: int) -> Scores:
+    """A token's Scores from its row of `_logprobs`, read back."""
+    return row[0], [(int(i), lp) for lp, i in zip(row[1 : 1 + k], row[1 + k : 1 + 2 * k], strict=True)]
 
 
 def _holdback(text: str, stops: list[str]) -> int:
@@ -550,12 +555,8 @@ class Scheduler:
         targets = job.prompt[req.fed + 1 : req.fed + rows.shape[0] + 1]
         if not targets:
             return
-        lp = rows[: len(targets)].float().log_softmax(-1).clamp_min(_LOGPROB_FLOOR)
-        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
-        top = lp.topk(k, dim=-1)
-        values = torch.cat([chosen.double(), top.values.double(), top.indices.double()], dim=1).tolist()
-        for v in values:
-            job.prompt_scores.append((v[0], [(int(i), lp_) for lp_, i in zip(v[1 : 1 + k], v[1 + k :], strict=True)]))
+        tokens = torch.tensor(targets, device=rows.device)[:, None]
+        job.prompt_scores += [_scores(row, k) for row in _logprobs(rows[: len(targets)], tokens, k).tolist()]
 
     def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
         batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
@@ -613,8 +614,7 @@ class Scheduler:
             scores: Scores | None = None
             k = req.job.logprobs
             if k is not None:
-                lps, ids = values[at + 1 : at + 1 + k], values[at + 1 + k : at + 1 + 2 * k]
-                scores = values[at], [(int(i), lp) for lp, i in zip(lps, ids, strict=True)]
+                scores = _scores(values[at : at + 1 + 2 * k], k)
                 at += 1 + 2 * k
             try:
                 self._take(req, int(token), scores, finished)
