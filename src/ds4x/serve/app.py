@@ -534,10 +534,10 @@ class Server:
                             for e in entries]}
 
     def completion_logprobs(self, job: Job, entries: list[TokenLogprob], echo: Echo | None = None,
-                            shift: int = 0) -> dict[str, Any]:
-        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists; with ``echo`` the prompt's
-        tokens first (the first one's logprob and alternatives null), the others' offsets after its text
-        (``shift``: that text's length, where the echo went out in an earlier chunk)."""
+                            with_prompt: bool = False) -> dict[str, Any]:
+        """A completion choice's ``logprobs``: OpenAI's legacy parallel lists. With ``echo`` the offsets count the
+        prompt's text first, and ``with_prompt`` (the choice's first chunk) puts the prompt's tokens first (the
+        first one's logprob and alternatives null)."""
         tokens: list[str] = []
         logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -556,10 +556,12 @@ class Server:
             logprobs.append(scores[0])
             tops.append(top)
 
+        shift = 0
         if echo is not None:
-            for token, scores, offset in zip(job.prompt, job.prompt_scores, echo.offsets, strict=True):
-                add(token, scores, offset)
             shift = len(echo.text)
+            if with_prompt:
+                for token, scores, offset in zip(job.prompt, job.prompt_scores, echo.offsets, strict=True):
+                    add(token, scores, offset)
         for e in entries:
             add(e.token, (e.logprob, e.top), e.offset + shift)
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -792,8 +794,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 if chat:
                     logprobs = server.chat_logprobs(job, piece.logprobs)
                 else:
-                    logprobs = server.completion_logprobs(job, piece.logprobs, echo if first else None,
-                                                          len(echo.text) if echo else 0)
+                    logprobs = server.completion_logprobs(job, piece.logprobs, echo, with_prompt=first)
             if reply is not None:
                 key = "delta" if req.stream else "message"
                 thought, answer, calls = reply.feed(piece.text, piece.finish is not None)
