@@ -30,7 +30,7 @@ multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
 
 The routed Q2_K matvec of a batched step reads x quantized once per row (``Q2_K_PREPARED_ACTIVATIONS``, from
 ``Q2_K_PREPARED_MIN_PAIRS`` pairs). Such choices are module attributes (A/B switches: that one, ``EXPERT_PAIRS``,
-``PREPARED_ACTIVATIONS``); ``scripts/device_ab.sh`` times them in a batched decode step.
+``PREPARED_ACTIVATIONS``, and ``IQ2_XXS_SIGNS_BY_ALU``, off until timed); ``scripts/device_ab.sh`` times them.
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
