@@ -71,7 +71,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -703,27 +703,29 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             msg, param = _param_of(exc)
             raise APIError(400, msg, param=param) from None
 
+    async def tokenizer_call(request: Request, endpoint: str, model: type[TokenizeRequest | DetokenizeRequest],
+                             answer: Callable[[Any], dict[str, Any]]) -> Response:
+        try:
+            req = await parse(request, model)
+            server._check_model(req)
+            body = answer(req)
+        except APIError as exc:
+            return error(exc, endpoint)
+        count(endpoint, 200)
+        return JSONResponse(body)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        try:
-            req = await parse(request, TokenizeRequest)
-            server._check_model(req)
+        def answer(req: TokenizeRequest) -> dict[str, Any]:
             ids = server.tokenize(req)
-        except APIError as exc:
-            return error(exc, "/tokenize")
-        count("/tokenize", 200)
-        return JSONResponse({"count": len(ids), "max_model_len": ctx, "tokens": ids, "token_strs": None})
+            return {"count": len(ids), "max_model_len": ctx, "tokens": ids, "token_strs": None}
+
+        return await tokenizer_call(request, "/tokenize", TokenizeRequest, answer)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        try:
-            req = await parse(request, DetokenizeRequest)
-            server._check_model(req)
-            text = server.detokenize(req)
-        except APIError as exc:
-            return error(exc, "/detokenize")
-        count("/detokenize", 200)
-        return JSONResponse({"prompt": text})
+        return await tokenizer_call(request, "/detokenize", DetokenizeRequest,
+                                    lambda req: {"prompt": server.detokenize(req)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
