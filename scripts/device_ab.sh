@@ -98,6 +98,9 @@ PY
         piece serve_bench.log 400 python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency \
             "${DS4X_AB_CONCURRENCY:-1,8,32}" --seconds "${DS4X_AB_SECONDS:-60}" --gen-tokens 384 --temperature 0.2 \
             --ignore-eos --ledger "$out/serve_ledger.jsonl"
+        # the server's own split of a step (model vs sampling and delivery), batch sizes, prefill calls
+        python -c 'import httpx; print(httpx.get("http://127.0.0.1:8765/metrics", timeout=10).text)' \
+            > "$out/metrics.txt" 2>&1
     else
         status=1
     fi
