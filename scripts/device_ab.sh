@@ -3,9 +3,9 @@
 # in docs/PROFILE.md). One stage per device call (each stays under the 600 s call limit):
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off, sign ALU on (<10 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
-#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off, sign ALU on (<10 min)
+#   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -57,13 +57,12 @@ kernels)
     ;;
 step)
     piece batched.log 560 python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False" \
-        --variant "sign alu: $qm.IQ2_XXS_SIGNS_BY_ALU=True"
+        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False"
     ;;
 step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
     piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "no expert pairs: $qm.EXPERT_PAIRS=False" --variant "sign alu: $qm.IQ2_XXS_SIGNS_BY_ALU=True"
+        --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
     ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &

@@ -7,7 +7,7 @@ and inside its K loop (the range closed by the first backward branch around the 
 ``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 
-    PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1] [--sign-alu 0,1]
+    PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
 """
 
@@ -40,18 +40,16 @@ def _nvdisasm_tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool, sign_alu: bool = False
-                ) -> triton.compiler.CompiledKernel:
+def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compiler.CompiledKernel:
     """``_qmv_kernel`` as a decode step launches it for the routed experts: ids, int8 activations, PDL; IQ2_XXS (split
-    rows, code 17) as the fused gate / up + SwiGLU (``sign_alu``: its sign words computed), Q2_K (code 10) as the
-    down projection."""
+    rows, code 17) as the fused gate / up + SwiGLU, Q2_K (code 10) as the down projection."""
     fn = quant_matmul._kernels()._qmv_kernel
     names = fn.arg_names
     pointers = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "w_ptr": "*u8",
                 "grid_ptr": "*i32", "ids_ptr": "*i32", "y_ptr": "*bf16"}
     r, u, warps = tile
     consts = {"X_DIV": 1, "HAS_IDS": True, "QTYPE": code, "ACT8": True, "R": r, "U": u, "SWIGLU": code == 17,
-              "XQ": xq, "INTERPRET": False, "SIGN_ALU": sign_alu and code == 17, "PDL": True}
+              "XQ": xq, "INTERPRET": False, "PDL": True}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "limit" else "i32") for a in names}
     divisible = set(pointers) | {"row_bytes", "expert_bytes", "up_bytes", "n_units", "stride_x", "stride_y"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in divisible}
@@ -123,13 +121,11 @@ def main_qmv(args: argparse.Namespace) -> bool:
     for spec in args.tile:
         tile = tuple(int(v) for v in spec.split(","))
         for xq in (bool(int(v)) for v in args.xq.split(",")):
-            for sign_alu in (bool(int(v)) for v in args.sign_alu.split(",")):
-                tag = f"qmv_{args.qtype}_r{tile[0]}_u{tile[1]}_w{tile[2]}_xq{int(xq)}" + "_signalu" * sign_alu
-                kernel = compile_qmv(code, tile, xq, sign_alu)  # type: ignore[arg-type]
-                _, spill = report(kernel, args.dump, tag, "IDP")
-                if spill:
-                    print("   !! local memory in use (spills)")
-                    ok = False
+            tag = f"qmv_{args.qtype}_r{tile[0]}_u{tile[1]}_w{tile[2]}_xq{int(xq)}"
+            _, spill = report(compile_qmv(code, tile, xq), args.dump, tag, "IDP")  # type: ignore[arg-type]
+            if spill:
+                print("   !! local memory in use (spills)")
+                ok = False
     return ok
 
 
@@ -140,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     qmv.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
     qmv.add_argument("--tile", nargs="+", default=["8,64,2", "8,128,4"], help="R,U,warps tiles")
     qmv.add_argument("--xq", default="1", help="x quantized beforehand: 1, in the kernel: 0 (comma-separated)")
-    qmv.add_argument("--sign-alu", default="0", help="IQ2_XXS sign words computed: 1, looked up: 0 (comma-separated)")
     qmv.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
     return 0 if main_qmv(args) else 1

@@ -3,11 +3,10 @@
 up with SwiGLU in one launch (IQ2_XXS, 2 x 256 experts of 2048 x 4096, split rows) and down (Q2_K, 256 experts of
 4096 x 2048), for T tokens x 6 experts and each (R rows, U units, warps) tile. Every call of a CUDA graph of 16
 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading x
-quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "xq
-sign alu": that with ``IQ2_XXS_SIGNS_BY_ALU`` on; "down": x quantized in every program
-(``Q2_K_PREPARED_ACTIVATIONS`` off); "down xq": with it on (x quantized with its groups' sums in one more launch,
-timed in, at any number of pairs here; the default from ``Q2_K_PREPARED_MIN_PAIRS``). The figures behind
-``ds4x.kernels.quant_matmul.MATVEC_TILES``.
+quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down":
+x quantized in every program (``Q2_K_PREPARED_ACTIVATIONS`` off); "down xq": with it on (x quantized with its
+groups' sums in one more launch, timed in, at any number of pairs here; the default from
+``Q2_K_PREPARED_MIN_PAIRS``). The figures behind ``ds4x.kernels.quant_matmul.MATVEC_TILES``.
 
     PYTHONPATH=src python scripts/routed_matvec_sweep.py --tokens 1,8,32 --ledger benchmarks/ledger.jsonl
 
@@ -27,7 +26,6 @@ from ds4x.bench.variants import variant_applied
 GATE_UP = ["16,64,2", "8,64,2", "32,64,2", "16,32,1", "32,32,1", "16,64,1", "16,128,4", "32,128,4", "16,128,2"]
 DOWN = ["8,32,1", "2,32,1", "4,32,1", "16,32,1", "32,32,1"]
 PREPARED_DOWN = {"Q2_K_PREPARED_ACTIVATIONS": True, "Q2_K_PREPARED_MIN_PAIRS": 1}
-SIGN_ALU = {"IQ2_XXS_SIGNS_BY_ALU": True}
 PER_PROGRAM_DOWN = {"Q2_K_PREPARED_ACTIVATIONS": False}  # the default from Q2_K_PREPARED_MIN_PAIRS pairs is "xq"
 COPY_GB_S = 4260  # the H200's measured copy bandwidth (read + write), DESIGN §7
 
@@ -83,11 +81,6 @@ def main() -> int:
             ("gate/up+swiglu xq", tiles(args.gate_up), t * k * 2 * inter * w13.row_bytes,
              lambda cfg, ids, x=x, xq=xq: qm.quant_routed_swiglu(x, w13, ids, 10.0, config=cfg, xq=xq),
              f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU", "routed swiglu int8, x quantized once"),
-            ("gate/up+swiglu xq sign alu", tiles(args.gate_up), t * k * 2 * inter * w13.row_bytes,
-             lambda cfg, ids, x=x, xq=xq: switched(qm, SIGN_ALU, qm.quant_routed_swiglu, x, w13, ids, 10.0,
-                                                   config=cfg, xq=xq),
-             f"IQ2_XXS split 2x(2048x4096) x{k} routed + SwiGLU",
-             "routed swiglu int8, x quantized once, sign words computed"),
             ("down", tiles(args.down), t * k * hidden * w2.row_bytes,
              lambda cfg, ids, h=h, t=t: switched(qm, PER_PROGRAM_DOWN, qm.quant_matmul_routed, h, w2,
                                                  ids.reshape(t * k, 1), config=cfg),

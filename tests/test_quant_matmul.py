@@ -278,37 +278,6 @@ def test_routed_swiglu_decodes_each_expert_once_for_its_pairs_interpreter(interp
     assert (want.float().abs() > 0).all()  # every pair's row written
 
 
-def test_iq2_xxs_sign_words_by_arithmetic_give_the_same_bits_interpreter(interp, monkeypatch):
-    # IQ2_XXS_SIGNS_BY_ALU computes each sign word instead of looking it up: the same words, so the same bits in
-    # every IQ2_XXS matvec (float and int8 activations, the file's blocks and split rows, the routed SwiGLU, the
-    # expert pairs); every one of the 128 sign indices is met (random blocks of 4 x 9 x 2048 weights)
-    n_exp, n, k, limit = 4, 9, 2048, 0.25
-    w13 = weight(T.IQ2_XXS, (2 * n_exp, n, k), seed=77)
-    signs = torch.from_numpy(w13.raw.numpy().reshape(-1, 66)[:, 2:].copy()).view(torch.int32)[:, 1::2]
-    assert set(((signs[..., None] >> torch.tensor([0, 7, 14, 21])) & 127).flatten().tolist()) == set(range(128))
-    g = torch.Generator().manual_seed(78)
-    x = torch.randn(5, k, generator=g).to(torch.bfloat16)
-    ids = torch.tensor([[0, 1, 2], [0, 3, 1], [2, 0, 3], [1, 2, 3], [3, 0, 1]])
-    xq = qm.quantize_activations(x)
-
-    def run() -> list[torch.Tensor]:
-        out = []
-        for w in (w13, w13.split()):
-            for int8 in (False, True):
-                out.append(qm.quant_matmul_routed(x[:2], w, ids[:2], config=MV, force="mv", int8=int8))
-        out.append(qm.quant_routed_swiglu(x, w13.split(), ids, limit, config=MV, int8=True, xq=xq))
-        monkeypatch.setattr(qm, "EXPERT_PAIRS_MIN", 2)
-        out.append(qm.quant_routed_swiglu(x, w13.split(), ids, limit, config=MV, int8=True, xq=xq))
-        monkeypatch.setattr(qm, "EXPERT_PAIRS_MIN", 192)
-        return out
-
-    want = run()
-    monkeypatch.setattr(qm, "IQ2_XXS_SIGNS_BY_ALU", True)
-    for a, b in zip(run(), want, strict=True):
-        assert torch.equal(a, b)
-    assert all((b.float() != 0).any() for b in want)
-
-
 def test_routed_q2_k_reads_x_quantized_once_interpreter(interp, monkeypatch):
     # the routed down projection's form (one x row per pair) past Q2_K_PREPARED_MIN_PAIRS: x quantized once per row
     # with its groups' sums gives the bits of each program quantizing it; fewer pairs keep the per-program path
@@ -539,25 +508,6 @@ def test_gpu_routed_q2_k_prepared_activations_give_the_same_bits(monkeypatch, t)
     got = qm.quant_matmul_routed(x, w2, ids, force="mv", int8=True)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8, 32])
-def test_gpu_iq2_xxs_sign_words_by_arithmetic_give_the_same_bits(monkeypatch, t):
-    """Flash's routed gate / up + SwiGLU (IQ2_XXS split rows, 6 experts a token, x quantized once; 32 tokens take
-    the expert-pairs kernel) with the sign words computed (IQ2_XXS_SIGNS_BY_ALU): the bits of looking them up."""
-    g = torch.Generator(device="cuda").manual_seed(6)
-    n_exp, n, k = 64, 2048, 4096
-    w13 = GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, n, k), g), T.IQ2_XXS, (2 * n_exp, n, k)).split()
-    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(n_exp, device="cuda", generator=g)[:6] for _ in range(t)])
-    xq = qm.quantize_activations(x)
-    monkeypatch.setattr(qm, "EXPERT_PAIRS_MIN", 192)
-    want = qm.quant_routed_swiglu(x, w13, ids, 10.0, xq=xq)
-    monkeypatch.setattr(qm, "IQ2_XXS_SIGNS_BY_ALU", True)
-    got = qm.quant_routed_swiglu(x, w13, ids, 10.0, xq=xq)
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) and (want != 0).any()
 
 
 def test_startup_line_names_the_routed_decode_kernels(monkeypatch):

@@ -30,7 +30,7 @@ multiplied on the tensor cores; see ``WGMMA_MIN_PAIRS_PER_EXPERT``).
 
 The routed Q2_K matvec of a batched step reads x quantized once per row (``Q2_K_PREPARED_ACTIVATIONS``, from
 ``Q2_K_PREPARED_MIN_PAIRS`` pairs). Such choices are module attributes (A/B switches: that one, ``EXPERT_PAIRS``,
-``PREPARED_ACTIVATIONS``, and ``IQ2_XXS_SIGNS_BY_ALU``, off until timed); ``scripts/device_ab.sh`` times them.
+``PREPARED_ACTIVATIONS``); ``scripts/device_ab.sh`` times them in a batched decode step.
 
 Both take an optional expert id per (activation row, slot) pair: the routed-expert form
 ``y[t, j] = x[t] @ W[ids[t, j]].T`` (and the grouped output projection, whose groups are "experts"
@@ -595,52 +595,27 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _sign_nibbles(s):
-        # a 7-bit sign index -> the sign table's word (_iq2_xxs_tables, 256 + s) by arithmetic: weight j's sign
-        # (the 8th: the parity of the 7) at bit 2 of nibble j, the 8 bits spread a nibble apart in three steps
-        p = s ^ (s >> 4)
-        p = p ^ (p >> 2)
-        p = p ^ (p >> 1)
-        x = s | ((p & 1) << 7)
-        x = (x | (x << 12)) & 0x000F000F
-        x = (x | (x << 6)) & 0x03030303
-        x = (x | (x << 3)) & 0x11111111
-        return x << 2
-
-    @triton.jit
     def _selectors(g01, g23, aux, tables):
-        # the permute selectors of a unit's 4 grid entries, grid nibbles | sign bits: the table entries in one
+        # the permute selectors of a unit's 4 grid entries, grid nibbles | sign bits: the 8 table entries in one
         # tl.gather from the register copy of the tables, which goes through shared memory (measured against
         # 8 gathers from global memory, H200, routed gate / up at one token: the same with int8 activations,
-        # float activations 30.6 against 31.7 us in the file's blocks, 28.4 against 39.9 in split rows). A copy of
-        # the grid alone (256 entries: IQ2_XXS_SIGNS_BY_ALU) gathers the 4 grid entries and computes the 4 sign
-        # words (_sign_nibbles): half the shared-memory lookups, ~14 more integer operations per sign word
-        if tables.shape[0] == 256:
-            idx = tl.join(tl.join(g01 & 255, g01 >> 8), tl.join(g23 & 255, g23 >> 8))
-            n4: tl.constexpr = g01.shape[0] * g01.shape[1] * 4
-            v = tl.reshape(tl.gather(tables, tl.reshape(idx, (n4,)), 0), idx.shape)
-            a, b = tl.split(v)
-            g0, g1 = tl.split(a)
-            g2, g3 = tl.split(b)
-            s0 = _sign_nibbles(aux & 127)
-            s1 = _sign_nibbles((aux >> 7) & 127)
-            s2 = _sign_nibbles((aux >> 14) & 127)
-            s3 = _sign_nibbles((aux >> 21) & 127)
-        else:
-            i0 = tl.join(g01 & 255, 256 + (aux & 127))
-            i1 = tl.join(g01 >> 8, 256 + ((aux >> 7) & 127))
-            i2 = tl.join(g23 & 255, 256 + ((aux >> 14) & 127))
-            i3 = tl.join(g23 >> 8, 256 + ((aux >> 21) & 127))
-            idx = tl.join(tl.join(i0, i1), tl.join(i2, i3))
-            n: tl.constexpr = g01.shape[0] * g01.shape[1] * 8
-            v = tl.reshape(tl.gather(tables, tl.reshape(idx, (n,)), 0), idx.shape)
-            a, b = tl.split(v)
-            a0, a1 = tl.split(a)
-            b0, b1 = tl.split(b)
-            g0, s0 = tl.split(a0)
-            g1, s1 = tl.split(a1)
-            g2, s2 = tl.split(b0)
-            g3, s3 = tl.split(b1)
+        # float activations 30.6 against 31.7 us in the file's blocks, 28.4 against 39.9 in split rows). Computing
+        # the 4 sign words instead of gathering them (half the lookups, ~14 integer operations a word) lost: routed
+        # gate / up at 8 tokens 149.5 against 115.9 us, at one 23.6 against 19.3 (H200, 9b23302; PROFILE)
+        i0 = tl.join(g01 & 255, 256 + (aux & 127))
+        i1 = tl.join(g01 >> 8, 256 + ((aux >> 7) & 127))
+        i2 = tl.join(g23 & 255, 256 + ((aux >> 14) & 127))
+        i3 = tl.join(g23 >> 8, 256 + ((aux >> 21) & 127))
+        idx = tl.join(tl.join(i0, i1), tl.join(i2, i3))
+        n: tl.constexpr = g01.shape[0] * g01.shape[1] * 8
+        v = tl.reshape(tl.gather(tables, tl.reshape(idx, (n,)), 0), idx.shape)
+        a, b = tl.split(v)
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        g0, s0 = tl.split(a0)
+        g1, s1 = tl.split(a1)
+        g2, s2 = tl.split(b0)
+        g3, s3 = tl.split(b1)
         return g0 | s0, g1 | s1, g2 | s2, g3 | s3
 
     @triton.jit
@@ -796,11 +771,9 @@ if HAVE_TRITON:
         tl.store(y_ptr + pair.to(tl.int64) * stride_y + cols, h.to(y_ptr.dtype.element_ty), mask=cols < N)
 
     @triton.jit
-    def _iq2_xxs_tables_tile(grid_ptr, SIGN_ALU: tl.constexpr):
-        # the grid and sign tables (_iq2_xxs_tables) in registers, for tl.gather; SIGN_ALU: the grid alone (the
-        # sign words computed, see _selectors, which tells the two apart by the tile's size)
-        n: tl.constexpr = 256 if SIGN_ALU else 512
-        t = tl.arange(0, n)
+    def _iq2_xxs_tables_tile(grid_ptr):
+        # the grid and sign tables (_iq2_xxs_tables) in registers, for tl.gather
+        t = tl.arange(0, 512)
         return tl.load(grid_ptr + t, mask=t < 384, other=0)
 
     @triton.jit
@@ -836,11 +809,9 @@ if HAVE_TRITON:
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes,
                     expert_bytes, up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
-                    XQ: tl.constexpr, INTERPRET: tl.constexpr, SIGN_ALU: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
-        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
-        # SIGN_ALU (IQ2_XXS): the sign words computed instead of looked up (IQ2_XXS_SIGNS_BY_ALU)
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
         pair = tl.program_id(1)
         wait_upstream(PDL, RELEASE=True)
         if HAS_IDS:
@@ -858,7 +829,7 @@ if HAVE_TRITON:
         xsp = xs_ptr + xrow * n_groups
         xsump = xsum_ptr + xrow * n_groups
         if QTYPE == 16 or QTYPE == 17:
-            tables = _iq2_xxs_tables_tile(grid_ptr, SIGN_ALU)
+            tables = _iq2_xxs_tables_tile(grid_ptr)
         else:
             tables = 0
         _qmv_block(tl.program_id(0), pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, y_ptr, N, n_units,
@@ -887,7 +858,7 @@ if HAVE_TRITON:
     def _qmv_expert_pairs_kernel(xq_ptr, xs_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, n_pairs, row_bytes,
                                  expert_bytes, up_bytes, limit, stride_y, X_DIV: tl.constexpr, R: tl.constexpr,
                                  U: tl.constexpr, PB: tl.constexpr, INTERPRET: tl.constexpr,
-                                 SIGN_ALU: tl.constexpr = False, PDL: tl.constexpr = False):
+                                 PDL: tl.constexpr = False):
         # _qmv_kernel's routed IQ2_XXS gate / up + SwiGLU (split rows, x quantized beforehand) with each expert's
         # rows decoded once for two of its pairs: program (row block, pair) runs only where its pair is the first
         # of its expert, and then all of that expert's pairs, two at a time, each with the operations (the bits)
@@ -901,7 +872,7 @@ if HAVE_TRITON:
         if tl.min(tl.where(match, allp, PB)) == slot:
             rowp = _swiglu_rows(w_ptr, e.to(tl.int64), pid_n, N, row_bytes, expert_bytes, up_bytes, R)
             kb = n_units * 8
-            tables = _iq2_xxs_tables_tile(grid_ptr, SIGN_ALU)
+            tables = _iq2_xxs_tables_tile(grid_ptr)
             left = match
             n_left = tl.sum(match.to(tl.int32))
             while n_left > 0:
@@ -1336,8 +1307,8 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             mod._qmv_expert_pairs_kernel[(triton.cdiv(n, r // 2), n_pairs)](
                 xq.codes, xq.scales, wr, _iq2_xxs_tables(dev), ids_t, y, n, n_units, n_pairs, w.row_bytes,
                 expert_bytes, up_bytes, float(swiglu), y.stride(0), X_DIV=x_div, R=r, U=_fit_units(n_units, u),
-                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), SIGN_ALU=IQ2_XXS_SIGNS_BY_ALU,
-                num_warps=nw, **launch_options(dev, "matvec"))
+                PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw,
+                **launch_options(dev, "matvec"))
             return y
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
@@ -1345,8 +1316,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
-            XQ=xq is not None, INTERPRET=interpret_mode(), SIGN_ALU=iq2 and IQ2_XXS_SIGNS_BY_ALU, num_warps=nw,
-            **launch_options(dev, "matvec"))
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1619,13 +1589,6 @@ Q2_K_PREPARED_MIN_PAIRS = 8
 EXPERT_PAIRS = True
 EXPERT_PAIRS_MIN = 192
 EXPERT_PAIRS_MAX = 1024
-# The IQ2_XXS matvecs (routed gate / up) gather a unit's 4 grid entries and 4 sign words from the register copy of
-# the tables, through shared memory, where ncu found the loop waiting (L1 LSU 94% busy at 8 tokens, many bank
-# conflicts); True: they gather the grid entries only and compute each sign word (_sign_nibbles: the parity and
-# a bit spread, ~14 integer operations), half the lookups for more arithmetic. The same words, so the same bits
-# (interpreter test). Not yet timed on a GPU, so off: `scripts/batched_decode.py --variant 'sign alu:
-# ds4x.kernels.quant_matmul.IQ2_XXS_SIGNS_BY_ALU=True'` and `scripts/routed_matvec_sweep.py` ("sign alu" rows)
-IQ2_XXS_SIGNS_BY_ALU = False
 
 
 def _swiglu_serves(x: torch.Tensor, w13: GGMLTensor, pairs: int, config: tuple[int, ...] | None) -> bool:
