@@ -302,8 +302,12 @@ def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
         lines: list[str] = []
         if warm:
             sched.warm_up(lines.append)
-            assert lines == [f"a prompt chunk of {CHUNK} tokens", "the decode step of 1 session",
-                             "the decode step of 2 sessions", "the decode step of 4 sessions"]
+            assert lines == [f"a prompt call of {CHUNK} tokens in 1 session",
+                             f"a prompt call of {CHUNK - 1} tokens in 1 session",
+                             f"a prompt call of {4 * CHUNK} tokens in 4 sessions",
+                             f"a prompt call of {4 * CHUNK - 1} tokens in 4 sessions",
+                             "the decode step of 1 session", "the decode step of 2 sessions",
+                             "the decode step of 4 sessions"]
             assert sched.stats.steps == 0 and sched.slots is not None and len(sched.slots.free) == 4
         got: dict[int, list] = {i: [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):
@@ -322,6 +326,20 @@ def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
     lines: list[str] = []
     eager.warm_up(lines.append)
     assert lines == []
+
+
+def test_warm_prompt_calls_cover_one_chunk_and_the_prefill_budget(engine: Engine) -> None:
+    """The warm-up's prompt calls: a chunk and the whole prefill budget (as many sessions as it takes, at most the
+    slots), each also one token short; a context shorter than the chunk caps the lengths."""
+    def calls(**kw) -> list[list[int]]:
+        return Scheduler(engine, kw.pop("ctx", CTX), "packed", kv_budget=2**30, slots=True, **kw).warm_prompt_calls()
+
+    assert calls(prefill_chunk=32, max_batch=8) == [[32], [31], [32] * 4, [32, 32, 32, 31]]
+    assert calls(prefill_chunk=32, max_batch=8, prefill_budget=80) == [[32], [31], [32, 32, 16], [32, 32, 15]]
+    assert calls(prefill_chunk=32, max_batch=2) == [[32], [31], [32, 32], [32, 31]]
+    assert calls(prefill_chunk=32, max_batch=1) == [[32], [31]]
+    assert calls(prefill_chunk=32, max_batch=4, prefill_budget=33) == [[32], [31], [32, 1]]
+    assert calls(ctx=2, prefill_chunk=32, max_batch=1, prefill_budget=32) == [[1]]
 
 
 def test_prompt_logprobs_across_prefill_chunks(engine: Engine) -> None:

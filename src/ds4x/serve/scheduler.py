@@ -337,25 +337,43 @@ class Scheduler:
     # ---- called from the server (any thread) ---------------------------------------------------------------
 
     def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
-        """Before `start`, where decode runs from CUDA graphs: evaluate one prompt chunk and make the decode step of
-        every batch size (`DecodeSlots.warm_up`), so that no request waits while kernels compile and graphs are
-        captured. ``progress`` gets a line per piece. A no-op for the eager decode (nothing is captured)."""
+        """Before `start`, where decode runs from CUDA graphs: evaluate the prompt calls of `warm_prompt_calls` and
+        make the decode step of every batch size (`DecodeSlots.warm_up`), so that no request waits while kernels
+        compile and graphs are captured. ``progress`` gets a line per piece. A no-op for the eager decode (nothing
+        is captured)."""
         if self._thread is not None:
             raise RuntimeError("warm up before the scheduler starts")
         if self.slots is None:
             return
-        n = min(self.chunk, self.ctx - 1)  # leaves a row for the decode steps' token
-        if n > 0:
-            cache = self.slots.acquire()
+        vocab = self.engine.cfg.vocab_size
+        for lengths in self.warm_prompt_calls():
+            caches = [self.slots.acquire() for _ in lengths]
             try:
-                vocab = self.engine.cfg.vocab_size
-                step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])],
-                              rowwise=self.rowwise)
+                step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])
+                               for cache, n in zip(caches, lengths, strict=True)], rowwise=self.rowwise)
             finally:
-                self.slots.release(cache)
+                for cache in caches:
+                    self.slots.release(cache)
             if progress:
-                progress(f"a prompt chunk of {n} token{'s' * (n > 1)}")
+                n = sum(lengths)
+                progress(f"a prompt call of {n} token{'s' * (n > 1)} in {len(lengths)} "
+                         f"session{'s' * (len(lengths) > 1)}")
         self.slots.warm_up(lambda b: progress and progress(f"the decode step of {b} session{'s' * (b > 1)}"))
+
+    def warm_prompt_calls(self) -> list[list[int]]:
+        """The prompt calls the warm-up evaluates, each a list of per-session token counts: one prefill chunk, and
+        a full ``prefill_budget`` over as many sessions as it takes (the routed experts' kernel picks its tiles by
+        tokens per expert, so a call of several prompts meets other kernels than one chunk does), each also one
+        token short (Triton compiles a kernel again for an integer argument that is not a multiple of 16)."""
+        assert self.slots is not None
+        n = min(self.chunk, self.ctx - 1)  # leaves a row for the decode steps' token
+        k = min(-(-self.prefill_budget // n), self.slots.capacity)
+        full = [n] * (k - 1) + [min(n, self.prefill_budget - n * (k - 1))]
+        calls = []
+        for lengths in ([n], full):
+            short = lengths[:-1] + [lengths[-1] - 1] if lengths[-1] > 1 else lengths[:-1]
+            calls += [c for c in (lengths, short) if c and c not in calls]
+        return calls
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="ds4x-engine", daemon=True)
