@@ -6,6 +6,7 @@
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
+#   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -18,7 +19,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -63,6 +64,10 @@ step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
     piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
         --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
+    ;;
+prefill)
+    piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
+        --profile
     ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &
@@ -112,7 +117,7 @@ PY
     wait "$server" 2>/dev/null
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32 or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill or all)" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,106 @@
+"""Time the server's prompt calls: several sessions' prompts evaluated in one model call (``step_sessions``), as
+``ds4x serve``'s scheduler makes them, after the server's warm-up, in the server's dtype.
+
+Under issue 6's harness at 32 streams the streams finish together and their next prompts queue for such calls,
+during which no stream decodes (docs/PROFILE.md, 2026-12-05 third). This prints, per number of sessions, the first
+call (a compile shows here) and the median of the others, and with ``--profile`` the kernels of the largest call
+by device time.
+
+    PYTHONPATH=src python scripts/prefill_calls.py [-m flash:q2] [--sessions 1,2,4,8] [--prompt-tokens 130]
+        [--rounds 3] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from ds4x.runtime.batch import step_sessions
+from ds4x.runtime.engine import Engine, Session
+from ds4x.serve.scheduler import Scheduler, default_kv_budget
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_call(sched: Scheduler, lengths: list[int], rng: random.Random) -> float:
+    """Seconds of one prompt call of fresh sessions with ``lengths`` random tokens each (slots freed after)."""
+    assert sched.slots is not None
+    engine, vocab = sched.engine, sched.engine.cfg.vocab_size
+    caches = [sched.slots.acquire() for _ in lengths]
+    try:
+        items = [(Session(engine, c, sched.chunk), [rng.randrange(vocab) for _ in range(n)])
+                 for c, n in zip(caches, lengths, strict=True)]
+        _sync(engine.model.device)
+        t0 = time.perf_counter()
+        step_sessions(items, rowwise=sched.rowwise)
+        _sync(engine.model.device)
+        return time.perf_counter() - t0
+    finally:
+        for c in caches:
+            sched.slots.release(c)
+
+
+def profile_call(sched: Scheduler, lengths: list[int], rng: random.Random, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        wall = timed_call(sched, lengths, rng)
+    events = prof.key_averages()
+    on_device = sched.engine.model.device.type == "cuda"
+
+    def self_us(e) -> float:  # kernels' time on a GPU, the operators' own CPU time on the CPU
+        return e.self_device_time_total if on_device else e.self_cpu_time_total
+
+    print(f"\nprofile of {len(lengths)} sessions x {lengths[0]} tokens: wall {wall * 1e3:.1f} ms, "
+          f"{'kernels' if on_device else 'operators'} {sum(map(self_us, events)) / 1e3:.1f} ms")
+    for e in sorted(events, key=lambda e: -self_us(e))[:top]:
+        print(f"  {self_us(e) / 1e3:9.2f} ms {e.count:6d}x  {e.key[:100]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default="flash:q2")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="as ds4x serve: auto is bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--sessions", default="1,2,4,8", help="sessions per call (comma-separated)")
+    ap.add_argument("--prompt-tokens", type=int, default=130)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="kernels of the call with the most sessions")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args(argv)
+    sizes = [int(v) for v in args.sessions.split(",")]
+    if args.rounds < 2 or min(sizes) < 1 or not 0 < args.prompt_tokens <= args.prefill_chunk:
+        ap.error("--rounds must be >= 2, sessions >= 1, and 0 < --prompt-tokens <= --prefill-chunk")
+
+    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    sched = Scheduler(engine, args.ctx, "packed", prefill_chunk=args.prefill_chunk, max_batch=max(sizes),
+                      kv_budget=default_kv_budget(engine.model.device), slots=True,
+                      prefill_budget=max(sizes) * args.prefill_chunk)
+    t0 = time.perf_counter()
+    sched.warm_up()
+    print(f"{args.model} ({engine.model.dtype}) on {engine.model.device}; warm-up {time.perf_counter() - t0:.1f} s")
+    rng = random.Random(0)
+    print("sessions  tokens  first ms  median ms    tok/s")
+    for n in sizes:
+        lengths = [args.prompt_tokens] * n
+        times = [timed_call(sched, lengths, rng) for _ in range(args.rounds)]
+        med = statistics.median(times[1:])
+        print(f"{n:8d} {n * args.prompt_tokens:7d} {times[0] * 1e3:9.1f} {med * 1e3:10.1f} "
+              f"{n * args.prompt_tokens / med:8.0f}")
+    if args.profile:
+        profile_call(sched, [args.prompt_tokens] * max(sizes), rng, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
