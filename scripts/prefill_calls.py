@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from ds4x.runtime.batch import step_sessions
-from ds4x.runtime.engine import Engine, Session
+from ds4x.runtime.engine import Engine
 from ds4x.serve.scheduler import Scheduler, default_kv_budget
 
 
@@ -32,19 +31,13 @@ def _sync(device: torch.device) -> None:
 def timed_call(sched: Scheduler, lengths: list[int], rng: random.Random) -> float:
     """Seconds of one prompt call of fresh sessions with ``lengths`` random tokens each (slots freed after)."""
     assert sched.slots is not None
-    engine, vocab = sched.engine, sched.engine.cfg.vocab_size
-    caches = [sched.slots.acquire() for _ in lengths]
-    try:
-        items = [(Session(engine, c, sched.chunk), [rng.randrange(vocab) for _ in range(n)])
-                 for c, n in zip(caches, lengths, strict=True)]
-        _sync(engine.model.device)
-        t0 = time.perf_counter()
-        step_sessions(items, rowwise=sched.rowwise)
-        _sync(engine.model.device)
-        return time.perf_counter() - t0
-    finally:
-        for c in caches:
-            sched.slots.release(c)
+    vocab, device = sched.engine.cfg.vocab_size, sched.engine.model.device
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    _sync(device)
+    t0 = time.perf_counter()
+    sched.slots.evaluate_prompts(prompts)
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def profile_call(sched: Scheduler, lengths: list[int], rng: random.Random, top: int) -> None:

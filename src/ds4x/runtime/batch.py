@@ -130,6 +130,17 @@ class DecodeSlots:
             for session in sessions:
                 self.release(session.cache)
 
+    def evaluate_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Evaluate ``prompts`` in one model call (`step_sessions`), each in a fresh cache of the pool, and free
+        those caches again: a prompt call as a server makes it, for warming up or timing (nothing is kept)."""
+        caches = [self.acquire() for _ in prompts]
+        try:
+            sessions = [Session(self.engine, cache, self.chunk) for cache in caches]
+            step_sessions(list(zip(sessions, prompts, strict=True)), rowwise=self.rowwise)
+        finally:
+            for cache in caches:
+                self.release(cache)
+
     def decode(self, items: Sequence[tuple[Session, int]]) -> list[torch.Tensor]:
         """Advance each session (its cache from this pool) by one token; return each one's logits [V]."""
         if not items:

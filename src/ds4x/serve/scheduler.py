@@ -347,13 +347,7 @@ class Scheduler:
             return
         vocab = self.engine.cfg.vocab_size
         for lengths in self.warm_prompt_calls():
-            caches = [self.slots.acquire() for _ in lengths]
-            try:
-                step_sessions([(Session(self.engine, cache, self.chunk), [(7 * i + 1) % vocab for i in range(n)])
-                               for cache, n in zip(caches, lengths, strict=True)], rowwise=self.rowwise)
-            finally:
-                for cache in caches:
-                    self.slots.release(cache)
+            self.slots.evaluate_prompts([[(7 * i + 1) % vocab for i in range(n)] for n in lengths])
             if progress:
                 n = sum(lengths)
                 progress(f"a prompt call of {n} token{'s' * (n > 1)} in {len(lengths)} "
