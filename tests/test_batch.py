@@ -94,7 +94,8 @@ def test_batch_errors(engine: Engine) -> None:
 
 def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: Engine) -> None:
     """Sessions in a pool of decode slots (the server's CUDA path, stepped eagerly here) decode exactly as alone,
-    while free and prompt-reading slots inside the stepped range are stepped with throwaway rows."""
+    while free and prompt-reading slots inside the stepped range are stepped with throwaway rows. A token may come
+    as a device tensor (one the host has not read): the same step, and the session's ids are left to the caller."""
     pool = DecodeSlots(engine, 512, "packed", 64, capacity=6, rowwise=True)
     assert pool.sizes == [1, 2, 4, 6]
     alone = [engine.new_session(ctx=512, cache="packed", prefill_chunk=64, announce=False) for _ in range(3)]
@@ -112,10 +113,14 @@ def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: E
         a.prefill(ids)
         b.prefill(ids)
     ta = tb = [int(a.logits.argmax()) for a in alone[:2]]
+    held_ids = len(stepping[1].tokens)
     for _ in range(24):
         ta = [int(a.step(t).argmax()) for a, t in zip(alone, ta, strict=False)]
-        tb = [int(x.argmax()) for x in pool.decode(list(zip(stepping, tb, strict=True)))]
+        given = [tb[0], torch.tensor([tb[1]])]  # the second session's token as a device tensor
+        tb = [int(x.argmax()) for x in pool.decode(list(zip(stepping, given, strict=True)))]
         assert ta == tb
+    assert len(stepping[0].tokens) == stepping[0].cache.length
+    assert len(stepping[1].tokens) == held_ids and stepping[1].cache.length == held_ids + 24
     assert set(pool.steps) == {4}  # the highest stepping slot is 2: a step over the first four
     assert reading.cache.length == n_read and all(torch.equal(held[k], v) for k, v in reading.cache.state().items())
     # and what was written past its length does not change the rest of its prompt
@@ -131,6 +136,8 @@ def test_decode_slots_step_sessions_of_a_pool_like_stepping_them_alone(engine: E
         pool.decode([(stepping[0], 1), (stepping[0], 2)])
     with pytest.raises(ValueError, match="vocabulary"):
         pool.decode([(stepping[0], 10**6)])
+    with pytest.raises(ValueError, match="one id"):
+        pool.decode([(stepping[0], torch.tensor([1, 2]))])
 
 
 def test_decode_slots_warm_up_makes_every_step_and_leaves_the_pool_as_new(engine: Engine) -> None:

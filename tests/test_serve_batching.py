@@ -77,9 +77,9 @@ def _wait_for(cond, what: str, seconds: float = 20) -> None:
         time.sleep(0.05)
 
 
-def _decode_together(engine: Engine, jobs: list[Job]) -> dict[int, list]:
+def _decode_together(engine: Engine, jobs: list[Job], **options) -> dict[int, list]:
     """The pieces of each job, all submitted to one scheduler before it starts (so that steps batch them)."""
-    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30, **options)
     got: dict[int, list] = {i: [] for i in range(len(jobs))}
     for i, job in enumerate(jobs):
         sched.submit(job, got[i].append)
@@ -430,16 +430,18 @@ def test_prompts_of_several_requests_share_a_prefill_call_without_batch_invarian
             assert [t for piece in got[i] for t in piece.ids] == _expected(engine, PROMPTS[i], 6, "float")
 
 
-def test_logprobs_of_a_batch(engine: Engine) -> None:
+@pytest.mark.parametrize("slots", [False, True], ids=["sessions", "decode-slots"])
+def test_logprobs_of_a_batch(engine: Engine, slots: bool) -> None:
     """Requests decoded together, with and without logprobs and with different numbers of alternatives, each get
-    those of their own tokens: the raw logits' log_softmax of a lone session evaluating the same tokens."""
+    those of their own tokens: the raw logits' log_softmax of a lone session evaluating the same tokens (also when
+    the host reads them a step late: decode slots)."""
     tok = engine.tokenizer
     ks = [None, 0, 3, 5, 1]
     params = [SamplingParams(), SamplingParams(temperature=1.2, top_p=0.9, seed=1), SamplingParams(),
               SamplingParams(temperature=0.7, min_p=0.1, seed=2), SamplingParams(top_k=4, temperature=1.0, seed=3)]
     prompts = [[tok.bos_id, *tok.encode(p)] for p in PROMPTS[: len(ks)]]
     got = _decode_together(engine, [Job(p, 6, sp, [], True, True, logprobs=k)
-                                    for p, sp, k in zip(prompts, params, ks, strict=True)])
+                                    for p, sp, k in zip(prompts, params, ks, strict=True)], slots=slots)
     for i, k in enumerate(ks):
         ids = [t for piece in got[i] for t in piece.ids]
         entries = [e for piece in got[i] for e in piece.logprobs]
@@ -457,7 +459,8 @@ def test_logprobs_of_a_batch(engine: Engine) -> None:
             logits = session.step(token)
 
 
-def test_penalties_of_a_batch(engine: Engine) -> None:
+@pytest.mark.parametrize("slots", [False, True], ids=["sessions", "decode-slots"])
+def test_penalties_of_a_batch(engine: Engine, slots: bool) -> None:
     """Requests with different logit biases and penalties (and none) decoded together: each gets the tokens of
     its prompt alone through ``Session.generate`` with the same parameters (each keeps its own history)."""
     tok = engine.tokenizer
@@ -467,13 +470,63 @@ def test_penalties_of_a_batch(engine: Engine) -> None:
               SamplingParams(temperature=0.9, seed=5, frequency_penalty=1.0, logit_bias=((32, 2.0),))]
     prompts = [[tok.bos_id, *tok.encode(p)] for p in ["aaaa bbbb aaaa"] * 3 + PROMPTS[:2]]
     n = 12
-    got = _decode_together(engine, [Job(p, n, sp, [], True, True) for p, sp in zip(prompts, params, strict=True)])
+    got = _decode_together(engine, [Job(p, n, sp, [], True, True) for p, sp in zip(prompts, params, strict=True)],
+                           slots=slots)
     outputs = []
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         session = engine.new_session(ctx=CTX, cache="packed", prefill_chunk=CHUNK, announce=False)
         outputs.append([t for piece in got[i] for t in piece.ids])
         assert outputs[-1] == [t for t, _ in session.generate(p, n, sp, stop_ids=())]
     assert len({tuple(o) for o in outputs[:3]}) == 3  # one prompt, three penalties: three outputs
+
+
+class _StoreSpy:
+    """A prefix cache that stores nothing and records what each finished session holds."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[int, int]] = []  # (tokens, cache rows)
+
+    def lookup(self, prompt: list[int], into=None):  # noqa: ANN001, ANN201
+        return None, 0
+
+    def store(self, session) -> None:  # noqa: ANN001
+        self.held.append((len(session.tokens), session.cache.length))
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["sessions", "decode-slots"])
+def test_requests_ending_early_match_their_session_alone(engine: Engine, slots: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests ending at an EOS token or a stop string, decoded together with ones that go on. With decode slots
+    the host reads a token after queueing the step that takes it, so a request that the token ends has had one step
+    too many: its row is given back. Each request gets the tokens of its session alone, and what a finished session
+    holds (as the prefix cache stores it) is exactly its kept tokens."""
+    from dataclasses import replace
+
+    tok = engine.tokenizer
+    prompts = [[tok.bos_id, *tok.encode(p)] for p in PROMPTS[:5]]
+    n = 10
+    alone = [_expected(engine, text, n) for text in PROMPTS[:5]]
+    eos = alone[0][3]  # the first prompt's fourth token stands for EOS here
+    monkeypatch.setattr(engine, "cfg", replace(engine.cfg, eos_token_ids=(eos,)))
+    stop = tok.decode(alone[1][2:4])  # the second prompt's output ends before its third token's text
+    assert stop and eos not in alone[1][:4]
+    jobs = [Job(prompts[0], n, SamplingParams(), [], False, True),
+            Job(prompts[1], n, SamplingParams(), [stop], True, True),
+            *[Job(p, n, SamplingParams(), [], True, True) for p in prompts[2:]]]
+    spy = _StoreSpy()
+    given_back = []
+    retire = Scheduler._retire
+    monkeypatch.setattr(Scheduler, "_retire", lambda self, req, finished: (given_back.append(req.fed_unread),
+                                                                          retire(self, req, finished)))
+    got = _decode_together(engine, jobs, slots=slots, prefix_cache=spy)
+    ids = [[t for piece in got[i] for t in piece.ids] for i in range(len(jobs))]
+    assert ids[0] == alone[0][: alone[0].index(eos) + 1] and got[0][-1].finish == "stop"
+    assert ids[1] == alone[1][: len(ids[1])] and got[1][-1].finish == "stop"
+    text = "".join(piece.text for piece in got[1])
+    assert stop not in text and (text + stop) in tok.decode(alone[1])
+    assert ids[2:] == alone[2:]
+    assert len(spy.held) == len(jobs) and all(tokens == rows for tokens, rows in spy.held)
+    assert any(given_back) == slots  # only decode slots evaluate a token before reading it
 
 
 @pytest.mark.gpu

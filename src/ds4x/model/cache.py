@@ -354,16 +354,20 @@ class ModelCache:
             raise ValueError(f"{n_new} tokens in one pass exceed the cache's prefill chunk {self.chunk}")
 
     def can_rewind(self, length: int) -> bool:
-        """Whether every row needed to continue from ``length`` is still resident."""
+        """Whether every row needed to continue from ``length`` is still resident.
+
+        A ring of C rows holds the positions ``self.length - C + 1 ..``, not ``self.length - C``: the slot of
+        position ``self.length`` may hold a row written past the length (a pool's step over a cache whose session
+        is not stepping, or one whose token the session did not keep: `ds4x.runtime.batch.DecodeSlots`)."""
         if not 0 <= length <= self.length:
             return False
         oldest_raw = max(0, length - self.cfg.sliding_window + 1)
         for st, ratio in zip(self.layers, self.cfg.compress_ratios, strict=True):
-            if oldest_raw < self.length - st.raw.capacity:
+            if oldest_raw <= self.length - st.raw.capacity:
                 return False
             if st.comp_proj is not None:
                 oldest_proj = max(0, (length // ratio - 1) * ratio)
-                if oldest_proj < self.length - st.comp_proj.capacity:
+                if oldest_proj <= self.length - st.comp_proj.capacity:
                     return False
         return True
 

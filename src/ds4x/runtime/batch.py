@@ -72,9 +72,9 @@ class DecodeSlots:
     window every step). Free caches are handed out lowest first, so the sessions stay packed at the front.
     The caches are the slots of a `CachePool`, all allocated up front: the step's cache kernels (row writes,
     compressor emit, indexer scoring, top-k, attention) run once per layer for all b sessions, not once per
-    session. On CUDA, Q8_0 matrices multiply batches through dense
-    mirrors (:func:`ds4x.kernels.quant_matmul.use_dense_mirrors`). ``rowwise``: batch-invariant products (see
-    :func:`step_sessions`; for the eager step, e.g. on the CPU).
+    session. A step may take tokens the host has not read yet, from the device (`decode`). On CUDA, Q8_0
+    matrices multiply batches through dense mirrors (:func:`ds4x.kernels.quant_matmul.use_dense_mirrors`).
+    ``rowwise``: batch-invariant products (see :func:`step_sessions`; for the eager step, e.g. on the CPU).
     """
 
     def __init__(self, engine: Engine, ctx: int, mode: str, chunk: int, capacity: int, rowwise: bool = False):
@@ -141,33 +141,51 @@ class DecodeSlots:
             for cache in caches:
                 self.release(cache)
 
-    def decode(self, items: Sequence[tuple[Session, int]]) -> list[torch.Tensor]:
-        """Advance each session (its cache from this pool) by one token; return each one's logits [V]."""
+    def decode(self, items: Sequence[tuple[Session, int | torch.Tensor]]) -> list[torch.Tensor]:
+        """Advance each session (its cache from this pool) by one token; return each one's logits [V].
+
+        A token is an id, or a one-element long tensor on the model's device holding one: a token drawn on the
+        device that the host has not read yet, which the step takes from the device, so the host need not wait
+        for it. Such a token is not appended to ``session.tokens`` (its value is not known here): the caller
+        appends it once read, or gives the row back (``cache.length -= 1``) if the session ends before it."""
         if not items:
             raise ValueError("decode needs at least one session")
         slots = [self.slot_of[id(session.cache)] for session, _ in items]
         if len(set(slots)) != len(slots):
             raise ValueError("a session appears twice in one decode step")
         for session, token in items:
-            session._check_ids([token])
+            if isinstance(token, torch.Tensor):
+                if token.numel() != 1 or token.device != self.engine.model.device:
+                    raise ValueError(f"a device token is one id on {self.engine.model.device}, got "
+                                     f"{list(token.shape)} on {token.device}")
+                if session.cache.length >= session.ctx:
+                    raise ValueError(f"context overflow: the session holds {session.cache.length} tokens of "
+                                     f"{session.ctx}")
+            else:
+                session._check_ids([token])
         b = next(n for n in self.sizes if n > max(slots))
         caches = self.caches[:b]
         tokens = [0] * b
+        held: list[torch.Tensor | None] = [None] * b
         positions = [0 if slot in self.free else c.length for slot, c in enumerate(caches)]
         for slot, (_, token) in zip(slots, items, strict=True):
-            tokens[slot] = token
+            if isinstance(token, torch.Tensor):
+                held[slot] = token
+            else:
+                tokens[slot] = token
         for slot, cache in enumerate(caches):
             if positions[slot] >= cache.ctx:  # no row to write past a full context
                 raise ValueError(f"decode slot {slot} holds a full context but is not stepping")
         step = self.steps.get(b)
         if step is None:
-            step = self.steps[b] = CapturedStep(self.engine.model, caches)
+            step = self.steps[b] = CapturedStep(self.engine.model, caches, pipelined=True)
         with rowwise_products(self.rowwise):
-            logits = step(tokens, positions)
+            logits = step(tokens, positions, held)
         out = []
         for slot, (session, token) in zip(slots, items, strict=True):
             session.cache.length += 1
-            session.tokens.append(token)
+            if not isinstance(token, torch.Tensor):
+                session.tokens.append(token)
             session.logits = logits[slot]
             out.append(session.logits)
         return out

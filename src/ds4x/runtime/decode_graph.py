@@ -38,37 +38,68 @@ class CapturedStep:
     """One token for each of a fixed list of caches, replayed from a CUDA graph after the first call.
 
     The caller chooses the positions (normally each cache's length) and advances no length here. Where
-    graphs are off (`graphs_enabled`) every call runs the step eagerly."""
+    graphs are off (`graphs_enabled`) every call runs the step eagerly.
 
-    def __init__(self, model: Transformer, caches: Sequence[ModelCache]):
-        self.model, self.caches = model, list(caches)
+    ``pipelined``: the caller queues a step before the previous one has run (the server's decode slots read a
+    step's tokens only after queueing the next), and may give some caches' tokens as device tensors, drawn on the
+    device and not read by the host yet: the step adds a device buffer holding them to the host's tokens (one more
+    small kernel in the graph), and the host's inputs are copied by a launch of their own before the replay, so
+    that writing the next ones waits for that copy only, not for the whole step."""
+
+    def __init__(self, model: Transformer, caches: Sequence[ModelCache], pipelined: bool = False):
+        self.model, self.caches, self.pipelined = model, list(caches), pipelined
         n = len(self.caches)
         # the step's inputs, tokens then positions: written on the host into page-locked memory, copied to the
-        # device by the step itself (the graph's first node), so the host does no copy call before a replay (a
-        # step's time counts from the previous one's end, so every microsecond the host spends before the
-        # replay is the GPU's idle time)
+        # device by the step itself (the graph's first node; not pipelined), so the host does no copy call before
+        # a replay (a step's time counts from the previous one's end, so every microsecond the host spends before
+        # the replay is the GPU's idle time)
         cuda = model.device.type == "cuda"
         self.host_inputs = torch.zeros(2, n, dtype=torch.long, pin_memory=cuda)
         self._host_view = self.host_inputs.numpy()
         self.inputs = torch.zeros(2, n, dtype=torch.long, device=model.device)
         self.tokens, self.positions = self.inputs[0], self.inputs[1]
+        # pipelined: the tokens given as device tensors, 0 elsewhere (the host's tokens are 0 where these are not)
+        self.held = torch.zeros(n, dtype=torch.long, device=model.device) if pipelined else None
+        self._held_set = False  # whether ``held`` has non-zero entries from the last call
+        self._zero = torch.zeros(1, dtype=torch.long, device=model.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
-        # recorded after each step, which reads host_inputs (CUDA only: on the CPU the copy is done when it returns)
+        # recorded after the copy that reads host_inputs: after the step, or (pipelined) after the copy's own launch
+        # (CUDA only: on the CPU the copy is done when it returns)
         self._consumed = torch.cuda.Event() if cuda else None
         # eager where graphs are off, or once a capture failed
         self.eager = not all(graphs_enabled(model.device, c.mode) for c in self.caches)
 
-    def _step(self) -> torch.Tensor:
+    def _copy_inputs(self) -> None:
         self.inputs.copy_(self.host_inputs, non_blocking=True)
-        return self.model.decode_step(self.tokens, self.positions, self.caches)
 
-    def __call__(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Float32 logits [n, V], owned by the caller (the graph's buffer is copied)."""
-        if self._consumed is not None:  # the last step must have read host_inputs (normally it has long since)
+    def _step(self) -> torch.Tensor:
+        if self.held is None:
+            self._copy_inputs()
+            return self.model.decode_step(self.tokens, self.positions, self.caches)
+        return self.model.decode_step(self.tokens + self.held, self.positions, self.caches)
+
+    def __call__(self, tokens: Sequence[int], positions: Sequence[int],
+                 held: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Float32 logits [n, V], owned by the caller (the graph's buffer is copied). ``held`` (pipelined): per
+        cache a one-element long tensor on the model's device to take as its token, or None to take ``tokens[i]``
+        (which must be 0 where a tensor is given)."""
+        if held is not None and self.held is None and any(h is not None for h in held):
+            raise ValueError("this step is not pipelined: its tokens come from the host")
+        if self._consumed is not None:  # the last copy must have read host_inputs (normally it has long since)
             self._consumed.synchronize()  # returns at once before the first record
         self._host_view[0] = tokens
         self._host_view[1] = positions
+        if self.held is not None:  # launches queued behind the previous step, which read both buffers
+            self._copy_inputs()
+            if self._consumed is not None:
+                self._consumed.record()
+            if held is not None and any(h is not None for h in held):
+                torch.cat([self._zero if h is None else h.reshape(1) for h in held], out=self.held)
+                self._held_set = True
+            elif self._held_set:
+                self.held.zero_()
+                self._held_set = False
         if self.eager:
             out = self._step()
         elif self.graph is None:
@@ -77,7 +108,7 @@ class CapturedStep:
             self.graph.replay()
             assert self.logits is not None
             out = self.logits.clone()  # the buffer is overwritten by the next replay
-        if self._consumed is not None:
+        if self._consumed is not None and self.held is None:
             self._consumed.record()
         return out
 

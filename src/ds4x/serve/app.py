@@ -348,8 +348,9 @@ class Metrics:
                                       "A batched decode step's model call: its device time on CUDA, else from launch "
                                       "to logits ready.")
         lines += st.step_sample.render("ds4x_decode_step_sample_seconds",
-                                       "The rest of a batched decode step: sampling, reading and delivering its "
-                                       "tokens.")
+                                       "The host's own time for a batched decode step's tokens: drawing, reading "
+                                       "and delivering them (waits for the device not counted; with decode slots "
+                                       "it overlaps the next step).")
         return "\n".join(lines) + "\n"
 
 

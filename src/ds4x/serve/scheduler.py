@@ -9,7 +9,11 @@ Each loop of the worker (between two loops requests join and leave):
    does; otherwise together with the next chunks of the following ones, up to ``prefill_budget`` tokens in one
    model call, since a call's fixed cost dominates short prompts);
 3. run one batched decode step for every request that is generating (``ds4x.runtime.batch.step_sessions``;
-   on CUDA the sessions hold caches of a ``DecodeSlots`` pool and the step replays a CUDA graph).
+   on CUDA the sessions hold caches of a ``DecodeSlots`` pool and the step replays a CUDA graph), and read the
+   drawn tokens back and deliver them. With decode slots a step takes each request's last drawn token on the
+   device and the host reads the tokens only after queueing the step (and the sampling behind it), so the
+   host's reading and delivering run while the GPU computes the next step instead of between two steps; a
+   request that the token read then ends (EOS, a stop string) gives back the row the step wrote for it.
 
 So a long prompt costs the running streams one chunk per step, never a stall. With ``rowwise`` (the default on
 the CPU) the decode step's products are batch-invariant, and a request's tokens are exactly those of
@@ -223,7 +227,11 @@ class Generation:
         self.done = False  # set by the worker after the last piece
         self.session: Session | None = None
         self.fed = 0  # prompt tokens the session holds
-        self.next_token: int | None = None  # sampled, to be evaluated by the next decode step
+        self.drawn = 0  # tokens drawn so far (on the device; the host may not have read the last ones yet)
+        self.next_token: int | None = None  # read on the host, to be evaluated by the next decode step
+        # decode slots: the last drawn token, on the device, for the next step to take before the host reads it
+        self.feed: torch.Tensor | None = None
+        self.fed_unread = False  # a step took the token the host reads next (its row is given back if it ends)
         self.generator: torch.Generator | None = None
         self.history: TokenHistory | None = None  # for a logit bias or penalties
         self.output: Output | None = None
@@ -301,6 +309,37 @@ class EngineStats:
         (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)))
 
 
+def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``values`` to the host: (the host tensor, an event recorded after the copy). On the CPU the
+    values themselves, and no event."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(values.device))
+    return host, ready
+
+
+@dataclass
+class _StepTimes:
+    """A decode step's figures, taken when its tokens are read."""
+
+    events: list[torch.cuda.Event] | None  # around the step on CUDA: its device time
+    launch_s: float  # the host's time in the call (on the CPU the step itself)
+    host_s: float = 0.0  # the host's own time drawing (then reading and delivering) its tokens
+
+
+@dataclass
+class _Drawn:
+    """Tokens drawn on the device, on their way to the host (`Scheduler._read`)."""
+
+    rows: list[tuple[Generation, int | None]]  # each request and its logprobs count (None: no logprobs)
+    values: torch.Tensor | None  # the tokens, then each scored row's logprobs; on the host once ``ready``
+    ready: torch.cuda.Event | None
+    step: _StepTimes | None  # the decode step they come from (None: a prompt call)
+
+
 class Scheduler:
     def __init__(self, engine: Engine, ctx: int, cache: str, *, prefill_chunk: int = 256, max_batch: int = 32,
                  max_queue: int = 128, kv_budget: int, rowwise: bool | None = None,
@@ -327,6 +366,7 @@ class Scheduler:
         self.slots = (DecodeSlots(engine, ctx, cache, prefill_chunk, min(max_batch, kv_budget // self.session_bytes),
                                   self.rowwise) if slots else None)
         self.stats = EngineStats()
+        self._pending: deque[_Drawn] = deque()  # drawn tokens the host has not read, oldest first
         self._cond = threading.Condition()
         self._waiting: deque[Generation] = deque()
         self._running: list[Generation] = []
@@ -444,7 +484,7 @@ class Scheduler:
                         self._release(req)
                         req.send(Rejected(503, "the server is shutting down", "shutting_down"))
                     return
-                if not self._running:
+                if not self._running and not self._pending:  # drawn tokens left: their step's figures
                     self._cond.wait()
                     continue
                 running = list(self._running)
@@ -515,7 +555,7 @@ class Scheduler:
         batch: list[tuple[Generation, list[int]]] = []
         total = 0
         for req in running:
-            if req.next_token is not None or req.cancelled:
+            if req.drawn or req.cancelled:  # generating already
                 continue
             try:
                 if req.session is None:
@@ -571,11 +611,23 @@ class Scheduler:
         job.prompt_scores += [_scores(row, k) for row in _logprobs(rows[: len(targets)], tokens, k).tolist()]
 
     def _decode(self, running: list[Generation], finished: list[Generation]) -> None:
-        batch = [r for r in running if r.next_token is not None and r not in finished and not r.cancelled]
+        """One batched decode step of the generating requests, then the host reads drawn tokens (`_read`).
+
+        With decode slots each request's step takes its last drawn token on the device (``feed``), and the host
+        reads the tokens drawn before this step only after queueing it and the sampling behind it: the host's
+        reading and delivering overlap the step instead of leaving the GPU idle between steps. A request whose
+        token turns out to end it (EOS, a stop string) has then had one step too many: its row is given back
+        (`_take`). A token that ends it by budget or context is known before it is drawn (`_feedable`) and never
+        evaluated. The eager step takes host ids: the host reads the tokens first."""
+        if self.slots is None:
+            self._read(finished)
+        batch = [r for r in running if r not in finished and not r.cancelled and not r.done
+                 and (r.next_token is not None or (r.feed is not None and self._feedable(r)))]
         if not batch:
+            self._read(finished)
             return
-        # on CUDA the host queues the sampling behind the step instead of waiting for the step first (its own time,
-        # not the device's, then overlaps the step); the step's device time comes from two events
+        # on CUDA the host queues the sampling behind the step instead of waiting for the step first; the step's
+        # device time comes from two events, read with its tokens
         dev = self.engine.model.device
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else None
         t0 = time.perf_counter()
@@ -583,31 +635,37 @@ class Scheduler:
             if events:  # the model's device's stream (not the thread's current device's: cuda:N)
                 events[0].record(torch.cuda.current_stream(dev))
             if self.slots is not None:
-                logits = self.slots.decode([(r.session, r.next_token) for r in batch])
+                logits = self.slots.decode([(r.session, r.next_token if r.feed is None else r.feed) for r in batch])
             else:
                 logits = step_sessions([(r.session, [r.next_token]) for r in batch], rowwise=self.rowwise)
             if events:
                 events[1].record(torch.cuda.current_stream(dev))
         except Exception as exc:
             self._fail(batch, exc, finished)
+            self._read(finished)
             return
-        t1 = time.perf_counter()
+        step = _StepTimes(events, time.perf_counter() - t0)
+        for r in batch:
+            r.fed_unread = r.feed is not None
+            r.feed = r.next_token = None
         self.stats.steps += 1
         self.stats.batch_size.observe(len(batch))
-        self._sample(list(zip(batch, logits, strict=True)), finished)
-        t2 = time.perf_counter()
-        if events:
-            events[1].synchronize()  # done already where a token was read
-            model = events[0].elapsed_time(events[1]) / 1000
-        else:
-            model = t1 - t0
-        self.stats.step_model.observe(model)
-        self.stats.step_sample.observe(max(t2 - t0 - model, 0.0))
+        self._sample(list(zip(batch, logits, strict=True)), finished, step)
+        self._read(finished, keep=1 if self.slots is not None else 0)
 
-    def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation]) -> None:
-        """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`),
-        then `_take` it. One device read for all: the tokens and the logprobs go back together in one float64
-        tensor (exact for token ids)."""
+    def _feedable(self, req: Generation) -> bool:
+        """Whether the request's last drawn token, not read yet, may be evaluated before it is: it is not the last
+        of its budget and the context has room for it (else the request ends there whatever the token is)."""
+        assert req.session is not None
+        return req.drawn < req.job.max_tokens and req.session.cache.length < self.ctx
+
+    def _sample(self, rows: list[tuple[Generation, torch.Tensor]], finished: list[Generation],
+                step: _StepTimes | None = None) -> None:
+        """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`), on
+        the device, and start copying them to the host for `_read` (one copy for all: the tokens and the
+        logprobs together in one float64 tensor, exact for token ids). With decode slots each token is also the
+        request's ``feed``. ``step``: the decode step the logits come from (its figures are taken at the read)."""
+        t0 = time.perf_counter()
         drawn: list[tuple[Generation, torch.Tensor]] = []
         scored: list[torch.Tensor] = []
         for (req, row), token in self._draw(rows, finished):
@@ -617,21 +675,52 @@ class Scheduler:
                 drawn.append((req, token))
             except Exception as exc:
                 self._fail([req], exc, finished)
-        if not drawn:
-            return
-        tokens = torch.cat([t for _, t in drawn])
-        values = (torch.cat([tokens.double(), *scored]) if scored else tokens).tolist()
-        at = len(drawn)  # the logprobs follow the tokens, row after row
-        for (req, _), token in zip(drawn, values[:at], strict=True):
-            scores: Scores | None = None
-            k = req.job.logprobs
-            if k is not None:
-                scores = _scores(values[at : at + 1 + 2 * k], k)
-                at += 1 + 2 * k
-            try:
-                self._take(req, int(token), scores, finished)
-            except Exception as exc:
-                self._fail([req], exc, finished)
+        values = ready = None
+        if drawn:
+            tokens = torch.cat([t for _, t in drawn])
+            values, ready = _to_host(torch.cat([tokens.double(), *scored]) if scored else tokens)
+            for i, (req, _) in enumerate(drawn):
+                req.drawn += 1
+                if self.slots is not None:
+                    req.feed = tokens[i : i + 1]
+        if step is not None:
+            step.host_s += time.perf_counter() - t0
+        if drawn or step is not None:
+            self._pending.append(_Drawn([(req, req.job.logprobs) for req, _ in drawn], values, ready, step))
+
+    def _read(self, finished: list[Generation], keep: int = 0) -> None:
+        """Read the drawn tokens back, oldest first, all but the last ``keep`` batches, and `_take` each (a request
+        that ended meanwhile is skipped). A decode step's figures are taken here: its device time (events) and the
+        host's own time drawing, reading and delivering its tokens (not counting waits for the device)."""
+        while len(self._pending) > keep:
+            drawn = self._pending.popleft()
+            t0 = time.perf_counter()
+            if drawn.ready is not None:
+                drawn.ready.synchronize()
+            elif drawn.step is not None and drawn.step.events:  # nothing drawn: the step's end itself
+                drawn.step.events[1].synchronize()
+            waited = time.perf_counter() - t0
+            values = drawn.values.tolist() if drawn.values is not None else []
+            at = len(drawn.rows)  # the logprobs follow the tokens, row after row
+            for (req, k), token in zip(drawn.rows, values[: len(drawn.rows)], strict=True):
+                scores: Scores | None = None
+                if k is not None:
+                    scores = _scores(values[at : at + 1 + 2 * k], k)
+                    at += 1 + 2 * k
+                if req.done:
+                    continue
+                try:
+                    self._take(req, int(token), scores, finished)
+                except Exception as exc:
+                    self._fail([req], exc, finished)
+            step = drawn.step
+            if step is not None:
+                if step.events:
+                    model = step.events[0].elapsed_time(step.events[1]) / 1000  # done: the sampling came after
+                else:
+                    model = step.launch_s  # the eager step computes as it is called
+                self.stats.step_model.observe(model)
+                self.stats.step_sample.observe(step.host_s + time.perf_counter() - t0 - waited)
 
     def _draw(self, rows: list[tuple[Generation, torch.Tensor]],
               finished: list[Generation]) -> list[tuple[tuple[Generation, torch.Tensor], torch.Tensor]]:
@@ -677,14 +766,22 @@ class Scheduler:
         elif job.generated >= job.max_tokens:
             job.stop_reason = "length"
         else:
-            req.next_token = token
+            if req.fed_unread:  # a decode step took it already
+                session.tokens.append(token)
+                req.fed_unread = False
+            else:
+                req.next_token, req.feed = token, None
             return
         self._finish(req, out.finish(), finished)
 
     def _retire(self, req: Generation, finished: list[Generation]) -> None:
         """Free a request's place before its last message goes out, so a client that has its answer sees the
-        server's gauges without it."""
-        req.next_token = None
+        server's gauges without it. A row a decode step wrote for a token the session does not keep is given back
+        (the session ends before that token; a stored prefix must not hold it)."""
+        if req.fed_unread and req.session is not None:
+            req.session.cache.length -= 1
+        req.fed_unread = False
+        req.next_token = req.feed = None
         finished.append(req)
         with self._cond:
             self._release(req)
