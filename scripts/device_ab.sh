@@ -4,7 +4,10 @@
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
-#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min)
+#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min;
+#                                       # DS4X_SERVE_OVERLAP=0: the host reads each step's tokens before the next
+#                                       # step, the baseline of the overlapped reads; the ledger rows' server_meta
+#                                       # says which ran)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
@@ -98,13 +101,16 @@ else:
     raise SystemExit("the server did not come up in 300 s")
 PY
     then
-        # issue 6's harness command (its default prompts)
-        piece serve_bench.log 400 python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency \
-            "${DS4X_AB_CONCURRENCY:-1,8,32}" --seconds "${DS4X_AB_SECONDS:-60}" --gen-tokens 384 --temperature 0.2 \
-            --ignore-eos --ledger "$out/serve_ledger.jsonl"
-        # the server's own split of a step (model vs sampling and delivery), batch sizes, prefill calls
-        python -c 'import httpx; print(httpx.get("http://127.0.0.1:8765/metrics", timeout=10).text)' \
-            > "$out/metrics.txt" 2>&1
+        # issue 6's harness command (its default prompts), one level at a time, each followed by the server's
+        # counters so far (cumulative: a level's own are the difference): its split of a step (model vs the host's
+        # drawing and delivering), batch sizes, prefill calls
+        for level in $(echo "${DS4X_AB_CONCURRENCY:-1,8,32}" | tr , ' '); do
+            piece "serve_bench_c$level.log" 150 python -m ds4x bench serve --url http://127.0.0.1:8765 --concurrency \
+                "$level" --seconds "${DS4X_AB_SECONDS:-60}" --gen-tokens 384 --temperature 0.2 --ignore-eos \
+                --ledger "$out/serve_ledger.jsonl"
+            python -c 'import httpx; print(httpx.get("http://127.0.0.1:8765/metrics", timeout=10).text)' \
+                > "$out/metrics_c$level.txt" 2>&1
+        done
     else
         status=1
     fi

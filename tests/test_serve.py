@@ -71,7 +71,10 @@ def test_health_models_metrics(client: TestClient) -> None:
     # the server's description of itself, for the load harness's ledger rows (DESIGN §7)
     info = entry["ds4x"]
     assert {"version", "commit", "device", "gpu", "driver", "torch", "triton", "dtype", "cache", "model",
-            "model_fingerprint"} == set(info)
+            "model_fingerprint", "scheduling"} == set(info)
+    sched = client.app.state.server.scheduler
+    assert info["scheduling"] == {**info["scheduling"], "ctx": CTX, "prefill_chunk": sched.chunk,
+                                  "batch_invariant": True, "decode": "eager", "overlapped_reads": False}
     engine = client.app.state.server.engine
     assert info["version"] == ds4x.__version__ and info["torch"] == torch.__version__
     assert info["device"] == "cpu" and info["gpu"] == "cpu" and info["dtype"] == "float32"

@@ -493,15 +493,17 @@ class _StoreSpy:
         self.held.append((len(session.tokens), session.cache.length))
 
 
-@pytest.mark.parametrize("slots", [False, True], ids=["sessions", "decode-slots"])
-def test_requests_ending_early_match_their_session_alone(engine: Engine, slots: bool,
+@pytest.mark.parametrize("slots,overlap", [(False, True), (True, True), (True, False)],
+                         ids=["sessions", "decode-slots", "decode-slots-no-overlap"])
+def test_requests_ending_early_match_their_session_alone(engine: Engine, slots: bool, overlap: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests ending at an EOS token or a stop string, decoded together with ones that go on. With decode slots
-    the host reads a token after queueing the step that takes it, so a request that the token ends has had one step
-    too many: its row is given back. Each request gets the tokens of its session alone, and what a finished session
-    holds (as the prefix cache stores it) is exactly its kept tokens."""
+    the host reads a token after queueing the step that takes it (unless DS4X_SERVE_OVERLAP=0), so a request that
+    the token ends has had one step too many: its row is given back. Each request gets the tokens of its session
+    alone, and what a finished session holds (as the prefix cache stores it) is exactly its kept tokens."""
     from dataclasses import replace
 
+    monkeypatch.setenv("DS4X_SERVE_OVERLAP", "1" if overlap else "0")
     tok = engine.tokenizer
     prompts = [[tok.bos_id, *tok.encode(p)] for p in PROMPTS[:5]]
     n = 10
@@ -526,7 +528,7 @@ def test_requests_ending_early_match_their_session_alone(engine: Engine, slots: 
     assert stop not in text and (text + stop) in tok.decode(alone[1])
     assert ids[2:] == alone[2:]
     assert len(spy.held) == len(jobs) and all(tokens == rows for tokens, rows in spy.held)
-    assert any(given_back) == slots  # only decode slots evaluate a token before reading it
+    assert any(given_back) == (slots and overlap)  # only then is a token evaluated before it is read
 
 
 @pytest.mark.gpu

@@ -640,10 +640,10 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                           kv_budget=budget, rowwise=batch_invariant, prefix_cache=prefix_cache,
                           slots=decode_slots, prefill_budget=prefill_budget)
     server = Server(engine, model_name, ctx, cache, scheduler)
-    info = server_info(engine, cache)  # once: it runs git and nvidia-smi
+    info = {**server_info(engine, cache), "scheduling": scheduler.settings()}  # once: it runs git and nvidia-smi
     card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "ds4x", "max_model_len": ctx,
             "ds4x": info}
-    # OpenAI's system_fingerprint names the backend configuration: here the build, machine and model
+    # OpenAI's system_fingerprint names the backend configuration: here the build, machine, model and scheduling
     fingerprint = "fp_" + hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:12]
 
     @asynccontextmanager

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -365,6 +366,9 @@ class Scheduler:
             slots = graphs_enabled(engine.model.device, cache)
         self.slots = (DecodeSlots(engine, ctx, cache, prefill_chunk, min(max_batch, kv_budget // self.session_bytes),
                                   self.rowwise) if slots else None)
+        # with decode slots a step's tokens are read after the next step is queued (`_decode`);
+        # DS4X_SERVE_OVERLAP=0 reads them before it, as the eager step must (for A/B runs)
+        self.overlap = self.slots is not None and os.environ.get("DS4X_SERVE_OVERLAP", "1") != "0"
         self.stats = EngineStats()
         self._pending: deque[_Drawn] = deque()  # drawn tokens the host has not read, oldest first
         self._cond = threading.Condition()
@@ -373,6 +377,14 @@ class Scheduler:
         self._kv_in_use = 0
         self._stopping = False
         self._thread: threading.Thread | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """How this scheduler batches, for the server's description of itself (a load harness's ledger rows)."""
+        return {"ctx": self.ctx, "prefill_chunk": self.chunk, "prefill_budget": self.prefill_budget,
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "kv_budget_bytes": self.kv_budget,
+                "batch_invariant": self.rowwise, "decode": "cuda graphs over slots" if self.slots else "eager",
+                "decode_slots": self.slots.capacity if self.slots else 0, "overlapped_reads": self.overlap,
+                "prefix_cache": self.prefix_cache is not None}
 
     # ---- called from the server (any thread) ---------------------------------------------------------------
 
@@ -618,8 +630,8 @@ class Scheduler:
         reading and delivering overlap the step instead of leaving the GPU idle between steps. A request whose
         token turns out to end it (EOS, a stop string) has then had one step too many: its row is given back
         (`_take`). A token that ends it by budget or context is known before it is drawn (`_feedable`) and never
-        evaluated. The eager step takes host ids: the host reads the tokens first."""
-        if self.slots is None:
+        evaluated. The eager step takes host ids: the host reads the tokens first (so does ``overlap`` off)."""
+        if not self.overlap:
             self._read(finished)
         batch = [r for r in running if r not in finished and not r.cancelled and not r.done
                  and (r.next_token is not None or (r.feed is not None and self._feedable(r)))]
@@ -651,7 +663,7 @@ class Scheduler:
         self.stats.steps += 1
         self.stats.batch_size.observe(len(batch))
         self._sample(list(zip(batch, logits, strict=True)), finished, step)
-        self._read(finished, keep=1 if self.slots is not None else 0)
+        self._read(finished, keep=1 if self.overlap else 0)
 
     def _feedable(self, req: Generation) -> bool:
         """Whether the request's last drawn token, not read yet, may be evaluated before it is: it is not the last
@@ -663,7 +675,7 @@ class Scheduler:
                 step: _StepTimes | None = None) -> None:
         """Draw each request's next token from its logits, with its logprobs where the job asks (`_logprobs`), on
         the device, and start copying them to the host for `_read` (one copy for all: the tokens and the
-        logprobs together in one float64 tensor, exact for token ids). With decode slots each token is also the
+        logprobs together in one float64 tensor, exact for token ids). With ``overlap`` each token is also the
         request's ``feed``. ``step``: the decode step the logits come from (its figures are taken at the read)."""
         t0 = time.perf_counter()
         drawn: list[tuple[Generation, torch.Tensor]] = []
@@ -681,7 +693,7 @@ class Scheduler:
             values, ready = _to_host(torch.cat([tokens.double(), *scored]) if scored else tokens)
             for i, (req, _) in enumerate(drawn):
                 req.drawn += 1
-                if self.slots is not None:
+                if self.overlap:
                     req.feed = tokens[i : i + 1]
         if step is not None:
             step.host_s += time.perf_counter() - t0
