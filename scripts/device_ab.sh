@@ -55,7 +55,7 @@ piece() {  # piece LOG SECONDS COMMAND...: run it for at most SECONDS (so that o
 case "$stage" in
 kernels)
     piece gpu_tests.log 200 python -m pytest -q -m gpu tests/test_quant_matmul.py tests/test_sampling.py \
-        tests/test_serve_batching.py
+        tests/test_serve_batching.py tests/test_batch.py
     piece sweep.log 170 python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 \
         --down 8,32,1 16,32,1 4,32,1 --ledger "$out/ledger.jsonl"
     ;;

@@ -201,6 +201,28 @@ def test_decode_slots_on_cuda_replay_graphs_near_sessions_alone() -> None:
     assert worst < 2e-2 and agree >= 0.95 * steps, (worst, agree, steps)
 
 
+@pytest.mark.gpu
+def test_decode_slots_on_cuda_queue_steps_on_device_tokens() -> None:
+    """The server's overlapped reads: steps fed the argmax of the last logits as device tensors, queued back to
+    back with no read by the host in between (the host's inputs of one step must not be overwritten before its
+    copy ran), give the logits of steps fed the same tokens as host ids."""
+    engine = Engine.load("default", device="cuda")
+    pools = [DecodeSlots(engine, 512, "packed", 64, capacity=4) for _ in range(2)]
+    ahead, fed = (_three_prefilled_twice(engine, pool)[1] for pool in pools)
+    tokens = [s.logits.argmax().reshape(1) for s in ahead]
+    used, queued = [], []
+    for _ in range(16):
+        used.append(tokens)
+        logits = pools[0].decode(list(zip(ahead, tokens, strict=True)))
+        queued.append(torch.stack(logits))
+        tokens = [x.argmax().reshape(1) for x in logits]  # never read here: the next step waits on the device
+    assert all(len(s.tokens) + 16 == s.cache.length for s in ahead)  # the ids are the caller's to append
+    for step, ids in zip(queued, used, strict=True):
+        want = torch.stack(pools[1].decode(list(zip(fed, [int(t) for t in ids], strict=True))))
+        assert float((want - step).abs().max() / want.abs().max()) < 1e-5
+    assert pools[0].steps[4].graph is not None and pools[1].steps[4].graph is not None
+
+
 def test_activations_do_not_depend_on_the_tensor_size() -> None:
     """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
     x = torch.randn(37, 24) * 6
