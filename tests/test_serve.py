@@ -74,7 +74,8 @@ def test_health_models_metrics(client: TestClient) -> None:
             "model_fingerprint", "scheduling"} == set(info)
     sched = client.app.state.server.scheduler
     assert info["scheduling"] == {**info["scheduling"], "ctx": CTX, "prefill_chunk": sched.chunk,
-                                  "batch_invariant": True, "decode": "eager", "overlapped_reads": False}
+                                  "batch_invariant": True, "decode_slots": 0, "cuda_graphs": False,
+                                  "overlapped_reads": False}
     engine = client.app.state.server.engine
     assert info["version"] == ds4x.__version__ and info["torch"] == torch.__version__
     assert info["device"] == "cpu" and info["gpu"] == "cpu" and info["dtype"] == "float32"

@@ -382,8 +382,8 @@ class Scheduler:
         """How this scheduler batches, for the server's description of itself (a load harness's ledger rows)."""
         return {"ctx": self.ctx, "prefill_chunk": self.chunk, "prefill_budget": self.prefill_budget,
                 "max_batch": self.max_batch, "max_queue": self.max_queue, "kv_budget_bytes": self.kv_budget,
-                "batch_invariant": self.rowwise, "decode": "cuda graphs over slots" if self.slots else "eager",
-                "decode_slots": self.slots.capacity if self.slots else 0, "overlapped_reads": self.overlap,
+                "batch_invariant": self.rowwise, "decode_slots": self.slots.capacity if self.slots else 0,
+                "cuda_graphs": graphs_enabled(self.engine.model.device, self.cache), "overlapped_reads": self.overlap,
                 "prefix_cache": self.prefix_cache is not None}
 
     # ---- called from the server (any thread) ---------------------------------------------------------------
