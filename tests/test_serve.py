@@ -125,6 +125,36 @@ def test_completion_non_streaming(client: TestClient) -> None:
     assert r2.json()["choices"][0]["text"] == choice["text"]
 
 
+def test_a_batch_of_prompts_gets_one_choice_each(client: TestClient) -> None:
+    """A completion request with a list of prompts (texts or token ids) answers one choice per prompt, ``index`` in
+    request order, each the answer its prompt gets alone; streamed, the chunks interleave by index and agree with
+    the whole answer; usage counts them all; with echo each choice starts with its own prompt."""
+    texts = ["def f(x):", "hello", "import os\n"]
+    req = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    alone = [client.post("/v1/completions", json={**req, "prompt": t}).json() for t in texts]
+    whole = client.post("/v1/completions", json={**req, "prompt": texts}).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and "prompt_token_ids" not in whole
+    for c, a in zip(whole["choices"], alone, strict=True):
+        assert (c["text"], c["token_ids"], c["finish_reason"]) == (a["choices"][0]["text"],
+                                                                   a["choices"][0]["token_ids"], "length")
+        assert c["prompt_token_ids"] == a["prompt_token_ids"]
+    assert whole["usage"] == {k: sum(a["usage"][k] for a in alone) for k in whole["usage"]}
+    by_ids = client.post("/v1/completions", json={**req, "prompt": [a["prompt_token_ids"] for a in alone]}).json()
+    assert [c["token_ids"] for c in by_ids["choices"]] == [c["token_ids"] for c in whole["choices"]]
+    r = client.post("/v1/completions", json={**req, "prompt": texts, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    *content, usage = _chunks(r.text)
+    assert usage["usage"] == whole["usage"] and all(len(c["choices"]) == 1 for c in content)
+    for i, c in enumerate(whole["choices"]):
+        mine = [ch["choices"][0] for ch in content if ch["choices"][0]["index"] == i]
+        assert "".join(m["text"] for m in mine) == c["text"] and mine[-1]["finish_reason"] == "length"
+        assert [t for m in mine for t in m["token_ids"]] == c["token_ids"]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+    echoed = client.post("/v1/completions", json={**req, "prompt": texts, "echo": True}).json()
+    assert [c["text"] for c in echoed["choices"]] == [t + c["text"] for t, c in zip(texts, whole["choices"],
+                                                                                    strict=True)]
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_matches_non_streaming(client: TestClient, chat: bool) -> None:
     url = "/v1/chat/completions" if chat else "/v1/completions"
@@ -529,7 +559,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [0] * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": [0, 100000]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [0, -3]}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["a"] * 129}, 400, "prompt", None),  # a batch of more than MAX_PROMPTS
+    ("/v1/completions", {"prompt": ["a", "x" * (CTX + 1)]}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [[5], []]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "temperature": 1e9}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),

@@ -106,6 +106,7 @@ if TYPE_CHECKING:
 
 _MAX_INT = 2**31 - 1
 MAX_REQUEST_BYTES = 64 << 20  # a longer request body is refused (413) before it is read whole
+MAX_PROMPTS = 128  # prompts of one completion request (a batch; each is its own job and choice)
 
 
 class APIError(Exception):
@@ -383,12 +384,18 @@ class Server:
             raise APIError(400, f"the text is not valid Unicode: {exc}", param=param) from None
         return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
 
-    def completion_prompt(self, req: CompletionRequest) -> tuple[list[int], bool]:
+    def completion_prompts(self, req: CompletionRequest) -> list[str | list[int]]:
+        """The prompts of a completion request: one (a text or token ids), or a list of them (a batch, answered as
+        one choice each, ``index`` in request order)."""
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
+            if len(prompt) > MAX_PROMPTS:
+                raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+            return list(prompt)
+        return [prompt]
+
+    def completion_ids(self, prompt: str | list[int]) -> tuple[list[int], bool]:
+        """A completion prompt's token ids (a text gets BOS first), and whether the job detokenizes."""
         if isinstance(prompt, str):
             return self._encode(prompt), self.engine.tokenizer is not None
         return list(prompt), self.engine.tokenizer is not None
@@ -567,15 +574,13 @@ class Server:
             add(e.token, (e.logprob, e.top), e.offset + shift)
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def echo(self, req: CompletionRequest, job: Job) -> Echo:
+    def echo(self, prompt: str | list[int], job: Job) -> Echo:
         """The prompt as a completion echoes it: the text sent (token ids: their decoded text), and where each
         prompt token's text starts in it (a BOS this server put first: at 0)."""
         tok = self.engine.tokenizer
         ids = job.prompt
         if not job.text or tok is None:
             return Echo("", [0] * len(ids))
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and isinstance(req.prompt[0], str | list) \
-            else req.prompt
         added_bos = isinstance(prompt, str) and tok.bos_id is not None and ids[:1] == [tok.bos_id]
         stream, offsets, at = TextStream(tok), [], 0
         for i, token in enumerate(ids):
@@ -584,9 +589,44 @@ class Server:
                 at += len(stream.push(token))
         return Echo(prompt if isinstance(prompt, str) else tok.decode(ids), offsets)
 
-    def usage(self, job: Job) -> dict[str, int]:
-        p, g = len(job.prompt), job.generated
+    def usage(self, jobs: list[Job]) -> dict[str, int]:
+        p, g = sum(len(job.prompt) for job in jobs), sum(job.generated for job in jobs)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+
+async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """The pieces of several jobs as they come, each with its job's index; the first error raises (and the other
+    streams end, cancelling their jobs)."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in stream:
+                await queue.put((i, piece))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their streams' cleanup cancels unfinished jobs
 
 
 _ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
@@ -761,21 +801,27 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         return JSONResponse(card)
 
     async def serve(request: Request, endpoint: str, chat: bool) -> Response:
+        submitted: list[tuple[Generation | None, asyncio.Queue]] = []
         try:
             req = await parse(request, ChatRequest if chat else CompletionRequest)
             server._check_model(req)
             if chat:
                 req.check_supported(server.templated)
                 logprobs = req.alternatives()
-                prompt, text = server.chat_prompt(req), True
+                sent: list[str | list[int]] = []
+                prompts = [(server.chat_prompt(req), True)]
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
                 logprobs = req.logprobs
-                prompt, text = server.completion_prompt(req)
+                sent = server.completion_prompts(req)
+                prompts = [server.completion_ids(p) for p in sent]
                 max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            job = server.make_job(req, prompt, text, max_tokens, logprobs)
-            handle, queue = server.submit(job)
+            jobs = [server.make_job(req, prompt, text, max_tokens, logprobs) for prompt, text in prompts]
+            for job in jobs:
+                submitted.append(server.submit(job))
         except APIError as exc:
+            for handle, _ in submitted:  # a batch refused part way: none of it runs
+                server.cancel(handle)
             return error(exc, endpoint)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -789,9 +835,11 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
 
         # a completion's echo: the prompt before the first piece's text (and its tokens' logprobs before the
         # generated ones'); the later pieces' text offsets count it
-        echo = server.echo(req, job) if not chat and req.echo else None
+        echoes = [server.echo(p, job) for p, job in zip(sent, jobs, strict=True)] if not chat and req.echo else None
+        batch = len(jobs) > 1  # several prompts: each choice names its prompt's ids (one: the response does)
 
-        def choice(piece: Piece, first: bool = False) -> dict[str, Any]:
+        def choice(i: int, piece: Piece, first: bool = False) -> dict[str, Any]:
+            job, echo = jobs[i], echoes[i] if echoes is not None else None
             logprobs = None
             if job.logprobs is not None:
                 if chat:
@@ -816,53 +864,65 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}
             else:
                 text = echo.text + piece.text if echo is not None and first else piece.text
-                c = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": piece.finish}
+                c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": piece.finish}
             if req.return_token_ids:
                 c["token_ids"] = piece.ids
+                if batch and first:
+                    c["prompt_token_ids"] = job.prompt
             return c
+
+        streams = [server.pieces(request, handle, queue) for handle, queue in submitted]
+
+        def cancel_all() -> None:
+            for handle, _ in submitted:
+                server.cancel(handle)
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
             async def events() -> AsyncIterator[str]:
-                first = True
+                first = [True] * len(jobs)
                 try:
-                    async for piece in server.pieces(request, handle, queue):
-                        chunk = {**head, "choices": [choice(piece, first)]}
-                        if first and req.return_token_ids:
-                            chunk["prompt_token_ids"] = job.prompt
+                    async for i, piece in _merged(streams):
+                        chunk = {**head, "choices": [choice(i, piece, first[i])]}
+                        if first[i] and req.return_token_ids and not batch:
+                            chunk["prompt_token_ids"] = jobs[i].prompt
                         if include_usage:
                             chunk["usage"] = None
-                        first = False
+                        first[i] = False
                         yield _sse(chunk)
                 except Exception as exc:  # the stream has started: report in band
                     err = exc if isinstance(exc, APIError) else APIError(500, str(exc), "server_error")
                     yield _sse(err.body())
                     return
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": server.usage(job)})
+                    yield _sse({**head, "choices": [], "usage": server.usage(jobs)})
                 yield "data: [DONE]\n\n"
 
             count(endpoint, 200)
             # the background task runs however the response ends, even if the stream never started
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(server.cancel, handle))
+                                     background=BackgroundTask(cancel_all))
 
-        parts: list[Piece] = []
+        parts: list[list[Piece]] = [[] for _ in jobs]
         try:
-            async for piece in server.pieces(request, handle, queue):
-                parts.append(piece)
+            async for i, piece in _merged(streams):
+                parts[i].append(piece)
         except APIError as exc:
             return error(exc, endpoint)
         except Exception as exc:
             return error(APIError(500, str(exc), "server_error"), endpoint)
-        finish = parts[-1].finish if parts else None
-        whole = Piece("".join(p.text for p in parts), [i for p in parts for i in p.ids], finish,
-                      [lp for p in parts for lp in p.logprobs])
-        body = {**head, "choices": [choice(whole, first=True)], "usage": server.usage(job)}
-        if req.return_token_ids:
-            body["prompt_token_ids"] = job.prompt
+        finally:
+            cancel_all()  # a no-op for finished jobs
+        choices = []
+        for i, got in enumerate(parts):
+            whole = Piece("".join(p.text for p in got), [t for p in got for t in p.ids],
+                          got[-1].finish if got else None, [lp for p in got for lp in p.logprobs])
+            choices.append(choice(i, whole, first=True))
+        body = {**head, "choices": choices, "usage": server.usage(jobs)}
+        if req.return_token_ids and not batch:
+            body["prompt_token_ids"] = jobs[0].prompt
         count(endpoint, 200)
         return JSONResponse(body)
 
