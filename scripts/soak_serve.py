@@ -3,9 +3,10 @@
 
 Workers send, for ``--seconds``:
 
-- valid requests (completions with a text or token-id prompt, chat; greedy, or sampled with a fixed seed;
-  sometimes a stop string, penalties and logit biases, logprobs): each is sent streamed and non-streamed (in
-  random order), and both answers must agree (text, token ids, finish reason, usage, logprobs). Half the prompts
+- valid requests (completions with a text or token-id prompt or a list of prompts, chat; greedy, or sampled with
+  a fixed seed; sometimes a stop string, penalties and logit biases, logprobs): each is sent streamed and
+  non-streamed (in random order), and both answers must agree, choice by choice (text, token ids, finish reason,
+  usage, logprobs). Half the prompts
   come from a small pool, so the same request recurs across the run and must give the same answer each time;
   the others are unique. A token of another stream leaking into a response shows up as a disagreement.
 - invalid requests (malformed JSON, non-objects, wrong types, unknown model, prompts over the context,
@@ -98,6 +99,8 @@ def valid_body(rng: random.Random, soak: Soak) -> tuple[str, dict[str, Any]]:
         body["logprobs"] = rng.randint(0, 5)
     # token-id prompts: ids below 256 exist in any vocabulary worth serving
     body["prompt"] = [rng.randint(3, 255) for _ in range(rng.randint(1, 24))] if rng.random() < 0.3 else text
+    if rng.random() < 0.15:  # a batch: a list of prompts, one choice each
+        body["prompt"] = [text, *[f"{rng.choice(_WORDS)} {rng.getrandbits(24):x}" for _ in range(rng.randint(1, 3))]]
     return "/v1/completions", body
 
 
@@ -125,12 +128,17 @@ def _same_logprobs(a: list, b: list) -> bool:
         for (ta, va, xa), (tb, vb, xb) in zip(a, b, strict=True))
 
 
+def _choice(text: str = "", ids: list[int] | None = None, finish: str | None = None,
+            prompt_ids: list[int] | None = None, logprobs: list | None = None) -> dict[str, Any]:
+    return {"text": text, "ids": ids, "finish": finish, "prompt_ids": prompt_ids, "logprobs": logprobs or []}
+
+
 async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Send ``body`` streamed; returns the assembled text, ids, finish reason and usage, or raises
-    AssertionError with what was wrong with the stream."""
+    """Send ``body`` streamed; returns the usage and each choice's assembled text, ids, finish reason, prompt ids and
+    logprobs (by index), or raises AssertionError with what was wrong with the stream."""
     chat = url.endswith("chat/completions")
     req = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    text, ids, finish, usage, ids_in_prompt, logprobs = "", [], None, None, None, []
+    usage, ids_in_prompt, choices = None, None, {}
     async with client.stream("POST", url, json=req) as r:
         if r.status_code != 200:
             await r.aread()
@@ -147,14 +155,16 @@ async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
         if chunk.get("prompt_token_ids") is not None:
             ids_in_prompt = chunk["prompt_token_ids"]
         for c in chunk["choices"]:
-            assert finish is None, "a chunk after the finish reason"
-            text += _content(c, chat, "delta")
-            ids += c.get("token_ids") or []
-            logprobs += _logprob_entries(c, chat)
-            finish = c.get("finish_reason")
+            mine = choices.setdefault(c["index"], _choice(ids=[], prompt_ids=c.get("prompt_token_ids")))
+            assert mine["finish"] is None, f"a chunk of choice {c['index']} after its finish reason"
+            mine["text"] += _content(c, chat, "delta")
+            mine["ids"] += c.get("token_ids") or []
+            mine["logprobs"] += _logprob_entries(c, chat)
+            mine["finish"] = c.get("finish_reason")
     assert len(rids) == 1, f"chunks of {len(rids)} different response ids in one stream"
-    return {"text": text, "ids": ids, "finish": finish, "usage": usage, "prompt_ids": ids_in_prompt,
-            "logprobs": logprobs}
+    if ids_in_prompt is not None:  # one prompt: the response names its ids
+        choices[0]["prompt_ids"] = ids_in_prompt
+    return {"usage": usage, "choices": [choices[i] for i in sorted(choices)]}
 
 
 async def whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -162,9 +172,10 @@ async def whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> di
     r = await client.post(url, json=body)
     assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}"
     out = r.json()
-    (c,) = out["choices"]
-    return {"text": _content(c, chat, "message"), "ids": c.get("token_ids"), "finish": c["finish_reason"],
-            "usage": out["usage"], "prompt_ids": out.get("prompt_token_ids"), "logprobs": _logprob_entries(c, chat)}
+    choices = [_choice(_content(c, chat, "message"), c.get("token_ids"), c["finish_reason"],
+                       c.get("prompt_token_ids", out.get("prompt_token_ids")), _logprob_entries(c, chat))
+               for c in sorted(out["choices"], key=lambda c: c["index"])]
+    return {"usage": out["usage"], "choices": choices}
 
 
 async def valid_case(client: httpx.AsyncClient, soak: Soak, rng: random.Random) -> None:
@@ -177,31 +188,39 @@ async def valid_case(client: httpx.AsyncClient, soak: Soak, rng: random.Random) 
     except (AssertionError, KeyError, ValueError, httpx.HTTPError) as exc:
         soak.fail(case, f"{type(exc).__name__}: {exc} for {json.dumps(body)[:300]}")
         return
-    s, w = (a, b) if first_streamed else (b, a)
+    sw, ww = (a, b) if first_streamed else (b, a)
     problems = []
-    for key in ("text", "ids", "finish"):
-        if s[key] != w[key]:
-            problems.append(f"streamed {key} {s[key]!r} != non-streamed {w[key]!r}")
-    if s["usage"] != w["usage"]:
-        problems.append(f"usage {s['usage']} != {w['usage']}")
-    if w["usage"]["completion_tokens"] != len(w["ids"] or []):
-        problems.append(f"usage says {w['usage']['completion_tokens']} tokens, {len(w['ids'] or [])} ids returned")
-    if len(w["ids"] or []) > body["max_tokens"]:
-        problems.append(f"{len(w['ids'])} tokens > max_tokens {body['max_tokens']}")
-    if not _same_logprobs(s["logprobs"], w["logprobs"]):
-        problems.append(f"streamed logprobs {s['logprobs']!r:.200} != non-streamed {w['logprobs']!r:.200}")
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and isinstance(prompt[0], str | list)
+    prompts = prompt if batch else [prompt]
+    if len(sw["choices"]) != len(prompts) or len(ww["choices"]) != len(prompts):
+        problems.append(f"{len(sw['choices'])} streamed / {len(ww['choices'])} non-streamed choices for "
+                        f"{len(prompts)} prompts")
+    if sw["usage"] != ww["usage"]:
+        problems.append(f"usage {sw['usage']} != {ww['usage']}")
+    if ww["usage"]["completion_tokens"] != sum(len(w["ids"] or []) for w in ww["choices"]):
+        problems.append(f"usage says {ww['usage']['completion_tokens']} tokens, other than the ids returned")
     asked = body.get("logprobs") is not None and body["logprobs"] is not False  # completions' 0 asks too
-    if asked and len(w["logprobs"]) != len(w["ids"] or []):
-        problems.append(f"{len(w['logprobs'])} logprob entries for {len(w['ids'] or [])} tokens")
-    if not asked and w["logprobs"]:
-        problems.append("logprobs not asked for but returned")
-    sent_ids = body["prompt"] if isinstance(body.get("prompt"), list) else None
-    if s["prompt_ids"] != w["prompt_ids"] or (sent_ids is not None and w["prompt_ids"] != sent_ids):
-        problems.append(f"prompt_token_ids differ: streamed {s['prompt_ids']}, non-streamed {w['prompt_ids']}")
+    for s, w, sent in zip(sw["choices"], ww["choices"], prompts, strict=False):
+        for key in ("text", "ids", "finish"):
+            if s[key] != w[key]:
+                problems.append(f"streamed {key} {s[key]!r} != non-streamed {w[key]!r}")
+        if len(w["ids"] or []) > body["max_tokens"]:
+            problems.append(f"{len(w['ids'])} tokens > max_tokens {body['max_tokens']}")
+        if not _same_logprobs(s["logprobs"], w["logprobs"]):
+            problems.append(f"streamed logprobs {s['logprobs']!r:.200} != non-streamed {w['logprobs']!r:.200}")
+        if asked and len(w["logprobs"]) != len(w["ids"] or []):
+            problems.append(f"{len(w['logprobs'])} logprob entries for {len(w['ids'] or [])} tokens")
+        if not asked and w["logprobs"]:
+            problems.append("logprobs not asked for but returned")
+        sent_ids = sent if isinstance(sent, list) else None
+        if s["prompt_ids"] != w["prompt_ids"] or (sent_ids is not None and w["prompt_ids"] != sent_ids):
+            problems.append(f"prompt_token_ids differ: streamed {s['prompt_ids']}, non-streamed {w['prompt_ids']}")
     key = json.dumps(body, sort_keys=True)
-    ref = soak.references.setdefault(key, (w["text"], w["ids"], w["finish"]))
-    if ref != (w["text"], w["ids"], w["finish"]):
-        problems.append(f"the same request answered differently earlier: {ref!r} now {w['text']!r} {w['ids']}")
+    answer = [(w["text"], w["ids"], w["finish"]) for w in ww["choices"]]
+    ref = soak.references.setdefault(key, answer)
+    if ref != answer:
+        problems.append(f"the same request answered differently earlier: {ref!r} now {answer!r}")
     if problems:
         soak.fail(case, "; ".join(problems) + f" for {json.dumps(body)[:300]}")
     else:
