@@ -10,6 +10,9 @@
 #                                       # says which ran)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
+#   bash scripts/device_ab.sh loop      # GPU tests of the decode slots and the scheduler, then the server's decode loop
+#                                       # without HTTP at 1, 8 and 32 streams, a step's tokens read after / before the
+#                                       # next step, alternating in one process (scripts/scheduler_ab.py; ~5 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -22,7 +25,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -67,6 +70,11 @@ step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
     piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
         --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
+    ;;
+loop)
+    piece loop_tests.log 150 python -m pytest -q -m gpu tests/test_batch.py tests/test_serve_batching.py
+    piece scheduler_ab.log 420 python scripts/scheduler_ab.py -m "${DS4X_AB_MODEL:-flash:q2}" --concurrency 1,8,32 \
+        --gen-tokens 256 --rounds 2 --ledger "$out/ledger.jsonl"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
@@ -123,7 +131,7 @@ PY
     wait "$server" 2>/dev/null
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32, prefill or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop or all)" >&2
     exit 2
     ;;
 esac

@@ -622,3 +622,26 @@ def test_prefill_calls_script_times_the_servers_prompt_calls() -> None:
     assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "60")]
     assert all(float(r[3]) > 0 for r in rows)
     assert "profile of 3 sessions x 20 tokens" in out
+
+
+def test_scheduler_ab_script_serves_both_orders(tmp_path: Path) -> None:
+    """scripts/scheduler_ab.py on the tiny model: each level with the tokens read after and before the next step,
+    a table row and a ledger row each (the ledger's report shows them)."""
+    import json
+
+    from ds4x.bench.report import render
+
+    root = Path(__file__).resolve().parents[1]
+    ledger = tmp_path / "ledger.jsonl"
+    out = subprocess.run([sys.executable, str(root / "scripts" / "scheduler_ab.py"), "-m", "tiny", "--device", "cpu",
+                          "--concurrency", "1,3", "--prompt-tokens", "20", "--gen-tokens", "5", "--prefill-chunk",
+                          "32", "--ctx", "128", "--max-batch", "4", "--rounds", "1", "--ledger", str(ledger)],
+                         env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    table = [r for r in map(str.split, out.splitlines()) if len(r) == 8 and r[0].isdigit()]  # not progress lines
+    assert [(r[0], r[1]) for r in table] == [("1", "after"), ("1", "before"), ("3", "after"), ("3", "before")]
+    rows = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [(r["concurrency"], r["flags"]["overlapped_reads"]) for r in rows] == [(1, True), (1, False), (3, True),
+                                                                                  (3, False)]
+    assert all(r["tok_s"] > 0 and r["steps"] >= 4 for r in rows)
+    assert "The server's decode loop without HTTP" in render(rows, "ledger.jsonl")
