@@ -12,7 +12,8 @@
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh loop      # GPU tests of the decode slots and the scheduler, then the server's decode loop
 #                                       # without HTTP at 1, 8 and 32 streams, a step's tokens read after / before the
-#                                       # next step, alternating in one process (scripts/scheduler_ab.py; ~5 min)
+#                                       # next step and prefill budgets of 1,024 / 2,048 tokens, alternating in one
+#                                       # process (scripts/scheduler_ab.py; ~7 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -74,7 +75,7 @@ step32)
 loop)
     piece loop_tests.log 150 python -m pytest -q -m gpu tests/test_batch.py tests/test_serve_batching.py
     piece scheduler_ab.log 420 python scripts/scheduler_ab.py -m "${DS4X_AB_MODEL:-flash:q2}" --concurrency 1,8,32 \
-        --gen-tokens 256 --rounds 2 --ledger "$out/ledger.jsonl"
+        --gen-tokens 256 --prefill-budgets 1024,2048 --rounds 2 --ledger "$out/ledger.jsonl"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \

@@ -6,10 +6,11 @@ decode slots) serves N jobs submitted together: unique random prompts of ``--pro
 (EOS ignored), temperature 0.2. Per run: the wall time from submitting them to the last token, aggregate tok/s,
 the per-stream decode rate after the first token (median), the largest time to first token, and the scheduler's
 own figures over the run (decode steps; mean device time and host time per step). One server start measures what
-two `device_ab.sh serve` calls would, without the HTTP side.
+two `device_ab.sh serve` calls would, without the HTTP side. ``--prefill-budgets`` adds the prompt tokens one prompt
+call may take as a second dimension (default: the server's, 4 prefill chunks).
 
     PYTHONPATH=src python scripts/scheduler_ab.py [-m flash:q2] [--concurrency 1,8,32] [--gen-tokens 256]
-        [--rounds 2] [--ledger benchmarks/ledger.jsonl]
+        [--prefill-budgets 1024,2048] [--rounds 2] [--ledger benchmarks/ledger.jsonl]
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=130)
     ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--prefill-budgets", default=None, help="comma-separated prompt tokens a call may take "
+                    "(default: the server's)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of both orders, alternating")
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append to")
     args = ap.parse_args(argv)
@@ -92,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     sched = Scheduler(engine, args.ctx, "packed", prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
                       kv_budget=default_kv_budget(engine.model.device), slots=True)
+    default_budget = sched.prefill_budget
+    budgets = [int(v) for v in args.prefill_budgets.split(",")] if args.prefill_budgets else [default_budget]
+    if min(budgets) < args.prefill_chunk:
+        ap.error("a prefill budget holds at least one prefill chunk")
+    sched.prefill_budget = max(budgets)  # the warm-up's prompt calls cover the largest
     t0 = time.perf_counter()
     sched.warm_up()
     print(f"{args.model} ({engine.model.dtype}) on {engine.model.device}; {sched.slots.capacity} slots; warm-up "
@@ -102,30 +110,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(args.rounds):
             for n in levels:
-                for overlap in ((True, False) if r % 2 == 0 else (False, True)):
-                    sched.overlap = overlap  # between runs: nothing is in flight
-                    rows.append({**run(sched, n, args.prompt_tokens, args.gen_tokens, rng), "overlapped": overlap})
-                    x = rows[-1]
-                    print(f"  {n:3d} streams, reads {'after' if overlap else 'before'} the next step: "
-                          f"{x['tok_s']:8.1f} tok/s, {x['steps']} steps", flush=True)
+                for budget in budgets:
+                    for overlap in ((True, False) if r % 2 == 0 else (False, True)):
+                        sched.overlap, sched.prefill_budget = overlap, budget  # between runs: nothing in flight
+                        rows.append({**run(sched, n, args.prompt_tokens, args.gen_tokens, rng), "overlapped": overlap,
+                                     "prefill_budget": budget})
+                        x = rows[-1]
+                        print(f"  {n:3d} streams, budget {budget}, reads {'after' if overlap else 'before'} the next "
+                              f"step: {x['tok_s']:8.1f} tok/s, {x['steps']} steps", flush=True)
     finally:
         sched.stop()
-    print(f"{'streams':>7} {'reads':>6} {'tok/s':>8} {'per stream':>10} {'TTFT max s':>10} {'steps':>6} "
+    print(f"{'streams':>7} {'budget':>6} {'reads':>6} {'tok/s':>8} {'per stream':>10} {'TTFT max s':>10} {'steps':>6} "
           f"{'model ms':>9} {'host ms':>8}  ({args.model}, {args.prompt_tokens}-token prompts, {args.gen_tokens} "
           f"tokens each)")
-    for x in sorted(rows, key=lambda x: (x["concurrency"], not x["overlapped"])):
+    for x in sorted(rows, key=lambda x: (x["concurrency"], x["prefill_budget"], not x["overlapped"])):
         per = "-" if x["per_stream_tok_s"] is None else f"{x['per_stream_tok_s']:.1f}"
-        print(f"{x['concurrency']:7d} {'after' if x['overlapped'] else 'before':>6} {x['tok_s']:8.1f} {per:>10} "
-              f"{x['ttft_max_s']:10.3f} {x['steps']:6d} {x['step_model_ms']:9.2f} {x['step_host_ms']:8.2f}")
+        print(f"{x['concurrency']:7d} {x['prefill_budget']:6d} {'after' if x['overlapped'] else 'before':>6} "
+              f"{x['tok_s']:8.1f} {per:>10} {x['ttft_max_s']:10.3f} {x['steps']:6d} {x['step_model_ms']:9.2f} "
+              f"{x['step_host_ms']:8.2f}")
     if args.ledger is not None:
         env = environment()
-        flags = {"ctx": args.ctx, "prefill_chunk": args.prefill_chunk, "prefill_budget": sched.prefill_budget,
-                 "max_batch": args.max_batch, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-                 "temperature": 0.2, "dtype": str(engine.model.dtype).removeprefix("torch.")}
+        flags = {"ctx": args.ctx, "prefill_chunk": args.prefill_chunk, "max_batch": args.max_batch,
+                 "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "temperature": 0.2,
+                 "dtype": str(engine.model.dtype).removeprefix("torch.")}
         append([{"bench": "scheduler", **env, "model": f"synthetic {args.model}, seed 0",
-                 "flags": {**flags, "overlapped_reads": x["overlapped"]}, **{k: v for k, v in x.items()
-                                                                            if k != "overlapped"},
-                 **({} if x["overlapped"] else {"status": "variant"})} for x in rows], args.ledger)
+                 "flags": {**flags, "overlapped_reads": x["overlapped"], "prefill_budget": x["prefill_budget"]},
+                 **{k: v for k, v in x.items() if k not in ("overlapped", "prefill_budget")},
+                 **({} if x["overlapped"] and x["prefill_budget"] == default_budget else {"status": "variant"})}
+                for x in rows], args.ledger)
     return 0
 
 

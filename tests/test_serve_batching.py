@@ -638,8 +638,8 @@ def test_scheduler_ab_script_serves_both_orders(tmp_path: Path) -> None:
                           "32", "--ctx", "128", "--max-batch", "4", "--rounds", "1", "--ledger", str(ledger)],
                          env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    table = [r for r in map(str.split, out.splitlines()) if len(r) == 8 and r[0].isdigit()]  # not progress lines
-    assert [(r[0], r[1]) for r in table] == [("1", "after"), ("1", "before"), ("3", "after"), ("3", "before")]
+    table = [r for r in map(str.split, out.splitlines()) if len(r) == 9 and r[0].isdigit()]  # not progress lines
+    assert [(r[0], r[2]) for r in table] == [("1", "after"), ("1", "before"), ("3", "after"), ("3", "before")]
     rows = [json.loads(line) for line in ledger.read_text().splitlines()]
     assert [(r["concurrency"], r["flags"]["overlapped_reads"]) for r in rows] == [(1, True), (1, False), (3, True),
                                                                                   (3, False)]

@@ -113,14 +113,16 @@ def render(rows: list[dict[str, Any]], ledger_name: str, serve: list[dict[str, A
     if loops:
         lines += ["## The server's decode loop without HTTP (`scripts/scheduler_ab.py`)", "",
                   "N jobs submitted together (unique prompts, EOS ignored, temperature 0.2) to the server's scheduler "
-                  "in one process; a step's tokens read after the next step is queued or before it (flags); wall "
+                  "in one process; a step's tokens read after the next step is queued or before it, and the prompt "
+                  "tokens a call may take (budget); wall "
                   "time from submitting to the last token; model / host ms: the scheduler's mean device time and host "
                   "time per decode step.", "",
-                  "| date | commit | GPU | model | streams | reads | tok/s | per stream | TTFT max s | model ms "
-                  "| host ms | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| date | commit | GPU | model | streams | budget | reads | tok/s | per stream | TTFT max s "
+                  "| model ms | host ms | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loops:
             per = r.get("per_stream_tok_s")
             lines.append(f"| {r['date'][:16]} | {r['commit']} | {r['gpu']} | {r['model']} | {r['concurrency']} "
+                         f"| {r['flags']['prefill_budget']} "
                          f"| {'after' if r['flags']['overlapped_reads'] else 'before'} the next step | "
                          f"{r['tok_s']:.1f} | {'-' if per is None else f'{per:.1f}'} | {r['ttft_max_s']:.3f} "
                          f"| {r['step_model_ms']:.2f} | {r['step_host_ms']:.2f} | {r.get('status', 'ok')} |")
