@@ -629,7 +629,7 @@ class Scheduler:
         reads the tokens drawn before this step only after queueing it and the sampling behind it: the host's
         reading and delivering overlap the step instead of leaving the GPU idle between steps. A request whose
         token turns out to end it (EOS, a stop string) has then had one step too many: its row is given back
-        (`_take`). A token that ends it by budget or context is known before it is drawn (`_feedable`) and never
+        (`_retire`). A token that ends it by budget or context is known before it is drawn (`_feedable`) and never
         evaluated. The eager step takes host ids: the host reads the tokens first (so does ``overlap`` off)."""
         if not self.overlap:
             self._read(finished)
