@@ -155,6 +155,31 @@ def test_a_batch_of_prompts_gets_one_choice_each(client: TestClient) -> None:
                                                                                     strict=True)]
 
 
+def test_n_choices_draw_from_successive_seeds(client: TestClient) -> None:
+    """``n`` choices of one prompt: the k-th draws as a lone request with seed + k would (so they differ and each is
+    reproducible), streamed as non-streamed; with several prompts choice i * n + k is prompt i's k-th; chat too."""
+    req = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+           "return_token_ids": True}
+    alone = [client.post("/v1/completions", json={**req, "seed": 5 + k}).json()["choices"][0]["token_ids"]
+             for k in range(3)]
+    assert len({tuple(a) for a in alone}) > 1
+    whole = client.post("/v1/completions", json={**req, "n": 3}).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and [c["token_ids"] for c in whole["choices"]] == alone
+    assert whole["usage"]["completion_tokens"] == 24 and whole["prompt_token_ids"][0] == 0
+    *content, _ = _chunks(client.post("/v1/completions", json={**req, "n": 3, "stream": True,
+                                                               "stream_options": {"include_usage": True}}).text)
+    assert [[t for ch in content for c in ch["choices"] if c["index"] == k for t in c["token_ids"]]
+            for k in range(3)] == alone
+    two = client.post("/v1/completions", json={**req, "prompt": ["def f(x):", "hello"], "n": 2}).json()
+    assert [c["token_ids"] for c in two["choices"][:2]] == alone[:2]
+    hello = client.post("/v1/completions", json={**req, "prompt": "hello", "seed": 6}).json()
+    assert two["choices"][3]["token_ids"] == hello["choices"][0]["token_ids"]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                                     "max_tokens": 4, "temperature": 0}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer twice
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_matches_non_streaming(client: TestClient, chat: bool) -> None:
     url = "/v1/chat/completions" if chat else "/v1/completions"
@@ -559,7 +584,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [0] * (CTX + 1)}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": [0, 100000]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [0, -3]}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": ["a"] * 129}, 400, "prompt", None),  # a batch of more than MAX_PROMPTS
+    ("/v1/completions", {"prompt": ["a"] * 129}, 400, "prompt", None),  # more than MAX_CHOICES
+    ("/v1/completions", {"prompt": ["a"] * 65, "n": 2}, 400, "prompt", None),
     ("/v1/completions", {"prompt": ["a", "x" * (CTX + 1)]}, 400, "prompt", "context_length_exceeded"),
     ("/v1/completions", {"prompt": [[5], []]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", None),
@@ -573,7 +599,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs", None),
@@ -597,7 +624,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 200}, 400, "n", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),

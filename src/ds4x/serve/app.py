@@ -73,7 +73,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
@@ -106,7 +106,7 @@ if TYPE_CHECKING:
 
 _MAX_INT = 2**31 - 1
 MAX_REQUEST_BYTES = 64 << 20  # a longer request body is refused (413) before it is read whole
-MAX_PROMPTS = 128  # prompts of one completion request (a batch; each is its own job and choice)
+MAX_CHOICES = 128  # choices of one request (prompts x n): each is its own job in the scheduler
 
 
 class APIError(Exception):
@@ -389,8 +389,9 @@ class Server:
         one choice each, ``index`` in request order)."""
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) > MAX_PROMPTS:
-                raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+            if len(prompt) * req.n > MAX_CHOICES:
+                raise APIError(400, f"at most {MAX_CHOICES} choices per request (prompts x n), got {len(prompt)} "
+                                    f"prompts x {req.n}", param="prompt")
             return list(prompt)
         return [prompt]
 
@@ -444,9 +445,12 @@ class Server:
         return self._encode(text, bos=not self.templated, param="messages")  # the rendering starts with BOS
 
     def make_job(self, req: _SamplingRequest, prompt: list[int], text: bool, max_tokens: int | None,
-                 logprobs: int | None) -> Job:
-        if req.n != 1 or getattr(req, "best_of", None) not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
+                 logprobs: int | None, copy: int = 0) -> Job:
+        """The job of one choice: ``copy`` counts the choices of the same prompt (``n``); with a ``seed`` the k-th
+        draws from seed + k, so the n choices differ and each is reproducible."""
+        if getattr(req, "best_of", None) not in (None, req.n):
+            raise APIError(400, "best_of (choosing the best of more samples than n) is not supported",
+                           param="best_of")
         echo = getattr(req, "echo", False)
         if getattr(req, "suffix", None):
             raise APIError(400, "suffix (text after the completion) is not supported", param="suffix")
@@ -470,6 +474,8 @@ class Server:
             params = req.sampling()
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+        if copy and params.seed is not None:
+            params = replace(params, seed=(params.seed + copy) % 2**63)
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
@@ -816,7 +822,10 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 sent = server.completion_prompts(req)
                 prompts = [server.completion_ids(p) for p in sent]
                 max_tokens = 16 if req.max_tokens is None else req.max_tokens
-            jobs = [server.make_job(req, prompt, text, max_tokens, logprobs) for prompt, text in prompts]
+            # choice i * n + k: the k-th of prompt i (OpenAI's order)
+            jobs = [server.make_job(req, prompt, text, max_tokens, logprobs, k) for prompt, text in prompts
+                    for k in range(req.n)]
+            sent = [p for p in sent for _ in range(req.n)]
             for job in jobs:
                 submitted.append(server.submit(job))
         except APIError as exc:
@@ -831,12 +840,13 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
 
         # a chat reply's parts: in thinking mode the text before </think> is reasoning_content (DeepSeek's API field),
         # with tools offered a closing DSML tool-call block becomes tool_calls
-        reply = ReplyParts(server.templated and req.thinking_mode(), bool(req.offered_tools())) if chat else None
+        replies = [ReplyParts(server.templated and req.thinking_mode(), bool(req.offered_tools())) for _ in jobs] \
+            if chat else None
 
         # a completion's echo: the prompt before the first piece's text (and its tokens' logprobs before the
         # generated ones'); the later pieces' text offsets count it
         echoes = [server.echo(p, job) for p, job in zip(sent, jobs, strict=True)] if not chat and req.echo else None
-        batch = len(jobs) > 1  # several prompts: each choice names its prompt's ids (one: the response does)
+        batch = len(sent) > req.n  # several prompts: each choice names its prompt's ids (one: the response does)
 
         def choice(i: int, piece: Piece, first: bool = False) -> dict[str, Any]:
             job, echo = jobs[i], echoes[i] if echoes is not None else None
@@ -846,22 +856,22 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                     logprobs = server.chat_logprobs(job, piece.logprobs)
                 else:
                     logprobs = server.completion_logprobs(job, piece.logprobs, echo, with_prompt=first)
-            if reply is not None:
-                key = "delta" if req.stream else "message"
+            if replies is not None:
+                reply, key = replies[i], "delta" if req.stream else "message"
                 thought, answer, calls = reply.feed(piece.text, piece.finish is not None)
                 msg: dict[str, Any] = {"content": answer}
                 if reply.reasoning is not None:
                     msg["reasoning_content"] = thought
                 finish = piece.finish
                 if calls:
-                    msg["tool_calls"] = [{**({"index": i} if req.stream else {}), "id": "call_" + uuid.uuid4().hex[:24],
-                                          "type": "function", "function": call} for i, call in enumerate(calls)]
+                    msg["tool_calls"] = [{**({"index": j} if req.stream else {}), "id": "call_" + uuid.uuid4().hex[:24],
+                                          "type": "function", "function": call} for j, call in enumerate(calls)]
                     if not req.stream and not answer:
                         msg["content"] = None  # as OpenAI answers a reply that is only tool calls
                     finish = "tool_calls" if finish == "stop" else finish
                 if first or not req.stream:
                     msg = {"role": "assistant", **msg}
-                c: dict[str, Any] = {"index": 0, key: msg, "logprobs": logprobs, "finish_reason": finish}
+                c: dict[str, Any] = {"index": i, key: msg, "logprobs": logprobs, "finish_reason": finish}
             else:
                 text = echo.text + piece.text if echo is not None and first else piece.text
                 c = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": piece.finish}
