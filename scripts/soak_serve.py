@@ -4,11 +4,11 @@
 Workers send, for ``--seconds``:
 
 - valid requests (completions with a text or token-id prompt or a list of prompts, chat; greedy, or sampled with
-  a fixed seed; sometimes a stop string, penalties and logit biases, logprobs): each is sent streamed and
+  a fixed seed; sometimes n choices, a stop string, penalties and logit biases, logprobs): each is sent streamed and
   non-streamed (in random order), and both answers must agree, choice by choice (text, token ids, finish reason,
-  usage, logprobs). Half the prompts
-  come from a small pool, so the same request recurs across the run and must give the same answer each time;
-  the others are unique. A token of another stream leaking into a response shows up as a disagreement.
+  usage, logprobs). Half the prompts come from a small pool, so the same request recurs across the run and must
+  give the same answer each time; the others are unique. A token of another stream leaking into a response shows
+  up as a disagreement.
 - invalid requests (malformed JSON, non-objects, wrong types, unknown model, prompts over the context,
   absurd parameters, non-UTF-8 bytes, streamed invalid requests): each must be answered 4xx with an OpenAI
   error body ``{"error": {"message": ..., "type": ...}}``.
@@ -90,6 +90,8 @@ def valid_body(rng: random.Random, soak: Soak) -> tuple[str, dict[str, Any]]:
         if rng.random() < 0.5:
             body["logit_bias"] = {str(rng.randint(3, 255)): rng.choice([-100, -5, 5, 100]) for _ in range(3)}
     logprobs = rng.random() < 0.3
+    if rng.random() < 0.1:  # several choices of the prompt
+        body["n"] = rng.randint(2, 3)
     if chat:
         body["messages"] = [{"role": "user", "content": text}]
         if logprobs:
@@ -162,8 +164,9 @@ async def streamed(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
             mine["logprobs"] += _logprob_entries(c, chat)
             mine["finish"] = c.get("finish_reason")
     assert len(rids) == 1, f"chunks of {len(rids)} different response ids in one stream"
-    if ids_in_prompt is not None:  # one prompt: the response names its ids
-        choices[0]["prompt_ids"] = ids_in_prompt
+    if ids_in_prompt is not None:  # one prompt: the response names its ids, once
+        for c in choices.values():
+            c["prompt_ids"] = c["prompt_ids"] or ids_in_prompt
     return {"usage": usage, "choices": [choices[i] for i in sorted(choices)]}
 
 
@@ -192,10 +195,10 @@ async def valid_case(client: httpx.AsyncClient, soak: Soak, rng: random.Random) 
     problems = []
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and isinstance(prompt[0], str | list)
-    prompts = prompt if batch else [prompt]
+    prompts = [p for p in (prompt if batch else [prompt]) for _ in range(body.get("n", 1))]  # choice i * n + k
     if len(sw["choices"]) != len(prompts) or len(ww["choices"]) != len(prompts):
         problems.append(f"{len(sw['choices'])} streamed / {len(ww['choices'])} non-streamed choices for "
-                        f"{len(prompts)} prompts")
+                        f"{len(prompts)} (prompts x n)")
     if sw["usage"] != ww["usage"]:
         problems.append(f"usage {sw['usage']} != {ww['usage']}")
     if ww["usage"]["completion_tokens"] != sum(len(w["ids"] or []) for w in ww["choices"]):

@@ -170,6 +170,7 @@ def test_n_choices_draw_from_successive_seeds(client: TestClient) -> None:
                                                                "stream_options": {"include_usage": True}}).text)
     assert [[t for ch in content for c in ch["choices"] if c["index"] == k for t in c["token_ids"]]
             for k in range(3)] == alone
+    assert [ch.get("prompt_token_ids") for ch in content if "prompt_token_ids" in ch] == [whole["prompt_token_ids"]]
     two = client.post("/v1/completions", json={**req, "prompt": ["def f(x):", "hello"], "n": 2}).json()
     assert [c["token_ids"] for c in two["choices"][:2]] == alone[:2]
     hello = client.post("/v1/completions", json={**req, "prompt": "hello", "seed": 6}).json()

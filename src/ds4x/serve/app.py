@@ -895,7 +895,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 try:
                     async for i, piece in _merged(streams):
                         chunk = {**head, "choices": [choice(i, piece, first[i])]}
-                        if first[i] and req.return_token_ids and not batch:
+                        if all(first) and req.return_token_ids and not batch:  # the stream's first chunk
                             chunk["prompt_token_ids"] = jobs[i].prompt
                         if include_usage:
                             chunk["usage"] = None
