@@ -65,7 +65,7 @@ def test_report_has_the_prefill_table(tmp_path):
     (tmp_path / "serve.jsonl").write_text(json.dumps(serve) + "\n")
     write_report(tmp_path / "ledger.jsonl", tmp_path / "BENCHMARKS.md", tmp_path / "serve.jsonl")
     text = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "| abc | NVIDIA H200 | flash:q2 | r1 | 8 | 24 | 1 | 87.6 | 11.6 | 0.755 | - | ok | n |" in text
+    assert "| abc | NVIDIA H200 | flash:q2 | r1 | 8 | 24 | 1 | 87.6 | 11.6 | 0.755 | - | - | ok | n |" in text
 
 
 def test_report_has_the_long_decode_table(tmp_path):

@@ -43,6 +43,22 @@ def test_metric_definitions() -> None:
     assert row["status"] == "errors"
 
 
+def test_server_counters_only_from_a_ds4x_metrics_text() -> None:
+    from ds4x.bench.serve_load import counters_over, parse_counters
+
+    text = "\n".join(["# TYPE ds4x_decode_steps_total counter", "ds4x_decode_steps_total 10", "ds4x_batch_size_sum 40",
+                      "ds4x_prefill_steps_total 2", "ds4x_prompt_tokens_total 100", "ds4x_generation_tokens_total 40",
+                      "ds4x_decode_step_model_seconds_sum 0.5", "ds4x_decode_step_sample_seconds_sum 0.01",
+                      'ds4x_batch_size_bucket{le="4"} 10'])
+    after = parse_counters(text)
+    before = {k: 0.0 for k in after}
+    c = counters_over(before, after)
+    assert c is not None and (c["decode_steps"], c["mean_batch"], c["step_model_ms"]) == (10, 4, 50)
+    assert c["step_host_ms"] == pytest.approx(1.0)
+    assert counters_over(before, parse_counters("vllm:num_requests_running 3")) is None  # another server
+    assert counters_over(None, after) is None
+
+
 def test_server_meta_only_from_a_ds4x_entry() -> None:
     entry = {"id": "m", "object": "model", "ds4x": {"gpu": "cpu", "commit": None}}
     assert server_description({"data": [entry]}, None) == ("m", entry)
@@ -95,6 +111,9 @@ def test_closed_loop_ledger_and_plot(server: str, tmp_path, capsys) -> None:
         assert r["aggregate_tok_s"] > 0 and r["per_stream_tok_s_median"] > 0 and r["per_stream_tok_s_p10"] > 0
         assert 0 < r["ttft_p50_s"] <= r["ttft_max_s"] and r["itl_p99_ms"] > 0
         assert r["wall_s"] >= 2
+        c = r["server_counters"]  # the server's own counters over the level
+        assert c["generation_tokens"] >= r["output_tokens"] and c["decode_steps"] > 0 and c["prefill_calls"] >= 1
+        assert 1 <= c["mean_batch"] <= r["concurrency"] and c["step_model_ms"] > 0 and c["step_host_ms"] >= 0
     out = capsys.readouterr().out
     assert "appended 2 rows" in out and f"server: ds4x {sm['version']}" in out
 

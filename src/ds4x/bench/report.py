@@ -49,16 +49,18 @@ def _serve_table(rows: list[dict[str, Any]]) -> list[str]:
         return "-" if v is None else format(v, spec)
 
     out = ["| date | commit | server GPU | model | run | concurrency | requests | errors | tok/s | stream tok/s med "
-           "| TTFT p50 s | ITL p99 ms | status | note |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| TTFT p50 s | ITL p99 ms | server step ms (device / host) | status | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sm = r.get("server_meta")
         gpu = sm.get("gpu", "?") if isinstance(sm, dict) else "?"
         level = r["concurrency"] if r.get("mode") == "closed" else f"rate {r.get('rate')}"
+        c = r.get("server_counters") or {}
+        step = f"{num(c.get('step_model_ms'), '.2f')} / {num(c.get('step_host_ms'), '.2f')}" if c else "-"
         out.append(f"| {r['date'][:16]} | {r['commit']} | {gpu} | {r['model']} | {r['run_id']} | {level} "
                    f"| {r['requests']} | {sum(r.get('errors', {}).values())} | {num(r['aggregate_tok_s'], '.1f')} "
                    f"| {num(r.get('per_stream_tok_s_median'), '.1f')} | {num(r.get('ttft_p50_s'), '.3f')} "
-                   f"| {num(r.get('itl_p99_ms'), '.1f')} | {r.get('status', 'ok')} | {r.get('note', '')} |")
+                   f"| {num(r.get('itl_p99_ms'), '.1f')} | {step} | {r.get('status', 'ok')} | {r.get('note', '')} |")
     return out
 
 

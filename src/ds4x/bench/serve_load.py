@@ -23,7 +23,9 @@ One JSON row per level is appended to the ledger, with the client's commit, date
 own description (``server_model``: its ``/v1/models`` entry; ``server_meta``: the ``ds4x`` object a ds4x server
 puts in that entry, with its commit, GPU, driver, torch and triton versions, dtype, cache and model fingerprint,
 or ``"unavailable"`` when the server reports none or ``/v1/models`` cannot be read), the flags, warm-up, prompt
-and output lengths, errors.
+and output lengths, errors, and for a ds4x server what its ``/metrics`` counters say of the level
+(``server_counters``: decode steps and their mean batch, mean device and host time per step, prompt calls; None
+for another server).
 """
 
 from __future__ import annotations
@@ -342,6 +344,45 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines)
 
 
+# a ds4x server's /metrics counters whose change over a level a row records (``server_counters``)
+_COUNTERS = {"ds4x_decode_steps_total": "decode_steps", "ds4x_batch_size_sum": "decode_rows",
+             "ds4x_prefill_steps_total": "prefill_calls", "ds4x_prompt_tokens_total": "prompt_tokens",
+             "ds4x_generation_tokens_total": "generation_tokens",
+             "ds4x_decode_step_model_seconds_sum": "step_model_s", "ds4x_decode_step_sample_seconds_sum": "step_host_s"}
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The counters of ``_COUNTERS`` in a Prometheus text (those present)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTERS:
+            out[_COUNTERS[name]] = float(value)
+    return out
+
+
+def counters_over(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """What a ds4x server's counters say of a level: their change, the mean decode batch, and the mean device and
+    host time per decode step (ms). None unless both snapshots hold all of them (another server)."""
+    if not before or not after or set(before) != set(_COUNTERS.values()) or set(after) != set(before):
+        return None
+    d = {k: after[k] - before[k] for k in before}
+    steps = d["decode_steps"]
+    return {**d, "mean_batch": d["decode_rows"] / steps if steps else None,
+            "step_model_ms": 1e3 * d["step_model_s"] / steps if steps else None,
+            "step_host_ms": 1e3 * d["step_host_s"] / steps if steps else None}
+
+
+async def _counters(client: Any, url: str) -> dict[str, float] | None:
+    import httpx
+
+    try:
+        r = await client.get(f"{url}/metrics")
+        return parse_counters(r.text) if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
 async def run_levels(cfg: LoadConfig, concurrency: list[int], rates: list[float],
                      log: Any = print) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Measure every level; returns the level rows and the run's metadata."""
@@ -374,10 +415,17 @@ async def run_levels(cfg: LoadConfig, concurrency: list[int], rates: list[float]
                 log(f"[bench serve] {level}: warm-up {cfg.warmup:g} s")
                 warm, _ = await _load(client, cfg, prompts, conc, rate, cfg.warmup, rng)
             log(f"[bench serve] {level}: {cfg.seconds:g} s")
+            before = await _counters(client, cfg.url)
             samples, wall = await _load(client, cfg, prompts, conc, rate, cfg.seconds, rng)
+            server = counters_over(before, await _counters(client, cfg.url))
+            if server is not None and server["decode_steps"]:
+                log(f"[bench serve] {level}: the server's {server['decode_steps']:.0f} decode steps (mean batch "
+                    f"{server['mean_batch']:.1f}): {server['step_model_ms']:.2f} ms of device and "
+                    f"{server['step_host_ms']:.2f} ms of host time each; {server['prefill_calls']:.0f} prompt calls")
             rows.append({"mode": "open" if rate is not None else "closed", "concurrency": conc, "rate": rate,
                          **summarize(samples, wall, cfg, rate is not None),
-                         "warmup_requests": len(warm), "warmup_errors": sum(s.error is not None for s in warm)})
+                         "warmup_requests": len(warm), "warmup_errors": sum(s.error is not None for s in warm),
+                         "server_counters": server})
     # the ds4x object goes to server_meta only, not twice into each row
     described = None if entry is None else {k: v for k, v in entry.items() if k != _SERVER_META_KEY}
     meta = {"model": cfg.model, "server_model": described, "server_meta": server_meta(entry), "url": cfg.url}
