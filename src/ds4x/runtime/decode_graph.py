@@ -47,7 +47,7 @@ class CapturedStep:
     that writing the next ones waits for that copy only, not for the whole step."""
 
     def __init__(self, model: Transformer, caches: Sequence[ModelCache], pipelined: bool = False):
-        self.model, self.caches, self.pipelined = model, list(caches), pipelined
+        self.model, self.caches = model, list(caches)
         n = len(self.caches)
         # the step's inputs, tokens then positions: written on the host into page-locked memory, copied to the
         # device by the step itself (the graph's first node; not pipelined), so the host does no copy call before
