@@ -176,6 +176,20 @@ def test_queue_full_gets_429_and_a_disconnect_frees_the_session(engine: Engine) 
         assert _metric(base, "ds4x_kv_budget_bytes") > 0
 
 
+def test_a_batch_refused_part_way_runs_none_of_it(engine: Engine) -> None:
+    """A list of prompts whose later prompts find the queue full: 429, and the prompts already taken are cancelled
+    (nothing keeps running or waiting); a batch that fits then runs whole."""
+    with live(engine, max_batch=1, max_queue=1) as (base, _):
+        many = {"prompt": ["a", "b", "c"], "max_tokens": 50, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(f"{base}/v1/completions", json=many, timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        _wait_for(lambda: _metric(base, "ds4x_requests_running") == _metric(base, "ds4x_requests_waiting") == 0,
+                  "the taken prompts to be cancelled")
+        assert _metric(base, "ds4x_requests_cancelled_total") == 2
+        ok = httpx.post(f"{base}/v1/completions", json={**many, "prompt": ["a", "b"], "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and [c["finish_reason"] for c in ok.json()["choices"]] == ["length", "length"]
+
+
 def test_disconnect_mid_stream_frees_the_session_at_once(engine: Engine) -> None:
     with live(engine) as (base, _):
         others = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True} for p in PROMPTS[:3]]
