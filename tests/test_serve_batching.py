@@ -190,16 +190,19 @@ def test_a_batch_refused_part_way_runs_none_of_it(engine: Engine) -> None:
         assert ok.status_code == 200 and [c["finish_reason"] for c in ok.json()["choices"]] == ["length", "length"]
 
 
-def test_disconnect_mid_stream_frees_the_session_at_once(engine: Engine) -> None:
+@pytest.mark.parametrize("prompt", ["x", ["x", "y", "z"]], ids=["one", "batch"])
+def test_disconnect_mid_stream_frees_the_session_at_once(engine: Engine, prompt: str | list[str]) -> None:
+    """Also every session of a batch of prompts streamed together."""
     with live(engine) as (base, _):
         others = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True} for p in PROMPTS[:3]]
         with httpx.Client(timeout=60) as client:
-            req = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+            req = {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
             with client.stream("POST", f"{base}/v1/completions", json=req) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))
-            _wait_for(lambda: _metric(base, "ds4x_requests_cancelled_total") == 1, "the cancellation", 10)
+            n = 1 if isinstance(prompt, str) else len(prompt)
+            _wait_for(lambda: _metric(base, "ds4x_requests_cancelled_total") == n, "the cancellation", 10)
             assert _metric(base, "ds4x_requests_running") == 0 and _metric(base, "ds4x_kv_bytes_in_use") == 0
-            assert _metric(base, "ds4x_generation_tokens_total") < 400
+            assert _metric(base, "ds4x_generation_tokens_total") < 400 * n
             for body in others:  # and the server goes on serving
                 assert client.post(f"{base}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 6
 
