@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
 (Gluon) ones for attention and indexer scoring, and the exact top-512 select at several sizes; microseconds per
-call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference. The figures behind
+call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
+the model's bf16 query, split in high and low parts against stacked by column halves (the better of two
+alternating runs each). The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
     PYTHONPATH=src python scripts/compressed_kernels_ab.py
@@ -22,6 +24,7 @@ def main() -> int:
 
     from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows, rows_triton
     from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma as AW
     from ds4x.kernels import indexer as I
     from ds4x.kernels.attention import Slots, attention_decode_triton
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -48,15 +51,31 @@ def main() -> int:
         "HCA 8194 rows @1M": [(ring, Slots(128, position=at_1m, ring=768)),
                               (rows, Slots(8194, position=at_1m, ratio=128))],
     }
-    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9}")
+    # the Triton kernel and the Gluon one on a float32 query, then the Gluon one on the model's bf16 query split in
+    # high and low parts and stacked by column halves (attention_wgmma.BF16_QUERY_HALVES), alternating twice
+    qb = q.bfloat16()
+    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 split':>10} {'halves':>7} "
+          f"{'rel diff':>9}")
     for name, sources in cases.items():
-        def call(sources=sources):
-            return attention_decode_triton(q, sources, sinks, dim**-0.5, nope, True)
+        def call(query=q, sources=sources):
+            return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True)
         A.WGMMA = False
         ref, t_ref = call(), us(call)
         A.WGMMA = True
         out, t = call(), us(call)
-        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {float((out - ref).abs().max() / ref.abs().max()):9.1e}")
+        bf16: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(2):
+            for halves in (False, True):
+                AW.BF16_QUERY_HALVES = halves
+                bf16[halves].append(us(lambda: call(qb)))
+        AW.BF16_QUERY_HALVES = False
+        split_out = call(qb)
+        AW.BF16_QUERY_HALVES = True
+        halves_out = call(qb)
+        AW.BF16_QUERY_HALVES = False
+        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {float((out - ref).abs().max() / ref.abs().max()):9.1e} "
+              f"{min(bf16[False]):10.1f} {min(bf16[True]):7.1f} "
+              f"{float((halves_out - split_out).abs().max() / split_out.abs().max()):9.1e}")
 
     n = 262_144
     keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)

@@ -6,9 +6,13 @@ and inside its K loop (the range closed by the first backward branch around the 
 
 ``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
+``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
+launches it (window ring + compressed rows), per query kind: float32 (split in high and low parts) or bf16 by
+column halves (``Q_SPLIT`` off).
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
+    PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query split,halves] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from triton.compiler.compiler import ASTSource  # noqa: E402
 from ds4x.kernels import quant_matmul  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-FAMILIES = ("IMMA", "IDP", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "STG", "BAR", "DEPBAR", "SHFL", "ATOMG", "RED",
-            "FFMA", "FMUL", "FADD", "FMNMX", "I2FP", "I2F", "F2F", "HADD2", "PRMT", "SHF", "LOP3", "IMAD", "IADD3",
-            "BRA")
+FAMILIES = ("HGMMA", "IMMA", "IDP", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "STG", "LDL", "STL", "BAR", "DEPBAR",
+            "SHFL", "ATOMG", "RED", "FFMA", "FMUL", "FADD", "FMNMX", "I2FP", "I2F", "F2F", "HADD2", "PRMT", "SHF",
+            "LOP3", "IMAD", "IADD3", "BRA")
 
 
 def _nvdisasm_tool(name: str) -> str:
@@ -55,6 +59,25 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in divisible}
     src = ASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
+
+
+def compile_attention(block: int, q_split: bool) -> triton.compiler.CompiledKernel:
+    """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
+    rows by ratio (mode 2), PDL on; the query float32 (Q_SPLIT) or bf16."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ds4x.kernels import attention_wgmma
+
+    fn = attention_wgmma.partial_kernel
+    names = fn.arg_names
+    consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
+              "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "Q_SPLIT": q_split}
+    pointers = {"q_ptr": "*fp32" if q_split else "*bf16", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
+                "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
+    sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
+    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
+    return triton.compile(src, target=TARGET, options={"num_warps": attention_wgmma.WARPS})
 
 
 def sass_of(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str) -> list[tuple[int, str, str]]:
@@ -129,6 +152,18 @@ def main_qmv(args: argparse.Namespace) -> bool:
     return ok
 
 
+def main_attention(args: argparse.Namespace) -> bool:
+    ok = True
+    for block in args.block:
+        for kind in args.query.split(","):
+            tag = f"attention_b{block}_{kind}"
+            _, spill = report(compile_attention(block, kind == "split"), args.dump, tag, "HGMMA")
+            if spill:
+                print("   !! local memory in use (spills)")
+                ok = False
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
@@ -137,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     qmv.add_argument("--tile", nargs="+", default=["8,64,2", "8,128,4"], help="R,U,warps tiles")
     qmv.add_argument("--xq", default="1", help="x quantized beforehand: 1, in the kernel: 0 (comma-separated)")
     qmv.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
+    att = sub.add_parser("attention", help="the Hopper decode attention of ds4x.kernels.attention_wgmma")
+    att.add_argument("--block", nargs="+", type=int, default=[16], help="rows per block")
+    att.add_argument("--query", default="split,halves", help="split (float32 query), halves (bf16), comma-separated")
+    att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
-    return 0 if main_qmv(args) else 1
+    return 0 if (main_qmv(args) if args.kernel == "qmv" else main_attention(args)) else 1
 
 
 if __name__ == "__main__":

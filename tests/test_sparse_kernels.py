@@ -449,13 +449,18 @@ def test_batched_selection_at_1m_on_gpu():
 
 
 @pytest.mark.gpu
-def test_attention_over_hca_sized_rows_on_gpu():
+@pytest.mark.parametrize("query", ["float32", "bf16 split", "bf16 halves"])
+def test_attention_over_hca_sized_rows_on_gpu(monkeypatch, query):
+    from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
+    monkeypatch.setattr(attention_wgmma, "BF16_QUERY_HALVES", query == "bf16 halves")
     g = torch.Generator(device="cuda").manual_seed(2)
     rows = pack_kv_rows(torch.randn(8320, 512, generator=g, device="cuda") * 2)
     plain = unpack_kv_rows(rows).contiguous()
     q = torch.nn.functional.rms_norm(torch.randn(64, 512, generator=g, device="cuda"), (512,))
+    if query != "float32":
+        q = q.bfloat16()
     sinks = torch.randn(64, generator=g, device="cuda")
     window, comp = torch.arange(8192, 8320, device="cuda"), torch.arange(8192, device="cuda")
     out = attention_decode_triton(q, [(rows, window), (rows, comp)], sinks, 512**-0.5, 448, True)
@@ -467,15 +472,21 @@ def test_attention_over_hca_sized_rows_on_gpu():
 
 
 @pytest.mark.gpu
-def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize("query", ["float32", "bf16 split", "bf16 halves"])
+def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
     """The Gluon all-heads kernel against the Triton kernel: window + explicit picks with holes, window + closed
-    compressed rows, a batch of 3 queries (each query's bits alone)."""
+    compressed rows, a batch of 3 queries (each query's bits alone); float32 queries and the model's bf16 ones,
+    split in high and low parts or stacked by column halves (``BF16_QUERY_HALVES``)."""
     from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import Slots, attention_decode_triton
     from ds4x.kernels.attention_wgmma import available
 
+    monkeypatch.setattr(attention_wgmma, "BF16_QUERY_HALVES", query == "bf16 halves")
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,))
+    if query != "float32":
+        q = q.bfloat16()
     if not available(q, 64, 512, 448):
         pytest.skip("needs an sm_90 GPU with Gluon")
     rows = torch.stack([pack_kv_rows(torch.randn(3000, 512, generator=g, device="cuda") * 2) for _ in range(3)])

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ds4x.config import CSA, HCA, PRESETS, SLIDING
+from ds4x.config import CSA, HCA, PRESETS, SLIDING, ModelConfig
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
 from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
@@ -90,11 +90,18 @@ def _median_ms(fn, reps: int = 50) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
 
 
+def _attention_query(cfg: ModelConfig, g: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """A decode query [heads, head_dim] in the dtype the model's step gives the attention (its working dtype: bf16
+    on the GPU), so the kernels time the query path the step runs."""
+    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
+    return q.to(torch.bfloat16) if dev.type == "cuda" else q
+
+
 def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator) -> dict[str, Any]:
     """Closures running one layer's compressed-attention kernels at the cache's frontier."""
     cfg, st = cache.cfg, cache.layers[layer]
     dev, L = cache.device, cache.length
-    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
+    q = _attention_query(cfg, g, dev)
     sinks = torch.randn(cfg.num_heads, generator=g, device=dev)
     position = torch.tensor([L], device=dev)  # the decoded token's position; slots as the model offers them
     window = Slots(cfg.sliding_window, position=position, ring=st.raw.capacity)
@@ -130,7 +137,7 @@ def _compressed_sequence(cache: ModelCache, topk: str, g: torch.Generator):
     cfg, dev, L = cache.cfg, cache.device, cache.length
     from ds4x.formats import hadamard128, mxfp4_roundtrip
 
-    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
+    q = _attention_query(cfg, g, dev)
     sinks = torch.randn(cfg.num_heads, generator=g, device=dev)
     qi = mxfp4_roundtrip(hadamard128(torch.randn(cfg.index_n_heads, cfg.index_head_dim, generator=g, device=dev)), 32)
     wi = torch.randn(cfg.index_n_heads, generator=g, device=dev)
