@@ -24,6 +24,7 @@ import torch
 
 from ds4x.config import CSA, HCA, PRESETS, SLIDING, ModelConfig
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
+from ds4x.kernels import attention_wgmma
 from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
 from ds4x.kernels.quant_matmul import int8_activation_types
@@ -90,11 +91,15 @@ def _median_ms(fn, reps: int = 50) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
 
 
+def _attention_query_dtype(dev: torch.device) -> torch.dtype:
+    """The dtype the model's decode step gives the attention its query in: its working dtype (bf16 on the GPU)."""
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
 def _attention_query(cfg: ModelConfig, g: torch.Generator, dev: torch.device) -> torch.Tensor:
-    """A decode query [heads, head_dim] in the dtype the model's step gives the attention (its working dtype: bf16
-    on the GPU), so the kernels time the query path the step runs."""
-    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev)
-    return q.to(torch.bfloat16) if dev.type == "cuda" else q
+    """A decode query [heads, head_dim] as the model's step gives it, so the kernels time the query path the step
+    runs."""
+    return torch.randn(cfg.num_heads, cfg.head_dim, generator=g, device=dev).to(_attention_query_dtype(dev))
 
 
 def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator) -> dict[str, Any]:
@@ -271,7 +276,9 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
                 "bench": "frontier", "context": L,
                 "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
                           "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
-                          else "eager", "int8_activations": int8_activation_types()},
+                          else "eager", "int8_activations": int8_activation_types(),
+                          "attention_query": str(_attention_query_dtype(dev)).removeprefix("torch."),
+                          "bf16_query_halves": attention_wgmma.BF16_QUERY_HALVES},
                 "model": label,
                 "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
                 "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,
