@@ -145,6 +145,19 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, mo
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
+def test_one_program_select_refuses_digit_widths_its_packed_counts_cannot_hold(monkeypatch):
+    from ds4x.kernels import select
+
+    scores = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(_device())
+    monkeypatch.setattr(select, "SMALL_BITS", 4)  # 15 counts of 11 bits: 165 bits
+    with pytest.raises(ValueError, match="SMALL_BITS"):
+        select_topk_radix(scores, 1000, 64, small=True)
+    monkeypatch.setattr(select, "SMALL_PACKED", False)  # a vector of counts: any width that divides 32
+    index, valid = select_topk_radix(scores, 1000, 64, small=True)
+    ref = selection_mask(*select_topk(scores[None], torch.ones(1, 1000, dtype=torch.bool, device=_device()), 64), 1000)
+    assert torch.equal(selection_mask(index[None], valid[None], 1000), ref)
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["one-program", "multi-program"])
 def test_radix_select_lists_the_selection_in_row_order(small):
     g = torch.Generator().manual_seed(4)

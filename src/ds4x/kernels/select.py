@@ -208,6 +208,10 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     kp = 1 << (kk - 1).bit_length()
     if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
         tile = max(16, 1 << (n - 1).bit_length())
+        # packed: the 2**SMALL_BITS - 1 candidates' counts (each up to tile) in the fields of one int64
+        if 32 % SMALL_BITS or (SMALL_PACKED and ((1 << SMALL_BITS) - 1) * tile.bit_length() > 64):
+            raise ValueError(f"SMALL_BITS must divide 32 and, with SMALL_PACKED, leave the {(1 << SMALL_BITS) - 1} "
+                             f"counts of {tile.bit_length()} bits room in 64; got {SMALL_BITS} for {tile} scores")
         radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
                                  index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
                                  KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None, PACKED=SMALL_PACKED,
