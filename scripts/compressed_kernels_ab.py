@@ -2,7 +2,8 @@
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
 (Gluon) ones for attention and indexer scoring, and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query, split in high and low parts against stacked by column halves (the better of two
+the model's bf16 query, split in high and low parts against stacked by column halves, and the top-k with its
+histograms by shared-memory atomics and small rows by one program of the histogram select (the better of two
 alternating runs each). The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -91,15 +92,28 @@ def main() -> int:
     print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
           f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
 
-    print(f"\n{'top-512 select':<20} {'us':>9}")
-    for rows_n, batch in ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (32_768, 8)):
-        s = scores[1][None].repeat(batch, 1)[:, :rows_n] if rows_n <= n else None
+    # the select as it is, with its histograms counted by shared-memory atomics (SHARED_HISTOGRAM), and with small
+    # rows by one program of the histogram select as well (SMALL_BY_HISTOGRAM), alternating twice; exact: the same
+    # set as the composite-key topk for every row
+    from ds4x.kernels import select as S
+
+    variants = {"default": (False, False), "shared hist": (True, False), "+ small by hist": (True, True)}
+    print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>16}" for v in variants) + "  us, exact")
+    for rows_n, batch in ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8)):
+        s = scores[1][None].repeat(batch, 1)[:, :rows_n]
         count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
-        index, valid = select_topk_radix(s, count, 512)
-        exact = all(set(index[b][valid[b]].tolist()) == set(select_topk_keys(s[b], rows_n, 512)[0].tolist())
-                    for b in range(batch))
-        print(f"{f'{batch} x {rows_n:,}':<20} {us(lambda s=s, c=count: select_topk_radix(s, c, 512)):9.1f}"
-              f"  exact={exact}")
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        exact: dict[str, bool] = {}
+        for _ in range(2):
+            for name, (shared, small) in variants.items():
+                S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = shared, small
+                index, valid = select_topk_radix(s, count, 512)
+                exact[name] = all(set(index[b][valid[b]].tolist())
+                                  == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
+                times[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
+        S.SHARED_HISTOGRAM = S.SMALL_BY_HISTOGRAM = False
+        print(f"{f'{batch} x {rows_n:,}':<20} "
+              + " ".join(f"{min(times[v]):9.1f} {str(exact[v]):>6}" for v in variants))
     return 0
 
 

@@ -14,11 +14,13 @@
 #                                       # without HTTP at 1, 8 and 32 streams, a step's tokens read after / before the
 #                                       # next step and prefill budgets of 1,024 / 2,048 tokens, alternating in one
 #                                       # process (scripts/scheduler_ab.py; ~7 min)
-#   bash scripts/device_ab.sh attention # GPU tests of the sparse kernels, then the Hopper attention on bf16 queries
-#                                       # split in high / low parts against stacked by column halves
-#                                       # (attention_wgmma.BF16_QUERY_HALVES): per layer kind at 4K / 1M
-#                                       # (scripts/compressed_kernels_ab.py), then the step at 1 and 8 sessions
-#                                       # (~6 min)
+#   bash scripts/device_ab.sh compressed # GPU tests of the sparse kernels, then the compressed layers' candidates
+#                                       # per layer kind at 4K / 1M (scripts/compressed_kernels_ab.py): the Hopper
+#                                       # attention on bf16 queries split in high / low parts against stacked by
+#                                       # column halves (attention_wgmma.BF16_QUERY_HALVES), the top-k with its
+#                                       # histograms by shared-memory atomics (select.SHARED_HISTOGRAM) and small
+#                                       # rows by one program of the histogram select (select.SMALL_BY_HISTOGRAM);
+#                                       # then the step at 1 and 8 sessions with each as a variant (~8 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -31,7 +33,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|attention|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -82,11 +84,12 @@ loop)
     piece scheduler_ab.log 420 python scripts/scheduler_ab.py -m "${DS4X_AB_MODEL:-flash:q2}" --concurrency 1,8,32 \
         --gen-tokens 256 --prefill-budgets 1024,2048 --rounds 2 --ledger "$out/ledger.jsonl"
     ;;
-attention)
-    piece attention_tests.log 150 python -m pytest -q -m gpu tests/test_sparse_kernels.py
-    piece attention_ab.log 120 python scripts/compressed_kernels_ab.py
-    piece batched_attention.log 300 python scripts/batched_decode.py --batches 1,8 --rounds 2 \
-        --ledger "$out/ledger.jsonl" --variant "bf16 halves: ds4x.kernels.attention_wgmma.BF16_QUERY_HALVES=True"
+compressed)
+    piece compressed_tests.log 150 python -m pytest -q -m gpu tests/test_sparse_kernels.py
+    piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py
+    piece batched_compressed.log 280 python scripts/batched_decode.py --batches 1,8 --rounds 2 \
+        --ledger "$out/ledger.jsonl" --variant "bf16 halves: ds4x.kernels.attention_wgmma.BF16_QUERY_HALVES=True" \
+        --variant "histogram top-k: ds4x.kernels.select.SHARED_HISTOGRAM=True; ds4x.kernels.select.SMALL_BY_HISTOGRAM=True"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \

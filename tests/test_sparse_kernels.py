@@ -145,6 +145,21 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, mo
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_small_rows_by_one_program_of_the_histogram_select(bits, monkeypatch):
+    """``SMALL_BY_HISTOGRAM``: rows of up to SMALL_ROWS scores by one program of the histogram select (its own
+    histograms, no workspace) select exactly: codes agreeing in their high bytes with ties at the k-th, a row count
+    from the device (CUDA graphs), a batch of rows each its own (one empty), the listing in row order with padding."""
+    from ds4x.kernels import select
+
+    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", True)
+    monkeypatch.setattr(select, "SMALL_HISTOGRAM_BITS", bits)
+    test_radix_select_when_the_kth_score_shares_its_high_digits(bits, True, monkeypatch)
+    test_indexer_and_radix_take_the_row_count_from_the_device()
+    test_batched_decode_kernels_are_each_query_alone()
+    test_radix_select_lists_the_selection_in_row_order(True)
+
+
 def test_one_program_select_refuses_digit_widths_its_packed_counts_cannot_hold(monkeypatch):
     from ds4x.kernels import select
 
@@ -413,6 +428,30 @@ def test_flash_shapes_at_1m_on_gpu():
     ref = select_topk(ties[None], (torch.arange(n, device="cuda") < n - 5)[None], 512)
     assert torch.equal(selection_mask(index[None], valid[None], n), selection_mask(*ref, n))
     assert radix_barrier_timeouts(torch.device("cuda")) == 0
+
+
+@pytest.mark.gpu
+def test_shared_histogram_select_is_exact_on_gpu(monkeypatch):
+    """The select with its histograms counted by shared-memory atomics (``SHARED_HISTOGRAM``): Flash's 1M rows
+    (three calls: the workspace left clean), exact ties, codes agreeing in their high bytes, a batch of rows with
+    their own counts, no barrier timeouts; then small rows by one program of it (``SMALL_BY_HISTOGRAM``)."""
+    from ds4x.kernels import select
+
+    monkeypatch.setattr(select, "SHARED_HISTOGRAM", True)
+    test_flash_shapes_at_1m_on_gpu()
+    test_batched_selection_at_1m_on_gpu()
+    test_radix_select_when_the_kth_score_shares_its_high_digits(8, True, monkeypatch)
+    test_radix_select_when_the_kth_score_shares_its_high_digits(4, False, monkeypatch)
+    # small rows by one program of it too (SMALL_BY_HISTOGRAM), up to a batched step's 8 x 8,192 scores with ties
+    for bits in (8, 4, 2):
+        test_small_rows_by_one_program_of_the_histogram_select(bits, monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    scores = torch.randint(-50, 50, (8, 8192), generator=g, device="cuda").float()
+    counts = torch.tensor([8192, 8191, 5000, 512, 511, 1, 0, 4096], device="cuda")
+    index, valid = select_topk_radix(scores, counts, 512)
+    for b in range(8):
+        ref = select_topk(scores[b : b + 1], (torch.arange(8192, device="cuda") < counts[b])[None], 512)
+        assert torch.equal(selection_mask(index[b : b + 1], valid[b : b + 1], 8192), selection_mask(*ref, 8192))
 
 
 @pytest.mark.gpu

@@ -172,11 +172,21 @@ SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
 SMALL_WARPS: int | None = None
 SMALL_PACKED = True  # a step's candidate counts packed in one int64 (one reduction); False: a vector of counts
+# Small rows by one program of the histogram select instead (`radix_kernel` with LOCAL: SMALL_HISTOGRAM_BITS-bit
+# levels, its histograms its own, on the GPU by shared-memory atomics when SHARED_HISTOGRAM). sm_90 SASS, 1,024
+# scores, 8 warps: 13 barriers and 1,176 instructions at 4 bits (16 bins: the threshold's reductions stay inside a
+# warp), 50 and 1,024 at 8 bits, against 52 and 2,048 for radix_small_kernel. Off until timed.
+SMALL_BY_HISTOGRAM = False
+SMALL_HISTOGRAM_BITS = 4
 RADIX_WARPS = 4
 # Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of
 # 256). H200, 262,144 scores: 8 bits 22.1 us, 4 bits 24.2 (with the early exit 19.4 / 19.3; slower at 4,160 and
 # 32,768 scores either way)
 RADIX_BITS = 8
+# The multi-program select's histograms counted by one shared-memory atomic add per row (GPU; `shared_histogram` in
+# ds4x.kernels.triton_indexer) instead of tl.histogram, whose warp-wide ballots and popcounts are most of the
+# kernel's instructions (sm_90 SASS, 2,048 scores a program: VOTE 576, POPC 524 of 6,472). Off until timed.
+SHARED_HISTOGRAM = False
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
@@ -208,15 +218,24 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     kp = 1 << (kk - 1).bit_length()
     if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
         tile = max(16, 1 << (n - 1).bit_length())
-        # packed: the 2**SMALL_BITS - 1 candidates' counts (each up to tile) in the fields of one int64
-        if 32 % SMALL_BITS or (SMALL_PACKED and ((1 << SMALL_BITS) - 1) * tile.bit_length() > 64):
-            raise ValueError(f"SMALL_BITS must divide 32 and, with SMALL_PACKED, leave the {(1 << SMALL_BITS) - 1} "
-                             f"counts of {tile.bit_length()} bits room in 64; got {SMALL_BITS} for {tile} scores")
-        radix_small_kernel[(B,)](flat, n, n if count is not None else min(n_visible, n),
-                                 index if count is None else count, kk, index, valid.view(torch.int8), pad, TILE=tile,
-                                 KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None, PACKED=SMALL_PACKED,
-                                 num_warps=SMALL_WARPS or (8 if tile <= 2048 else 16),
-                                 **launch_options(scores.device, "topk_small"))
+        visible = n if count is not None else min(n_visible, n)
+        counts = index if count is None else count  # an unread pointer without a count
+        warps = SMALL_WARPS or (8 if tile <= 2048 else 16)
+        if SMALL_BY_HISTOGRAM:  # the workspace is not read (LOCAL)
+            radix_kernel[(1, B)](flat, n, visible, counts, kk, 1, _workspace(scores.device, B), index,
+                                 valid.view(torch.int8), pad, TILE=tile, KP=kp, BITS=SMALL_HISTOGRAM_BITS, FIRST=0,
+                                 LAST=32 // SMALL_HISTOGRAM_BITS + 1, DEVICE_COUNT=count is not None, WS=_WORKSPACE,
+                                 MAX_PROGRAMS=_MAX_PROGRAMS, SHARED_BINS=scores.is_cuda and SHARED_HISTOGRAM,
+                                 LOCAL=True, num_warps=warps, **launch_options(scores.device, "topk_small"))
+        else:
+            # packed: the 2**SMALL_BITS - 1 candidates' counts (each up to tile) in the fields of one int64
+            if 32 % SMALL_BITS or (SMALL_PACKED and ((1 << SMALL_BITS) - 1) * tile.bit_length() > 64):
+                raise ValueError(f"SMALL_BITS must divide 32 and, with SMALL_PACKED, leave the "
+                                 f"{(1 << SMALL_BITS) - 1} counts of {tile.bit_length()} bits room in 64; got "
+                                 f"{SMALL_BITS} for {tile} scores")
+            radix_small_kernel[(B,)](flat, n, visible, counts, kk, index, valid.view(torch.int8), pad, TILE=tile,
+                                     KP=kp, BITS=SMALL_BITS, DEVICE_COUNT=count is not None, PACKED=SMALL_PACKED,
+                                     num_warps=warps, **launch_options(scores.device, "topk_small"))
         return (index, valid) if batched else (index[0], valid[0])
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
@@ -240,5 +259,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         for first, last in phases:
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
-                                            MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS, **pdl)
+                                            MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
     return (index, valid) if batched else (index[0], valid[0])

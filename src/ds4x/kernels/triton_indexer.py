@@ -178,38 +178,90 @@ def grid_sync(ws_ptr, phase, nprog):
 
 
 @triton.jit
-def digit_threshold(ws_ptr, level, need, BINS: tl.constexpr):
+def digit_threshold(ws_ptr, level, need, h_local, BINS: tl.constexpr, LOCAL: tl.constexpr):
     """Highest digit of level ``level`` whose suffix count reaches ``need``, the count strictly above it, and its
-    own count."""
+    own count: from the row's histogram in the workspace, or (LOCAL) this program's ``h_local``."""
     b = tl.arange(0, BINS)
-    h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
+    if LOCAL:
+        h = h_local
+    else:
+        h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
     suffix = tl.cumsum(h, 0, reverse=True)
     t = tl.max(tl.where(suffix >= need, b, -1), 0)
     return t, tl.sum(tl.where(b > t, h, 0), 0), tl.sum(tl.where(b == t, h, 0), 0)
 
 
 @triton.jit
-def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr):
-    """Adds this program's histogram of one digit level to the row's, then (SYNC) waits for every program's at grid
-    barrier ``phase``."""
-    h = tl.histogram(digit, BINS, mask=mask)
-    tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
-    if SYNC:
-        grid_sync(ws_ptr, phase, nprog)
+def shared_bins_base():
+    """GPU only: declares the kernel's static shared array of histogram bins (1,024 words: a region per digit level,
+    zeroed once by `shared_bins_zero`; then a word that the elements not counted add to) and returns its shared
+    address. Once per kernel: a second declaration would not assemble."""
+    return tl.inline_asm_elementwise(".shared .align 16 .b32 ds4x_radix_bins[1025];\n\tmov.u32 $0, ds4x_radix_bins;",
+                                     "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def shared_bins_zero(base, WORDS: tl.constexpr):
+    """Zeroes the first WORDS bins (threads holding the same bin store the same zero) and waits for every thread."""
+    tl.inline_asm_elementwise("st.volatile.shared.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,r",
+                              [base + 4 * tl.arange(0, WORDS)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def shared_histogram(base, level: tl.constexpr, digit, mask, BINS: tl.constexpr):
+    """tl.histogram(digit, BINS, mask=mask) by one shared-memory atomic increment per element into level ``level``'s
+    zeroed region of the bins at ``base`` (the elements not counted into word 1,024, never read; no branch per
+    element), which sm_90 aggregates over a warp's equal addresses (ATOMS.POPC.INC), where tl.histogram spends
+    warp-wide ballots and popcounts on every element. A region per level, never written again, so the counts are
+    read after one barrier and need no zeroing after."""
+    tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,r",
+                              [base + 4 * tl.where(mask, level * BINS + digit, 1024)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    tl.debug_barrier()
+    return tl.inline_asm_elementwise("ld.volatile.shared.u32 $0, [$1];", "=r,r",
+                                     [base + 4 * (level * BINS + tl.arange(0, BINS))], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr,
+                    bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
+    """This program's histogram of one digit level, added to the row's (unless LOCAL: the program's own is the
+    row's), then (SYNC) waits for every program's at grid barrier ``phase``. SHARED_BINS: counted by shared-memory
+    atomics into the bins at ``bins_base`` (`shared_histogram`), else by tl.histogram."""
+    if SHARED_BINS:
+        h = shared_histogram(bins_base, level, digit, mask, BINS)
+    else:
+        h = tl.histogram(digit, BINS, mask=mask)
+    if not LOCAL:
+        tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
+        if SYNC:
+            grid_sync(ws_ptr, phase, nprog)
+    return h
 
 
 @triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
-                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False):
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
     selection. The phases of one launch meet at grid barriers. Once the rows matching the digits so far are exactly
-    the ones still needed, the remaining digit levels are skipped (all of those rows are selected)."""
-    wait_upstream(PDL)
+    the ones still needed, the remaining digit levels are skipped (all of those rows are selected). SHARED_BINS
+    (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
+    program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
+    counts stay its own)."""
+    wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
+    bins_base = 0
+    if SHARED_BINS:
+        if FIRST < LEVELS:
+            bins_base = shared_bins_base()
+            shared_bins_zero(bins_base, LEVELS * BINS)
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
     scores_ptr += r * n
@@ -230,6 +282,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     # phases 0 .. LEVELS - 1: the histogram of one more digit among the rows that match the k-th code's digits so
     # far (a later launch re-derives the earlier digits from the histograms in the workspace)
     match = vis
+    h = tl.zeros([BINS], tl.int32)  # LOCAL: the last level's histogram
     kth = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
     known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
@@ -239,7 +292,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         if LAST >= level:
             if level > 0:
                 if not done:
-                    t, a, c = digit_threshold(ws_ptr, level - 1, need - above, BINS)
+                    t, a, c = digit_threshold(ws_ptr, level - 1, need - above, h, BINS, LOCAL)
                     kth = kth | (t.to(tl.int64) << (32 - BITS * level))
                     above += a
                     known = BITS * level
@@ -248,12 +301,13 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
                 if not done:
-                    digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS)
+                    h = digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS,
+                                        bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
     # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
         if not done:
-            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, BINS)
+            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, h, BINS, LOCAL)
             kth = kth | t.to(tl.int64)
             above += a
             known = 32
@@ -264,18 +318,23 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
         if FIRST <= LEVELS:
             total = tl.sum(both, 0)
-            tl.store(gt_counts + pid, total & 0xFFFF)
-            tl.store(eq_counts + pid, total >> 16)
-            if LAST > LEVELS:
-                grid_sync(ws_ptr, barriers + 1, nprog)
+            if not LOCAL:
+                tl.store(gt_counts + pid, total & 0xFFFF)
+                tl.store(eq_counts + pid, total >> 16)
+                if LAST > LEVELS:
+                    grid_sync(ws_ptr, barriers + 1, nprog)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
     if LAST == LEVELS + 1:
-        p = tl.arange(0, MAX_PROGRAMS)
-        before = p < pid
-        gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
-        eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
-        mine = tl.load(gt_counts + pid, cache_modifier=".cg")
-        mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
+        if LOCAL:  # the only program
+            gt_before, eq_before = 0, 0
+            mine, mine_eq = total & 0xFFFF, total >> 16  # noqa: F821 - counted in the phase above (same launch)
+        else:
+            p = tl.arange(0, MAX_PROGRAMS)
+            before = p < pid
+            gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+            eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+            mine = tl.load(gt_counts + pid, cache_modifier=".cg")
+            mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
         if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
             excl = tl.cumsum(both, 0) - both
             tie_rank = eq_before + (excl >> 16)
@@ -288,10 +347,11 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
             tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
         # the last program to finish leaves the histograms zeroed for the next call
-        if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-            tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
-            tl.atomic_xchg(ws_ptr, 0)
-            tl.atomic_xchg(ws_ptr + 1, 0)
+        if not LOCAL:
+            if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+                tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
+                tl.atomic_xchg(ws_ptr, 0)
+                tl.atomic_xchg(ws_ptr + 1, 0)
 
 
 @triton.jit
