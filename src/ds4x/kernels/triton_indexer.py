@@ -214,7 +214,8 @@ def shared_histogram(base, level: tl.constexpr, digit, mask, BINS: tl.constexpr)
     zeroed region of the bins at ``base`` (the elements not counted into word 1,024, never read; no branch per
     element), which sm_90 aggregates over a warp's equal addresses (ATOMS.POPC.INC), where tl.histogram spends
     warp-wide ballots and popcounts on every element. A region per level, never written again, so the counts are
-    read after one barrier and need no zeroing after."""
+    read after one barrier and need no zeroing after. ``digit`` must not be replicated over threads (at least one
+    element a thread): each copy would be counted."""
     tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,r",
                               [base + 4 * tl.where(mask, level * BINS + digit, 1024)], dtype=tl.int32, is_pure=False,
                               pack=1)
