@@ -2,30 +2,36 @@
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
 (Gluon) ones for attention and indexer scoring, and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query, split in high and low parts against stacked by column halves, and the top-k with its
-histograms by shared-memory atomics and small rows by one program of the histogram select (the better of two
-alternating runs each). The figures behind
+the model's bf16 query, and the top-k with its histograms by tl.histogram or shared-memory atomics and small rows
+by the packed-count kernel or one program of the histogram select (the better of two alternating runs each).
+``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
-    PYTHONPATH=src python scripts/compressed_kernels_ab.py
+    PYTHONPATH=src python scripts/compressed_kernels_ab.py [--ledger benchmarks/ledger.jsonl]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("compressed_kernels_ab needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton.testing as tt
 
+    from ds4x.bench.ledger import append, environment
     from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows, rows_triton
     from ds4x.kernels import attention as A
-    from ds4x.kernels import attention_wgmma as AW
     from ds4x.kernels import indexer as I
     from ds4x.kernels.attention import Slots, attention_decode_triton
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -38,6 +44,15 @@ def main() -> int:
         fn()
         torch.cuda.synchronize()
         return 1000 * tt.do_bench_cudagraph(fn, rep=100)
+
+    rows_out: list[dict[str, Any]] = []
+    env = environment()
+
+    def record(what: str, variant: str, t_us: float, extra: dict[str, Any] | None = None) -> None:
+        rows_out.append({**env, "bench": "kernel", "what": what, "variant": variant, "ms": t_us / 1000,
+                         "model": "random rows and queries at Flash shapes, seed 0",
+                         "flags": {"command": "scripts/compressed_kernels_ab.py", "timing": "do_bench_cudagraph"},
+                         **(extra or {})})
 
     q = torch.nn.functional.rms_norm(torch.randn(heads, dim, generator=g, device=dev), (dim,))
     sinks = torch.randn(heads, generator=g, device=dev)
@@ -52,31 +67,21 @@ def main() -> int:
         "HCA 8194 rows @1M": [(ring, Slots(128, position=at_1m, ring=768)),
                               (rows, Slots(8194, position=at_1m, ratio=128))],
     }
-    # the Triton kernel and the Gluon one on a float32 query, then the Gluon one on the model's bf16 query split in
-    # high and low parts and stacked by column halves (attention_wgmma.BF16_QUERY_HALVES), alternating twice
+    # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
     qb = q.bfloat16()
-    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 split':>10} {'halves':>7} "
-          f"{'rel diff':>9}")
+    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9}")
     for name, sources in cases.items():
         def call(query=q, sources=sources):
             return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True)
         A.WGMMA = False
         ref, t_ref = call(), us(call)
         A.WGMMA = True
-        out, t = call(), us(call)
-        bf16: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(2):
-            for halves in (False, True):
-                AW.BF16_QUERY_HALVES = halves
-                bf16[halves].append(us(lambda: call(qb)))
-        AW.BF16_QUERY_HALVES = False
-        split_out = call(qb)
-        AW.BF16_QUERY_HALVES = True
-        halves_out = call(qb)
-        AW.BF16_QUERY_HALVES = False
-        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {float((out - ref).abs().max() / ref.abs().max()):9.1e} "
-              f"{min(bf16[False]):10.1f} {min(bf16[True]):7.1f} "
-              f"{float((halves_out - split_out).abs().max() / split_out.abs().max()):9.1e}")
+        out, t, t_bf16 = call(), us(call), us(lambda: call(qb))
+        diff = float((out - ref).abs().max() / ref.abs().max())
+        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f}")
+        record(f"decode attention {name}", "Triton kernel, float32 query", t_ref)
+        record(f"decode attention {name}", "Gluon kernel, float32 query", t, {"rel_diff": diff})
+        record(f"decode attention {name}", "Gluon kernel, bf16 query", t_bf16)
 
     n = 262_144
     keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
@@ -91,18 +96,22 @@ def main() -> int:
     diff = float((scores[1] - scores[0]).abs().max() / scores[0].abs().max())
     print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
           f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
+    record("indexer scoring 262,144 rows", "Triton kernel", times[0])
+    record("indexer scoring 262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
 
-    # the select as it is, with its histograms counted by shared-memory atomics (SHARED_HISTOGRAM), and with small
-    # rows by one program of the histogram select as well (SMALL_BY_HISTOGRAM), alternating twice; exact: the same
-    # set as the composite-key topk for every row
+    # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
+    # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
+    # the same set as the composite-key topk for every row
     from ds4x.kernels import select as S
 
-    variants = {"default": (False, False), "shared hist": (True, False), "+ small by hist": (True, True)}
-    print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>16}" for v in variants) + "  us, exact")
+    variants = {"tl.histogram, packed counts": (False, False), "shared hist, packed counts": (True, False),
+                "shared hist, small by hist": (True, True)}
+    defaults = S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM
+    print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
     for rows_n, batch in ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8)):
         s = scores[1][None].repeat(batch, 1)[:, :rows_n]
         count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
-        times: dict[str, list[float]] = {v: [] for v in variants}
+        times_v: dict[str, list[float]] = {v: [] for v in variants}
         exact: dict[str, bool] = {}
         for _ in range(2):
             for name, (shared, small) in variants.items():
@@ -110,10 +119,15 @@ def main() -> int:
                 index, valid = select_topk_radix(s, count, 512)
                 exact[name] = all(set(index[b][valid[b]].tolist())
                                   == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
-                times[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
-        S.SHARED_HISTOGRAM = S.SMALL_BY_HISTOGRAM = False
+                times_v[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
+        S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = defaults
         print(f"{f'{batch} x {rows_n:,}':<20} "
-              + " ".join(f"{min(times[v]):9.1f} {str(exact[v]):>6}" for v in variants))
+              + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
+        for v in variants:
+            record(f"top-512 select, {batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
+    if args.ledger is not None:
+        append(rows_out, args.ledger)
+        print(f"{len(rows_out)} rows appended to {args.ledger}")
     return 0
 
 

@@ -14,13 +14,12 @@
 #                                       # without HTTP at 1, 8 and 32 streams, a step's tokens read after / before the
 #                                       # next step and prefill budgets of 1,024 / 2,048 tokens, alternating in one
 #                                       # process (scripts/scheduler_ab.py; ~7 min)
-#   bash scripts/device_ab.sh compressed # GPU tests of the sparse kernels, then the compressed layers' candidates
-#                                       # per layer kind at 4K / 1M (scripts/compressed_kernels_ab.py): the Hopper
-#                                       # attention on bf16 queries split in high / low parts against stacked by
-#                                       # column halves (attention_wgmma.BF16_QUERY_HALVES), the top-k with its
-#                                       # histograms by shared-memory atomics (select.SHARED_HISTOGRAM) and small
-#                                       # rows by one program of the histogram select (select.SMALL_BY_HISTOGRAM);
-#                                       # then the step at 1 and 8 sessions with each as a variant (~8 min)
+#   bash scripts/device_ab.sh compressed # GPU tests of the sparse kernels, then the compressed layers' kernels per
+#                                       # layer kind at 4K / 1M (scripts/compressed_kernels_ab.py: attention on
+#                                       # float32 / bf16 queries; the top-k's histograms by tl.histogram or shared-
+#                                       # memory atomics, small rows by the packed-count kernel or one program of
+#                                       # the histogram select), then the step at 1, 8 and 32 sessions with the
+#                                       # earlier top-k as the variant (~6 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -86,10 +85,10 @@ loop)
     ;;
 compressed)
     piece compressed_tests.log 150 python -m pytest -q -m gpu tests/test_sparse_kernels.py
-    piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py
-    piece batched_compressed.log 280 python scripts/batched_decode.py --batches 1,8 --rounds 2 \
-        --ledger "$out/ledger.jsonl" --variant "bf16 halves: ds4x.kernels.attention_wgmma.BF16_QUERY_HALVES=True" \
-        --variant "histogram top-k: ds4x.kernels.select.SHARED_HISTOGRAM=True; ds4x.kernels.select.SMALL_BY_HISTOGRAM=True"
+    piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
+    piece batched_compressed.log 280 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
+        --ledger "$out/ledger.jsonl" \
+        --variant "earlier top-k: ds4x.kernels.select.SHARED_HISTOGRAM=False; ds4x.kernels.select.SMALL_BY_HISTOGRAM=False"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \

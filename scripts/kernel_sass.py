@@ -7,12 +7,11 @@ and inside its K loop (the range closed by the first backward branch around the 
 ``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 ``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
-launches it (window ring + compressed rows), per query kind: float32 (split in high and low parts) or bf16 by
-column halves (``Q_SPLIT`` off).
+launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
-    PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query split,halves] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query f32,bf16] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -61,9 +60,9 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
-def compile_attention(block: int, q_split: bool) -> triton.compiler.CompiledKernel:
+def compile_attention(block: int, query: str) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
-    rows by ratio (mode 2), PDL on; the query float32 (Q_SPLIT) or bf16."""
+    rows by ratio (mode 2), PDL on; the query ``f32`` or ``bf16``."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ds4x.kernels import attention_wgmma
@@ -71,8 +70,8 @@ def compile_attention(block: int, q_split: bool) -> triton.compiler.CompiledKern
     fn = attention_wgmma.partial_kernel
     names = fn.arg_names
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
-              "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "Q_SPLIT": q_split}
-    pointers = {"q_ptr": "*fp32" if q_split else "*bf16", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
+              "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False}
+    pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
@@ -157,7 +156,7 @@ def main_attention(args: argparse.Namespace) -> bool:
     for block in args.block:
         for kind in args.query.split(","):
             tag = f"attention_b{block}_{kind}"
-            _, spill = report(compile_attention(block, kind == "split"), args.dump, tag, "HGMMA")
+            _, spill = report(compile_attention(block, kind), args.dump, tag, "HGMMA")
             if spill:
                 print("   !! local memory in use (spills)")
                 ok = False
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     qmv.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     att = sub.add_parser("attention", help="the Hopper decode attention of ds4x.kernels.attention_wgmma")
     att.add_argument("--block", nargs="+", type=int, default=[16], help="rows per block")
-    att.add_argument("--query", default="split,halves", help="split (float32 query), halves (bf16), comma-separated")
+    att.add_argument("--query", default="f32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
     return 0 if (main_qmv(args) if args.kernel == "qmv" else main_attention(args)) else 1

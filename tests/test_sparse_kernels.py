@@ -118,15 +118,18 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
             assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
 
 
-@pytest.mark.parametrize(("bits", "packed"), [(8, True), (4, False)])
-def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, monkeypatch):
-    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level, the one-program
-    select with its counts packed or not): scores whose order-preserving codes agree in the top one, two or three
-    bytes and differ below, exact ties at the k-th, negative scores and -0.0 / +0.0."""
+@pytest.mark.parametrize(("bits", "packed", "by_histogram"), [(8, True, False), (4, False, False), (4, True, True)])
+def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by_histogram, monkeypatch):
+    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level; the one-program select
+    by histogram levels of that width, or with its candidates' counts packed or not): scores whose order-preserving
+    codes agree in the top one, two or three bytes and differ below, exact ties at the k-th, negative scores and
+    -0.0 / +0.0."""
     from ds4x.kernels import select
 
     monkeypatch.setattr(select, "RADIX_BITS", bits)
     monkeypatch.setattr(select, "SMALL_PACKED", packed)
+    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", by_histogram)
+    monkeypatch.setattr(select, "SMALL_HISTOGRAM_BITS", bits)
     g = torch.Generator().manual_seed(6)
     base = torch.tensor(1.5).view(torch.int32)
     for low_bits in (8, 16, 24):  # codes differ only in their low 8 / 16 / 24 bits
@@ -145,16 +148,16 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, mo
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_small_rows_by_one_program_of_the_histogram_select(bits, monkeypatch):
-    """``SMALL_BY_HISTOGRAM``: rows of up to SMALL_ROWS scores by one program of the histogram select (its own
-    histograms, no workspace) select exactly: codes agreeing in their high bytes with ties at the k-th, a row count
-    from the device (CUDA graphs), a batch of rows each its own (one empty), the listing in row order with padding."""
+@pytest.mark.parametrize(("bits", "by_histogram"), [(8, True), (4, True), (2, True), (2, False)])
+def test_small_rows_by_one_program(bits, by_histogram, monkeypatch):
+    """Rows of up to SMALL_ROWS scores by one program, of the histogram select (``SMALL_BY_HISTOGRAM``: its own
+    histograms, no workspace) or the packed-count kernel, select exactly: codes agreeing in their high bytes with
+    ties at the k-th, a row count from the device (CUDA graphs), a batch of rows each its own (one empty), the
+    listing in row order with padding."""
     from ds4x.kernels import select
 
-    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", True)
-    monkeypatch.setattr(select, "SMALL_HISTOGRAM_BITS", bits)
-    test_radix_select_when_the_kth_score_shares_its_high_digits(bits, True, monkeypatch)
+    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", by_histogram)
+    test_radix_select_when_the_kth_score_shares_its_high_digits(bits, True, by_histogram, monkeypatch)
     test_indexer_and_radix_take_the_row_count_from_the_device()
     test_batched_decode_kernels_are_each_query_alone()
     test_radix_select_lists_the_selection_in_row_order(True)
@@ -164,6 +167,7 @@ def test_one_program_select_refuses_digit_widths_its_packed_counts_cannot_hold(m
     from ds4x.kernels import select
 
     scores = torch.randn(1000, generator=torch.Generator().manual_seed(1)).to(_device())
+    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", False)
     monkeypatch.setattr(select, "SMALL_BITS", 4)  # 15 counts of 11 bits: 165 bits
     with pytest.raises(ValueError, match="SMALL_BITS"):
         select_topk_radix(scores, 1000, 64, small=True)
@@ -431,20 +435,22 @@ def test_flash_shapes_at_1m_on_gpu():
 
 
 @pytest.mark.gpu
-def test_shared_histogram_select_is_exact_on_gpu(monkeypatch):
-    """The select with its histograms counted by shared-memory atomics (``SHARED_HISTOGRAM``): Flash's 1M rows
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory histograms", "tl.histogram"])
+def test_radix_select_is_exact_either_way_on_gpu(monkeypatch, shared):
+    """The select with its histograms counted by shared-memory atomics (``SHARED_HISTOGRAM``, small rows by one
+    program of it: ``SMALL_BY_HISTOGRAM``) or by tl.histogram (small rows by the packed-count kernel): Flash's 1M rows
     (three calls: the workspace left clean), exact ties, codes agreeing in their high bytes, a batch of rows with
-    their own counts, no barrier timeouts; then small rows by one program of it (``SMALL_BY_HISTOGRAM``)."""
+    their own counts, no barrier timeouts; small rows up to a batched step's 8 x 8,192 scores with ties."""
     from ds4x.kernels import select
 
-    monkeypatch.setattr(select, "SHARED_HISTOGRAM", True)
+    monkeypatch.setattr(select, "SHARED_HISTOGRAM", shared)
     test_flash_shapes_at_1m_on_gpu()
     test_batched_selection_at_1m_on_gpu()
-    test_radix_select_when_the_kth_score_shares_its_high_digits(8, True, monkeypatch)
-    test_radix_select_when_the_kth_score_shares_its_high_digits(4, False, monkeypatch)
-    # small rows by one program of it too (SMALL_BY_HISTOGRAM), up to a batched step's 8 x 8,192 scores with ties
-    for bits in (8, 4, 2):
-        test_small_rows_by_one_program_of_the_histogram_select(bits, monkeypatch)
+    test_radix_select_when_the_kth_score_shares_its_high_digits(8, True, shared, monkeypatch)
+    test_radix_select_when_the_kth_score_shares_its_high_digits(4, False, False, monkeypatch)
+    for bits in (8, 4, 2) if shared else (2,):
+        test_small_rows_by_one_program(bits, shared, monkeypatch)
+    monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", shared)
     g = torch.Generator(device="cuda").manual_seed(9)
     scores = torch.randint(-50, 50, (8, 8192), generator=g, device="cuda").float()
     counts = torch.tensor([8192, 8191, 5000, 512, 511, 1, 0, 4096], device="cuda")
@@ -501,12 +507,10 @@ def test_batched_selection_at_1m_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("query", ["float32", "bf16 split", "bf16 halves"])
-def test_attention_over_hca_sized_rows_on_gpu(monkeypatch, query):
-    from ds4x.kernels import attention_wgmma
+@pytest.mark.parametrize("query", ["float32", "bf16"])
+def test_attention_over_hca_sized_rows_on_gpu(query):
     from ds4x.kernels.attention import attention_decode_triton
 
-    monkeypatch.setattr(attention_wgmma, "BF16_QUERY_HALVES", query == "bf16 halves")
     g = torch.Generator(device="cuda").manual_seed(2)
     rows = pack_kv_rows(torch.randn(8320, 512, generator=g, device="cuda") * 2)
     plain = unpack_kv_rows(rows).contiguous()
@@ -524,17 +528,14 @@ def test_attention_over_hca_sized_rows_on_gpu(monkeypatch, query):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("query", ["float32", "bf16 split", "bf16 halves"])
+@pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
     """The Gluon all-heads kernel against the Triton kernel: window + explicit picks with holes, window + closed
-    compressed rows, a batch of 3 queries (each query's bits alone); float32 queries and the model's bf16 ones,
-    split in high and low parts or stacked by column halves (``BF16_QUERY_HALVES``)."""
+    compressed rows, a batch of 3 queries (each query's bits alone); float32 queries and the model's bf16 ones."""
     from ds4x.kernels import attention as A
-    from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import Slots, attention_decode_triton
     from ds4x.kernels.attention_wgmma import available
 
-    monkeypatch.setattr(attention_wgmma, "BF16_QUERY_HALVES", query == "bf16 halves")
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,))
     if query != "float32":

@@ -24,7 +24,6 @@ import torch
 
 from ds4x.config import CSA, HCA, PRESETS, SLIDING, ModelConfig
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
-from ds4x.kernels import attention_wgmma
 from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
 from ds4x.kernels.quant_matmul import int8_activation_types
@@ -277,8 +276,7 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
                 "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
                           "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
                           else "eager", "int8_activations": int8_activation_types(),
-                          "attention_query": str(_attention_query_dtype(dev)).removeprefix("torch."),
-                          "bf16_query_halves": attention_wgmma.BF16_QUERY_HALVES},
+                          "attention_query": str(_attention_query_dtype(dev)).removeprefix("torch.")},
                 "model": label,
                 "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
                 "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,

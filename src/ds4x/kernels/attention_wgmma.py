@@ -5,28 +5,16 @@ the compressed rows, a program per split of consecutive row blocks, online softm
 splits with the sink), shaped for many rows: a program takes all (up to 64) heads and all 512 output columns, so
 each row is loaded, decoded and scored once per layer, and both products run as ``wgmma``.
 
-Per program a float32 query is split once into bf16 high and low parts (about 16 bits together), stacked in
-shared memory as one [128, 512] operand (``Q_SPLIT``). Per block of ``BLOCK`` rows the threads decode the packed
-rows into a bf16 key tile [BLOCK, 512] in shared memory: E4M3 codes times their power-of-two scale (exact in
-bf16) in columns 0-447, and the FP16 RoPE values as a bf16 high part there (columns 448-511), with their low parts
-in a tile [BLOCK, 64] (high + low is the FP16 value exactly). Then, with float32 accumulation,
+Per program the query is split once into bf16 high and low parts (about 16 bits together), stacked in shared
+memory as one [128, 512] operand. Per block of ``BLOCK`` rows the threads decode the packed rows into a bf16 key
+tile [BLOCK, 512] in shared memory: E4M3 codes times their power-of-two scale (exact in bf16) in columns 0-447, and
+the FP16 RoPE values as a bf16 high part there (columns 448-511), with their low parts in a tile [BLOCK, 64] (high +
+low is the FP16 value exactly). Then, with float32 accumulation,
 
     [S_hi; S_lo] = [q_hi; q_lo] K^T + [q_hi; q_lo][:, 448:] K_lo^T     [128, BLOCK]: one product per warpgroup
     S = S_hi + S_lo                                                     [64, BLOCK], through shared memory
     O = O e^(m_old - m_new) + (P_hi + P_lo) K                           [64, 512]: 256 columns per warpgroup
     O_r = O_r e^(m_old - m_new) + (P_hi + P_lo) K_lo                    [64, 64], added to O's RoPE columns last
-
-A bf16 query (the model's, in its working dtype) is exact in one part, so half of those score products would
-multiply zeros. With ``BF16_QUERY_HALVES`` such a query is stacked by column halves instead, [q[:, :256];
-q[:, 256:]] as one [128, 256] operand, against the key tile stored a second time as [K[:, :256]; K[:, 256:]]
-[2 BLOCK, 256] (the RoPE low parts under the second half, zeros under the first):
-
-    S2 = [q_a; q_b] [K_a; K_b]^T + [q_a; q_b][:, 192:] [0; K_lo]^T      [128, 2 BLOCK]
-    S = S2[:64, :BLOCK] + S2[64:, BLOCK:]                               q_a K_a^T + (q_b K_b^T + q_r K_lo^T)
-
-which halves the query's shared memory and cuts a warpgroup's score-product instructions per block from 36 to 20
-(each twice as wide), for one more 16 KB store of the keys per block. Other bits than the split path's (another
-summation order), the same for packed and native rows.
 
 The results differ from the Triton kernel's in rounding (5e-6 relative to float64 measured, that kernel 3e-6);
 packed and native rows run the same code here too. While a block is multiplied, its successor's rows are on their
@@ -43,6 +31,12 @@ row bytes, barriers, wgmma waits, issue). Leaving parts out (an earlier version)
 31.7 us, without the score product 31.1, without the output product 34.7, without all three 25.3. So each
 program's fixed cost and its serial chain of per-block steps are what cost; writing the partial state through
 shared memory with 16-byte stores did not help (window 12.3 -> 13.2 us, HCA 1M unchanged).
+
+A bf16 query (the model's) has a zero low part, so half of the score products multiply zeros. Stacking such a
+query by column halves instead ([q[:, :256]; q[:, 256:]] against the key tile stored again as its two halves: 24
+HGMMA a block against 40, 118 KB of shared memory against 156) measured level and was removed (H100, 42a413d,
+`scripts/compressed_kernels_ab.py`, us split / halves: window 12.2 / 12.3, CSA top-512 at 1M 12.7 / 12.6,
+HCA at 4K 12.2 / 11.9, HCA at 1M 31.9 / 32.4): the score product is not what bounds a block.
 
 Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
 """
@@ -64,9 +58,6 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 HEADS = 64  # the M of every product (fewer heads are padded)
 WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
-# bf16 queries stacked by column halves (see the module doc); False: split into high and low parts as float32
-# queries are. Off until timed on the H200 (`scripts/compressed_kernels_ab.py` A/Bs it).
-BF16_QUERY_HALVES = False
 
 
 if HAVE_GLUON:
@@ -99,13 +90,12 @@ if HAVE_GLUON:
             dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, kq_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
-                    D: gl.constexpr, L3: gl.constexpr, Q_SPLIT: gl.constexpr):
+    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
+                    D: gl.constexpr, L3: gl.constexpr):
         # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
         # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
         # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
-        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly); without Q_SPLIT the tile again
-        # as its column halves stacked [2 BLOCK, D / 2] (kq_smem), the score product's operand
+        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly)
         ok = (idx >= 0)[:, None, None]
         row = (rows_ptr + gl.where(idx >= 0, idx, 0) * stride)[:, None, None]
         chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
@@ -120,9 +110,6 @@ if HAVE_GLUON:
         rope_hi = rope.to(gl.bfloat16)
         keys = gl.where(chunk < NOPE // 64, _e4m3_scaled(codes, sbyte.to(gl.int32), True).to(gl.bfloat16), rope_hi)
         k_smem.store(gl.reshape(keys, [BLOCK, D]))
-        if not Q_SPLIT:
-            halves = gl.permute(gl.reshape(keys, [BLOCK, 2, D // 2]), (1, 0, 2))
-            kq_smem.store(gl.reshape(halves, [2 * BLOCK, D // 2]))
         klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
 
     @gluon.jit
@@ -143,24 +130,20 @@ if HAVE_GLUON:
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, Q_SPLIT: gl.constexpr = True):
+                       WHOLE: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
-        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
-        Q_SPLIT: the query in high and low bf16 parts; else a bf16 query by column halves (the module doc)."""
+        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
-        KH: gl.constexpr = D // 2
-        SN: gl.constexpr = BLOCK if Q_SPLIT else 2 * BLOCK  # the score product's N
-        # S2 = [q_hi; q_lo] K^T (or [q_a; q_b] [K_a; K_b]^T): warpgroup 0 the first 64 rows' products, warpgroup 1
-        # the others'
+        # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
         S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, SN, 16])
+                                                          instr_shape=[16, BLOCK, 16])
         # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
         S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
@@ -197,28 +180,16 @@ if HAVE_GLUON:
             rows_ptr, stride = rows_b, stride_b
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
+        q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
-        s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, SN], PLAIN)
+        klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
+        s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
-        if Q_SPLIT:
-            q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
-            klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
-            kq_smem = k_smem  # the score product reads the keys as stored for the output product
-            dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-            q = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.float32)
-            q_hi = q.to(gl.bfloat16)
-            q2.slice(0, HP, dim=0).store(q_hi)
-            q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
-        else:
-            q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, KH], SH)  # [q_a; q_b]
-            kq_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * BLOCK, KH], SH)  # [K_a; K_b]
-            klo2 = gl.allocate_shared_memory(gl.bfloat16, [2 * BLOCK, RD], SH)  # [0; K_lo]
-            klo_smem = klo2.slice(BLOCK, BLOCK, dim=0)
-            klo2.slice(0, BLOCK, dim=0).store(gl.zeros([BLOCK, RD], gl.bfloat16, LQ))
-            dq = gl.arange(0, KH, layout=gl.SliceLayout(0, LQ))[None, :]
-            at = q_ptr + b * H * D + h * D + dq
-            q2.slice(0, HP, dim=0).store(gl.load(at, mask=(h < H) & (dq >= 0), other=0.0))
-            q2.slice(HP, HP, dim=0).store(gl.load(at + KH, mask=(h < H) & (dq >= 0), other=0.0))
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+        q = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.float32)
+        q_hi = q.to(gl.bfloat16)
+        q2.slice(0, HP, dim=0).store(q_hi)
+        q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
 
         m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
         l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
@@ -226,7 +197,7 @@ if HAVE_GLUON:
         o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
         for i in range(na + nb):
             gl.thread_barrier()  # every warp is past the products that read the previous tiles
-            _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, kq_smem, BLOCK, NOPE, D, L3, Q_SPLIT)
+            _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
             ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
             idx = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
                               i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
@@ -237,17 +208,13 @@ if HAVE_GLUON:
             _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
             fence_async_shared()
             gl.thread_barrier()
-            s2 = warpgroup_mma(q2, kq_smem.permute((1, 0)), gl.zeros([2 * HP, SN], gl.float32, S2_ACC),
+            s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
                                is_async=True)
-            if Q_SPLIT:
-                s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
-            else:
-                s2 = warpgroup_mma(q2.slice(KH - RD, RD, dim=1), klo2.permute((1, 0)), s2, is_async=True)
+            s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
             s_smem.store(s2)
             gl.thread_barrier()
-            s = (s_smem.slice(0, HP, dim=0).slice(0, BLOCK, dim=1).load(S_L)
-                 + s_smem.slice(HP, HP, dim=0).slice(SN - BLOCK, BLOCK, dim=1).load(S_L))
+            s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
             s = gl.where(ok[None, :], s * scale, float("-inf"))
             m_new, alpha, p, l = online_softmax_step(m, l, s)
             p_hi = p.to(gl.bfloat16)

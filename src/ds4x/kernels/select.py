@@ -172,21 +172,25 @@ SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
 SMALL_WARPS: int | None = None
 SMALL_PACKED = True  # a step's candidate counts packed in one int64 (one reduction); False: a vector of counts
-# Small rows by one program of the histogram select instead (`radix_kernel` with LOCAL: SMALL_HISTOGRAM_BITS-bit
-# levels, its histograms its own, on the GPU by shared-memory atomics when SHARED_HISTOGRAM). sm_90 SASS, 1,024
-# scores, 8 warps: 13 barriers and 1,176 instructions at 4 bits (16 bins: the threshold's reductions stay inside a
-# warp), 50 and 1,024 at 8 bits, against 52 and 2,048 for radix_small_kernel. Off until timed.
-SMALL_BY_HISTOGRAM = False
+# Small rows by one program of the histogram select (`radix_kernel` with LOCAL: SMALL_HISTOGRAM_BITS-bit levels,
+# its histograms its own, on the GPU by shared-memory atomics when SHARED_HISTOGRAM); False: radix_small_kernel.
+# sm_90 SASS, 1,024 scores, 8 warps: 13 barriers and 1,176 instructions at 4 bits (16 bins: the threshold's
+# reductions stay inside a warp), 50 and 1,024 at 8 bits, against 52 and 2,048 for radix_small_kernel. H100
+# (42a413d, scripts/compressed_kernels_ab.py), us against radix_small_kernel: 1 x 1,024 scores 3.7 / 6.4, 32 x
+# 1,024 6.3 / 9.0, 8 x 8,192 12.4 / 25.5, every selection exact.
+SMALL_BY_HISTOGRAM = True
 SMALL_HISTOGRAM_BITS = 4
 RADIX_WARPS = 4
 # Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of
 # 256). H200, 262,144 scores: 8 bits 22.1 us, 4 bits 24.2 (with the early exit 19.4 / 19.3; slower at 4,160 and
 # 32,768 scores either way)
 RADIX_BITS = 8
-# The multi-program select's histograms counted by one shared-memory atomic add per row (GPU; `shared_histogram` in
+# The histograms counted by one shared-memory atomic increment per score (GPU; `shared_histogram` in
 # ds4x.kernels.triton_indexer) instead of tl.histogram, whose warp-wide ballots and popcounts are most of the
-# kernel's instructions (sm_90 SASS, 2,048 scores a program: VOTE 576, POPC 524 of 6,472). Off until timed.
-SHARED_HISTOGRAM = False
+# multi-program kernel's instructions (sm_90 SASS, 2,048 scores a program: 6,472 instructions, VOTE 576, POPC 524;
+# 3,184 with this). H100 (42a413d, scripts/compressed_kernels_ab.py), us against tl.histogram: 262,144 scores 14.9 /
+# 19.3, 32,768 12.2 / 12.9, 4,160 10.5 / 11.3, 8 x 32,768 15.9 / 20.3, every selection exact.
+SHARED_HISTOGRAM = True
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
