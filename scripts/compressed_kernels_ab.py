@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     rows_out: list[dict[str, Any]] = []
     env = environment()
 
-    def record(what: str, variant: str, t_us: float, extra: dict[str, Any] | None = None) -> None:
-        rows_out.append({**env, "bench": "kernel", "what": what, "variant": variant, "ms": t_us / 1000,
+    def record(what: str, shape: str, variant: str, t_us: float, extra: dict[str, Any] | None = None) -> None:
+        rows_out.append({**env, "bench": "kernel", "what": what, "shape": shape, "variant": variant, "ms": t_us / 1000,
                          "model": "random rows and queries at Flash shapes, seed 0",
                          "flags": {"command": "scripts/compressed_kernels_ab.py", "timing": "do_bench_cudagraph"},
                          **(extra or {})})
@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         out, t, t_bf16 = call(), us(call), us(lambda: call(qb))
         diff = float((out - ref).abs().max() / ref.abs().max())
         print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f}")
-        record(f"decode attention {name}", "Triton kernel, float32 query", t_ref)
-        record(f"decode attention {name}", "Gluon kernel, float32 query", t, {"rel_diff": diff})
-        record(f"decode attention {name}", "Gluon kernel, bf16 query", t_bf16)
+        record("decode attention", name, "Triton kernel, float32 query", t_ref)
+        record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
+        record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
 
     n = 262_144
     keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     diff = float((scores[1] - scores[0]).abs().max() / scores[0].abs().max())
     print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
           f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
-    record("indexer scoring 262,144 rows", "Triton kernel", times[0])
-    record("indexer scoring 262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
+    record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
+    record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
 
     # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
     # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f'{batch} x {rows_n:,}':<20} "
               + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
         for v in variants:
-            record(f"top-512 select, {batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
+            record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
     if args.ledger is not None:
         append(rows_out, args.ledger)
         print(f"{len(rows_out)} rows appended to {args.ledger}")
