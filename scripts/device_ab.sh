@@ -19,7 +19,7 @@
 #                                       # float32 / bf16 queries; the top-k's histograms by tl.histogram or shared-
 #                                       # memory atomics, small rows by the packed-count kernel or one program of
 #                                       # the histogram select), then the step at 1, 8 and 32 sessions with the
-#                                       # earlier top-k as the variant (~6 min)
+#                                       # earlier top-k as the variant (~9 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -84,9 +84,10 @@ loop)
         --gen-tokens 256 --prefill-budgets 1024,2048 --rounds 2 --ledger "$out/ledger.jsonl"
     ;;
 compressed)
-    piece compressed_tests.log 150 python -m pytest -q -m gpu tests/test_sparse_kernels.py
-    piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
-    piece batched_compressed.log 280 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
+    # (the GPU tests took 231 s on an H100 at c131be1)
+    piece compressed_tests.log 270 python -m pytest -q -m gpu tests/test_sparse_kernels.py
+    piece compressed_ab.log 110 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
+    piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "earlier top-k: ds4x.kernels.select.SHARED_HISTOGRAM=False; ds4x.kernels.select.SMALL_BY_HISTOGRAM=False"
     ;;
