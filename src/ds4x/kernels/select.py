@@ -225,11 +225,12 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         visible = n if count is not None else min(n_visible, n)
         counts = index if count is None else count  # an unread pointer without a count
         warps = SMALL_WARPS or (8 if tile <= 2048 else 16)
-        if SMALL_BY_HISTOGRAM:  # the workspace is not read (LOCAL)
+        if SMALL_BY_HISTOGRAM:
             # at least one score per thread: a thread holding a copy of another's score would count it again in
             # the shared-memory histogram (the scores past n are masked)
             tile = max(tile, 32 * warps)
-            radix_kernel[(1, B)](flat, n, visible, counts, kk, 1, _workspace(scores.device, B), index,
+            # LOCAL reads no workspace: ``index`` is passed as an unread pointer
+            radix_kernel[(1, B)](flat, n, visible, counts, kk, 1, index, index,
                                  valid.view(torch.int8), pad, TILE=tile, KP=kp, BITS=SMALL_HISTOGRAM_BITS, FIRST=0,
                                  LAST=32 // SMALL_HISTOGRAM_BITS + 1, DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                  MAX_PROGRAMS=_MAX_PROGRAMS, SHARED_BINS=scores.is_cuda and SHARED_HISTOGRAM,
