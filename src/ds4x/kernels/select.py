@@ -161,12 +161,12 @@ def radix_barrier_timeouts(device: torch.device) -> int:
 
 
 # Rows of up to SMALL_ROWS scores (SMALL_ROWS_BATCHED when a step selects for 8 or more rows) are selected by one
-# program each (`radix_small_kernel`: SMALL_BITS bits of the k-th code per step, SMALL_WARPS warps, else 8 up to
-# 2,048 scores and 16 above); more by the multi-program radix_kernel (RADIX_WARPS warps). H200, top-512, graph-
-# replayed, us one-program / multi-program (87fe9ab's kernel, 4 warps): 1,024 scores 8.4 / 11.9 (1 row), 8.4 / 12.4
-# (32 rows); 4,160 scores 28.2 / 12.5 (1 row); multi-program only: 32,768 scores 13.5 (1 row), 19.7 (8 rows);
-# 262,144 scores 21.4 (19.7 with 8 warps). Rows of 2,049 to 8,192 scores in steps of 8 or more sessions were
-# measured only with the earlier multi-program kernel (then slower); not re-measured.
+# program each (SMALL_BY_HISTOGRAM below, else `radix_small_kernel`: SMALL_BITS bits of the k-th code per step;
+# SMALL_WARPS warps, else 8 up to 2,048 scores and 16 above); more by the multi-program radix_kernel (RADIX_WARPS
+# warps). H200, top-512, graph-replayed, us, radix_small_kernel / multi-program (87fe9ab's kernel, 4 warps): 1,024
+# scores 8.4 / 11.9 (1 row), 8.4 / 12.4 (32 rows); 4,160 scores 28.2 / 12.5 (1 row); multi-program only: 32,768
+# scores 13.5 (1 row), 19.7 (8 rows); 262,144 scores 21.4 (19.7 with 8 warps). Rows of 2,049 to 8,192 scores in
+# steps of 8 or more sessions were measured only with the earlier multi-program kernel (then slower).
 SMALL_ROWS = 2048
 SMALL_ROWS_BATCHED = 8192
 SMALL_BITS = 2
