@@ -193,6 +193,13 @@ RADIX_BITS = 8
 SHARED_HISTOGRAM = True
 
 
+def _check_digit_bits(name: str, bits: int) -> None:
+    """The histogram select's digit width: it divides 32, and all levels' bins fit the 1,024 words of the workspace
+    (and of the shared-memory bins)."""
+    if 32 % bits or (32 // bits) << bits > 1024:
+        raise ValueError(f"{name} must divide 32 with at most 1,024 histogram bins in all, got {bits}")
+
+
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
                       small: bool | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
@@ -229,6 +236,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             # at least one score per thread: a thread holding a copy of another's score would count it again in
             # the shared-memory histogram (the scores past n are masked)
             tile = max(tile, 32 * warps)
+            _check_digit_bits("SMALL_HISTOGRAM_BITS", SMALL_HISTOGRAM_BITS)
             # LOCAL reads no workspace: ``index`` is passed as an unread pointer
             radix_kernel[(1, B)](flat, n, visible, counts, kk, 1, index, index,
                                  valid.view(torch.int8), pad, TILE=tile, KP=kp, BITS=SMALL_HISTOGRAM_BITS, FIRST=0,
@@ -255,8 +263,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
     pdl = launch_options(scores.device)
-    if 32 % RADIX_BITS or (32 // RADIX_BITS) << RADIX_BITS > 1024:
-        raise ValueError(f"RADIX_BITS must divide 32 with at most 1,024 histogram bins in all, got {RADIX_BITS}")
+    _check_digit_bits("RADIX_BITS", RADIX_BITS)
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
     for r0 in range(0, B, per_launch):
