@@ -18,9 +18,9 @@ import statistics
 import time
 
 import torch
+from server_engine import add_server_arguments, server_scheduler
 
-from ds4x.runtime.engine import Engine
-from ds4x.serve.scheduler import Scheduler, default_kv_budget
+from ds4x.serve.scheduler import Scheduler
 
 
 def _sync(device: torch.device) -> None:
@@ -60,11 +60,7 @@ def profile_call(sched: Scheduler, lengths: list[int], rng: random.Random, top: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", default="flash:q2")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", help="as ds4x serve: auto is bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
+    add_server_arguments(ap)
     ap.add_argument("--sessions", default="1,2,4,8", help="sessions per call (comma-separated)")
     ap.add_argument("--prompt-tokens", type=int, default=130)
     ap.add_argument("--rounds", type=int, default=3)
@@ -75,10 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2 or min(sizes) < 1 or not 0 < args.prompt_tokens <= args.prefill_chunk:
         ap.error("--rounds must be >= 2, sessions >= 1, and 0 < --prompt-tokens <= --prefill-chunk")
 
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
-    sched = Scheduler(engine, args.ctx, "packed", prefill_chunk=args.prefill_chunk, max_batch=max(sizes),
-                      kv_budget=default_kv_budget(engine.model.device), slots=True,
-                      prefill_budget=max(sizes) * args.prefill_chunk)
+    sched = server_scheduler(args, max(sizes), prefill_budget=max(sizes) * args.prefill_chunk)
+    engine = sched.engine
     t0 = time.perf_counter()
     sched.warm_up()
     print(f"{args.model} ({engine.model.dtype}) on {engine.model.device}; warm-up {time.perf_counter() - t0:.1f} s")

@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from server_engine import add_server_arguments, server_scheduler
+
 from ds4x.bench.ledger import append, environment
-from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
-from ds4x.serve.scheduler import Job, Piece, Scheduler, default_kv_budget
+from ds4x.serve.scheduler import Job, Piece, Scheduler
 
 
 def run(sched: Scheduler, n: int, prompt_tokens: int, gen_tokens: int, rng: random.Random) -> dict[str, Any]:
@@ -74,11 +75,7 @@ def run(sched: Scheduler, n: int, prompt_tokens: int, gen_tokens: int, rng: rand
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", "--model", default="flash:q2")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto", help="as ds4x serve: auto is bfloat16 on CUDA, float32 on the CPU")
-    ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--prefill-chunk", type=int, default=256)
+    add_server_arguments(ap)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prompt-tokens", type=int, default=130)
@@ -92,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(levels) < 1 or max(levels) > args.max_batch or args.gen_tokens < 2 or args.rounds < 1:
         ap.error("concurrency levels in [1, --max-batch], --gen-tokens >= 2, --rounds >= 1")
 
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
-    sched = Scheduler(engine, args.ctx, "packed", prefill_chunk=args.prefill_chunk, max_batch=args.max_batch,
-                      kv_budget=default_kv_budget(engine.model.device), slots=True)
+    sched = server_scheduler(args, args.max_batch)
+    engine = sched.engine
     default_budget = sched.prefill_budget
     budgets = [int(v) for v in args.prefill_budgets.split(",")] if args.prefill_budgets else [default_budget]
     if min(budgets) < args.prefill_chunk:
