@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ds4x.bench.frontier import seed_frontier
+from ds4x.bench.frontier import COPY_BANDWIDTH, seed_frontier
 from ds4x.bench.ledger import append, environment
 from ds4x.bench.variants import parse_variant, variant_applied
 from ds4x.runtime.batch import DecodeSlots
 from ds4x.runtime.engine import Engine, Session
+from ds4x.weights.synthetic_gguf import active_weight_bytes
 
 
 def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profile: bool,
@@ -115,15 +116,25 @@ def main() -> int:
                     path = args.timeline / f"timeline_b{b}_{name.replace(' ', '_')}.json"
                     overlap = run(engine, b, args.context, args.chunk, 3, False, path)["overlap"]
                     next(r for r in rows if r["variant"] == name and r["batch"] == b)["overlap"] = overlap
-    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10}  variant  (context {args.context}, "
-          f"{args.model})")
+    # the weight bytes floor of each batch (DESIGN §7): the expected distinct routed experts of B randomly routed
+    # tokens read once at copy bandwidth, the cache's reads left out
+    floor_ms = {b: 1000 * active_weight_bytes(engine.cfg, engine.model.w, tokens=b) / COPY_BANDWIDTH
+                for b in batches}
+    for r in rows:
+        r["weight_floor_ms"] = floor_ms[r["batch"]]
+    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>8} {'replay ms':>10} {'floor ms':>9} {'of floor':>8}  variant  "
+          f"(context {args.context}, {args.model})")
     for r in rows:
         replay = "-" if r["replay_ms"] is None else f"{r['replay_ms']:.2f}"
-        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10}  {r['variant']}")
+        print(f"{r['batch']:5d} {r['step_ms']:9.2f} {r['tok_s']:8.1f} {replay:>10} {r['weight_floor_ms']:9.2f} "
+              f"{100 * r['weight_floor_ms'] / (r['replay_ms'] or r['step_ms']):7.1f}%  {r['variant']}")
         if r["overlap"] is not None:
             o = r["overlap"]
             print(f"      kernels {o['kernel_us']:.0f} us in a {o['span_us']:.0f} us span: busy {o['busy_us']:.0f}, "
                   f"idle {o['idle_us']:.0f} (no kernel runs), overlapped {o['overlapped_us']:.0f}")
+    one = 1000 * active_weight_bytes(engine.cfg, engine.model.w) / COPY_BANDWIDTH
+    print("at the floor, B sessions give at most " + ", ".join(
+        f"{b * one / floor_ms[b]:.2f}x (B = {b})" for b in batches if b > 1) + " one session's tok/s")
     if args.ledger is not None:
         env = environment()
         flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,
@@ -132,7 +143,8 @@ def main() -> int:
         append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0",
                  "flags": {**flags, **({"variant": spec[r["variant"]]} if r["variant"] != "default" else {})},
                  "context": args.context, "batch": r["batch"], "step_ms": r["step_ms"], "tok_s": r["tok_s"],
-                 "replay_ms": r["replay_ms"], **({"status": "variant"} if r["variant"] != "default" else {})}
+                 "replay_ms": r["replay_ms"], "weight_floor_ms": r["weight_floor_ms"],
+                 **({"status": "variant"} if r["variant"] != "default" else {})}
                 for r in rows], args.ledger)
     return 0
 

@@ -7,7 +7,12 @@ from ds4x.config import tiny_config
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.weights.gguf import load_gguf
 from ds4x.weights.gguf_writer import write_synthetic_gguf
-from ds4x.weights.synthetic_gguf import active_weight_bytes, synthetic_quantized_weights, weight_bytes
+from ds4x.weights.synthetic_gguf import (
+    active_weight_bytes,
+    expected_distinct_experts,
+    synthetic_quantized_weights,
+    weight_bytes,
+)
 
 pytest.importorskip("gguf")
 
@@ -43,6 +48,26 @@ def test_active_bytes_count_top_k_experts_and_one_embedding_row():
         + hashes // cfg.vocab_size
     assert active_weight_bytes(cfg, w) == want
     assert active_weight_bytes(cfg, w) < weight_bytes(w)
+
+
+def test_a_batched_step_reads_the_expected_distinct_experts_once():
+    cfg = tiny_config().replace(hidden_size=256, moe_intermediate_size=256)
+    w = synthetic_quantized_weights(cfg, "q8", seed=0, device="cpu")
+    n, k = cfg.n_routed_experts, cfg.n_experts_per_tok
+    assert expected_distinct_experts(cfg, 1) == pytest.approx(k)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (2, 8, 32):  # against routes drawn at random: k distinct experts a token
+        met = [len({int(e) for _ in range(tokens) for e in torch.randperm(n, generator=g)[:k]}) for _ in range(2000)]
+        assert expected_distinct_experts(cfg, tokens) == pytest.approx(sum(met) / len(met), rel=0.02)
+    experts = sum(t.nbytes for name, t in w.items() if ".ffn.experts." in name)
+    rows = sum(t.numel() * t.element_size() // cfg.vocab_size for name, t in w.items()
+               if name == "embed.weight" or name.endswith("tid2eid"))  # one row of each a token
+    one, many = active_weight_bytes(cfg, w), active_weight_bytes(cfg, w, tokens=32)
+    want = experts * (expected_distinct_experts(cfg, 32) - k) / n + 31 * rows
+    assert many - one == pytest.approx(want, abs=cfg.num_layers * 3)  # (rounded once per expert tensor)
+    assert expected_distinct_experts(cfg, 10_000) == pytest.approx(n)  # every expert, once
+    with pytest.raises(ValueError, match="at least 1"):
+        expected_distinct_experts(cfg, 0)
 
 
 def test_engine_loads_a_synthetic_mix_and_runs():

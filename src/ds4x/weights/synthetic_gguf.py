@@ -46,10 +46,21 @@ def weight_bytes(weights: dict[str, torch.Tensor | GGMLTensor]) -> int:
     return sum(w.nbytes if isinstance(w, GGMLTensor) else w.numel() * w.element_size() for w in weights.values())
 
 
+def expected_distinct_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Expected number of distinct routed experts of one layer that ``tokens`` independently routed tokens meet
+    (each picks ``n_experts_per_tok`` of ``n_routed_experts``, every expert equally likely): a batched step reads
+    each of them once, so its weight bytes grow far slower than its tokens."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be at least 1, got {tokens}")
+    n, k = cfg.n_routed_experts, cfg.n_experts_per_tok
+    return n * (1 - (1 - k / n) ** tokens)
+
+
 def active_weight_bytes(cfg: ModelConfig, weights: dict[str, torch.Tensor | GGMLTensor],
-                        quantized_only: bool = False) -> int:
-    """Weight bytes one decode token must read (DESIGN §7's floor): everything except the routed experts
-    and the embedding table, plus ``n_experts_per_tok`` routed experts per layer and one embedding row
+                        quantized_only: bool = False, tokens: int = 1) -> int:
+    """Weight bytes a decode step of ``tokens`` tokens (one per session) must read (DESIGN §7's floor):
+    everything except the routed experts and the embedding table, plus the expected distinct routed experts
+    per layer (``n_experts_per_tok`` at one token; ``expected_distinct_experts``) and one embedding row per token
     (``quantized_only``: of the GGMLTensors alone)."""
     total = 0
     for name, w in weights.items():
@@ -57,10 +68,12 @@ def active_weight_bytes(cfg: ModelConfig, weights: dict[str, torch.Tensor | GGML
             continue
         n = w.nbytes if isinstance(w, GGMLTensor) else w.numel() * w.element_size()
         if ".ffn.experts." in name:
-            n = n * cfg.n_experts_per_tok // cfg.n_routed_experts
+            # (one token: exactly top-k of n, in integers)
+            n = (n * cfg.n_experts_per_tok // cfg.n_routed_experts if tokens == 1
+                 else round(n * expected_distinct_experts(cfg, tokens) / cfg.n_routed_experts))
         elif name == "embed.weight":
-            n //= cfg.vocab_size
+            n = n // cfg.vocab_size * tokens
         elif name.endswith("tid2eid"):
-            n //= cfg.vocab_size  # one row of the hash table
+            n = n // cfg.vocab_size * tokens  # one row of the hash table a token
         total += n
     return total
