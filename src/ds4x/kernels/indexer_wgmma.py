@@ -28,6 +28,10 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 BLOCK_N = 128  # rows per tile
 WARPS = 4
+# Row tiles whose words a program has in flight while it scores one (registers: ~17 a tile). One tile of 8.7 KB
+# per program, three programs an SM, keeps ~26 KB an SM in flight, about half of what the copy bandwidth's
+# latency asks for.
+LOADS_AHEAD = 1
 
 
 if HAVE_GLUON:
@@ -85,7 +89,7 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
-                     PDL: gl.constexpr = False):
+                     AHEAD: gl.constexpr = 1, PDL: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
@@ -122,9 +126,12 @@ if HAVE_GLUON:
         blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
 
         words, sw = _load_tile(pid, rows_ptr, n_rows, LW)
+        if AHEAD == 2:
+            words2, sw2 = _load_tile(pid + n_prog, rows_ptr, n_rows, LW)
         for it in range(n_iter):
             tile = pid + it * n_prog
-            next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, LW)  # in flight while this one is scored
+            # in flight while this one is scored
+            next_words, next_sw = _load_tile(tile + AHEAD * n_prog, rows_ptr, n_rows, LW)
             if tile * _BLOCK_N < n_rows:  # uniform: the programs' last tiles may lie past the rows
                 smax = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
                 # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
@@ -142,8 +149,11 @@ if HAVE_GLUON:
                 score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
                 r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
                 gl.store(out_ptr + r, score, mask=r < n_rows)
-            words = next_words
-            sw = next_sw
+            if AHEAD == 2:
+                words, sw = words2, sw2
+                words2, sw2 = next_words, next_sw
+            else:
+                words, sw = next_words, next_sw
 
 
 def available(q: torch.Tensor, heads: int) -> bool:
