@@ -30,7 +30,7 @@ BLOCK_N = 128  # rows per tile
 WARPS = 4
 # Row tiles whose words a program has in flight while it scores one (registers: ~17 a tile). One tile of 8.7 KB
 # per program, three programs an SM, keeps ~26 KB an SM in flight, about half of what the copy bandwidth's
-# latency asks for.
+# latency asks for. 1 or 2.
 LOADS_AHEAD = 1
 
 
