@@ -8,12 +8,12 @@ and inside its K loop (the range closed by the first backward branch around the 
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 ``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
 launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
-``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma), per count of row tiles in flight.
+``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it.
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query f32,bf16] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--ahead 1 2] [--maxnreg N] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -81,16 +81,16 @@ def compile_attention(block: int, query: str) -> triton.compiler.CompiledKernel:
     return triton.compile(src, target=TARGET, options={"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(ahead: int, maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
-    """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with
-    ``ahead`` row tiles' words in flight (and a register ceiling)."""
+def compile_indexer(maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
+    """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with a
+    register ceiling if given."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ds4x.kernels import indexer_wgmma
 
     fn = indexer_wgmma.score_kernel
     names = fn.arg_names
-    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "AHEAD": ahead, "PDL": True}
+    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
     src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
@@ -183,14 +183,11 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
-    ok = True
-    for ahead in args.ahead:
-        tag = f"indexer_ahead{ahead}" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-        _, spill = report(compile_indexer(ahead, args.maxnreg), args.dump, tag, "HGMMA")
-        if spill:
-            print("   !! local memory in use (spills)")
-            ok = False
-    return ok
+    tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
+    _, spill = report(compile_indexer(args.maxnreg), args.dump, tag, "HGMMA")
+    if spill:
+        print("   !! local memory in use (spills)")
+    return not spill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--query", default="f32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
-    idx.add_argument("--ahead", nargs="+", type=int, default=[1, 2], help="row tiles in flight (LOADS_AHEAD)")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)

@@ -461,14 +461,11 @@ def test_radix_select_is_exact_either_way_on_gpu(monkeypatch, shared):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu(ahead, monkeypatch):
-    """A row's score is the same whatever the row count (rows ending mid-tile; a program's next tiles, loaded ahead,
-    lying past the rows), whatever the store's alignment and however many tiles a program loads ahead."""
-    from ds4x.kernels import indexer_wgmma
+def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
+    """A row's score is the same whatever the row count (rows ending mid-tile; a program's next tile, loaded ahead,
+    lying past the rows) and whatever the store's alignment."""
     from ds4x.kernels.indexer import indexer_scores_triton
 
-    monkeypatch.setattr(indexer_wgmma, "LOADS_AHEAD", ahead)
     rows, q, w = _indexer_case(4096, 64, 11, "cuda")
     shifted = torch.empty(4097 * 68, dtype=torch.uint8, device="cuda")[4 : 4 + 4096 * 68].view(4096, 68)
     shifted.copy_(rows)

@@ -103,13 +103,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             from ds4x.formats.pdl import launch_options
 
             pdl = launch_options(q.device)
-            ahead = indexer_wgmma.LOADS_AHEAD
-            if ahead not in (1, 2):
-                raise ValueError(f"indexer_wgmma.LOADS_AHEAD is 1 or 2 row tiles, got {ahead}")
-            # tiles in flight cost registers: a ceiling keeps PROGRAMS_PER_SM programs on an SM (65,536 registers)
-            regs = {"maxnreg": 65536 // (32 * indexer_wgmma.WARPS * PROGRAMS_PER_SM) // 8 * 8} if ahead > 1 else {}
-            indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl, **regs,
-                                                    AHEAD=ahead, num_warps=indexer_wgmma.WARPS)
+            indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
+                                                    num_warps=indexer_wgmma.WARPS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

@@ -8,6 +8,11 @@ stores into the key tile, and one ``wgmma`` multiplies the tile [128 rows, 128] 
 held in shared memory for the program's whole walk. The Triton kernel moves the words and the decoded values
 through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
 
+Two row tiles in flight per program instead of one (the words of the tile after next loaded too; 170 registers,
+capped at 168 so that three programs stay on an SM) measured slower and were removed (H100, b82c8c3,
+`scripts/compressed_kernels_ab.py`, 262,144 rows, us at 2 / 3 programs an SM: one tile ahead 16.7 / 16.6, two
+17.9-18.1; the same bits): more bytes in flight is not what the kernel lacks.
+
 Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
 """
 
@@ -28,10 +33,6 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 BLOCK_N = 128  # rows per tile
 WARPS = 4
-# Row tiles whose words a program has in flight while it scores one (registers: ~17 a tile). One tile of 8.7 KB
-# per program, three programs an SM, keeps ~26 KB an SM in flight, about half of what the copy bandwidth's
-# latency asks for. 1 or 2.
-LOADS_AHEAD = 1
 
 
 if HAVE_GLUON:
@@ -89,7 +90,7 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
-                     AHEAD: gl.constexpr = 1, PDL: gl.constexpr = False):
+                     PDL: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
@@ -126,12 +127,9 @@ if HAVE_GLUON:
         blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
 
         words, sw = _load_tile(pid, rows_ptr, n_rows, LW)
-        if AHEAD == 2:
-            words2, sw2 = _load_tile(pid + n_prog, rows_ptr, n_rows, LW)
         for it in range(n_iter):
             tile = pid + it * n_prog
-            # in flight while this one is scored
-            next_words, next_sw = _load_tile(tile + AHEAD * n_prog, rows_ptr, n_rows, LW)
+            next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, LW)  # in flight while this one is scored
             if tile * _BLOCK_N < n_rows:  # uniform: the programs' last tiles may lie past the rows
                 smax = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
                 # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
@@ -149,11 +147,8 @@ if HAVE_GLUON:
                 score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
                 r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
                 gl.store(out_ptr + r, score, mask=r < n_rows)
-            if AHEAD == 2:
-                words, sw = words2, sw2
-                words2, sw2 = next_words, next_sw
-            else:
-                words, sw = next_words, next_sw
+            words = next_words
+            sw = next_sw
 
 
 def available(q: torch.Tensor, heads: int) -> bool:
