@@ -62,40 +62,39 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
+def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> triton.compiler.CompiledKernel:
+    """A Gluon kernel for sm_90 with ``consts`` as its constexprs, ``pointers`` the types of its pointer arguments
+    (``scale`` is fp32, every other argument i32)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
+    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
+    return triton.compile(src, target=TARGET, options=options)
+
+
 def compile_attention(block: int, query: str) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``f32`` or ``bf16``."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from ds4x.kernels import attention_wgmma
 
-    fn = attention_wgmma.partial_kernel
-    names = fn.arg_names
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False}
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
-    sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
-    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
-    return triton.compile(src, target=TARGET, options={"num_warps": attention_wgmma.WARPS})
+    return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
 def compile_indexer(maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with a
     register ceiling if given."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from ds4x.kernels import indexer_wgmma
 
-    fn = indexer_wgmma.score_kernel
-    names = fn.arg_names
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
-    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
-    return triton.compile(src, target=TARGET, options={"num_warps": indexer_wgmma.WARPS,
-                                                       **({"maxnreg": maxnreg} if maxnreg else {})})
+    return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
+                         {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def sass_of(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str) -> list[tuple[int, str, str]]:
