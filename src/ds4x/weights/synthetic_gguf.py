@@ -68,9 +68,7 @@ def active_weight_bytes(cfg: ModelConfig, weights: dict[str, torch.Tensor | GGML
             continue
         n = w.nbytes if isinstance(w, GGMLTensor) else w.numel() * w.element_size()
         if ".ffn.experts." in name:
-            # (one token: exactly top-k of n, in integers)
-            n = (n * cfg.n_experts_per_tok // cfg.n_routed_experts if tokens == 1
-                 else round(n * expected_distinct_experts(cfg, tokens) / cfg.n_routed_experts))
+            n = round(n * expected_distinct_experts(cfg, tokens) / cfg.n_routed_experts)
         elif name == "embed.weight":
             n = n // cfg.vocab_size * tokens
         elif name.endswith("tid2eid"):
