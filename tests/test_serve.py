@@ -181,6 +181,27 @@ def test_n_choices_draw_from_successive_seeds(client: TestClient) -> None:
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy: the same answer twice
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_a_prompt_once_whatever_n(client: TestClient, stream: bool) -> None:
+    """``n`` choices share their prompt: prompt_tokens counts it once (OpenAI's and vLLM's usage), not n times;
+    completion_tokens counts every choice's tokens; a list of prompts counts each of them."""
+    def usage(url: str, **req) -> dict:
+        body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": stream, **req}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = client.post(url, json=body)
+        assert r.status_code == 200, r.text
+        return _chunks(r.text)[-1]["usage"] if stream else r.json()["usage"]
+
+    for url, req in (("/v1/completions", {"prompt": "def f(x):"}), ("/v1/chat/completions", {"messages": CHAT})):
+        one = usage(url, **req)
+        assert usage(url, **req, n=3) == {"prompt_tokens": one["prompt_tokens"], "completion_tokens": 15,
+                                          "total_tokens": one["prompt_tokens"] + 15}
+    p = [usage("/v1/completions", prompt=t)["prompt_tokens"] for t in ("ab", "hello")]
+    assert usage("/v1/completions", prompt=["ab", "hello"], n=2) == {"prompt_tokens": sum(p), "completion_tokens": 20,
+                                                                      "total_tokens": sum(p) + 20}
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_matches_non_streaming(client: TestClient, chat: bool) -> None:
     url = "/v1/chat/completions" if chat else "/v1/completions"
@@ -718,6 +739,83 @@ def test_a_bad_token_id_is_named(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": [5, 6, -3]})
     _assert_error(r, 400, "prompt")
     assert ".2:" in r.json()["error"]["message"] and "greater than or equal to 0" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def default_client() -> TestClient:
+    """The embedded default model: its tokenizer is a tokenizer.json (the ``tokenizers`` library), not bytes."""
+    with TestClient(create_app(Engine.load("default", device="cpu"), "default", CTX, "packed")) as c:
+        yield c
+
+
+_SURROGATE_PROMPTS = [b'{"prompt": "x\\ud800y", "max_tokens": 2}',
+                      b'{"prompt": ["ok", "\\udc80"], "max_tokens": 2, "stream": true}']
+_SURROGATE_MESSAGES = [b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+                       b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}], '
+                       b'"stream": true}']
+
+
+@pytest.mark.parametrize(("url", "body"), [
+    *[("/v1/completions", b) for b in _SURROGATE_PROMPTS], *[("/v1/chat/completions", b) for b in _SURROGATE_MESSAGES],
+    ("/tokenize", _SURROGATE_PROMPTS[0]), *[("/tokenize", b) for b in _SURROGATE_MESSAGES]])
+def test_a_lone_surrogate_is_a_bad_request_for_a_tokenizer_json(default_client: TestClient, url: str,
+                                                                body: bytes) -> None:
+    """JSON can escape a lone surrogate, which is no character: the tokenizers library raised a TypeError on it
+    (a 500) where the byte tokenizer's UTF-8 encoding raised the UnicodeError the server answers with a 400."""
+    r = default_client.post(url, content=body, headers={"content-type": "application/json"})
+    _assert_error(r, 400, "messages" if b"messages" in body else "prompt")
+    assert "not valid Unicode" in r.json()["error"]["message"]
+
+
+def test_an_error_quoting_a_lone_surrogate_is_still_sent(client: TestClient) -> None:
+    """An error message that quotes the request (the model's name, a logit_bias key) may hold a lone surrogate,
+    which UTF-8 cannot hold: the response failed to render (a 500 / a dropped connection) instead of the error."""
+    for url in ("/v1/completions", "/tokenize"):
+        r = client.post(url, content=b'{"model": "m\\ud800", "prompt": "x", "max_tokens": 1}',
+                        headers={"content-type": "application/json"})
+        _assert_error(r, 404, "model", "model_not_found")
+        assert "m\\ud800" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}',
+                    headers={"content-type": "application/json"})
+    _assert_error(r, 400, "logit_bias")
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(default_client: TestClient) -> None:
+    """Tokenizing megabytes of text takes seconds; on the event loop it stalled every other request meanwhile (an
+    8 MB prompt stopped the other streams for ~7 s). Requests sent while it is tokenized must be answered."""
+    import threading
+
+    big = {"prompt": "def f(x):\n    return x + 1  # \u00e9\n" * 60_000, "max_tokens": 1}  # ~2 MB, past CTX
+    done = threading.Event()
+    answered_meanwhile = []
+
+    def send_big() -> None:
+        r = default_client.post("/v1/completions", json=big)
+        done.set()
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    time.sleep(0.2)  # the body is read and tokenizing has begun
+    while not done.is_set():
+        t0 = time.monotonic()
+        r = default_client.get("/health")
+        if not done.is_set():
+            answered_meanwhile.append((r.status_code, time.monotonic() - t0))
+    sender.join()
+    assert any(code == 200 and took < 0.5 for code, took in answered_meanwhile), answered_meanwhile
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-9])
+def test_a_vanishing_temperature_decodes_greedily(client: TestClient, temperature: float) -> None:
+    """A positive temperature that float32 logits cannot be divided by (1e-300 is 0 in float32) gave NaN
+    probabilities and a token id past the vocabulary (a 500); below 1e-5 it decodes greedily, as vLLM does."""
+    req = {"prompt": "def f(x):", "max_tokens": 8}
+    _, greedy = _ids(client, **req, temperature=0)
+    assert _ids(client, **req, temperature=temperature, seed=3)[1] == greedy
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": temperature,
+                                                  "stream": True})
+    assert r.status_code == 200 and all("error" not in c for c in _chunks(r.text))
 
 
 @pytest.mark.parametrize(("url", "body", "status", "param", "code"), BAD_REQUESTS)

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -51,7 +53,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # a temperature this small is greedy in all but name, and dividing float32 logits by it overflows (1e-300
+        # is 0 in float32): inf - inf in the softmax, NaN probabilities, a token id past the vocabulary. vLLM
+        # draws greedily below the same bound (its _SAMPLING_EPS)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def adjusts(self) -> bool:

@@ -75,7 +75,9 @@ class HFTokenizer:
         self._byte_level = isinstance(self._tok.decoder, _decoders.ByteLevel)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch gives the same ids and, unlike encode, lets other threads run meanwhile (it releases the
+        # GIL): a server tokenizing a long prompt off its event loop keeps streaming the other requests
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

@@ -118,7 +118,15 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.type, "param": _printable(self.param),
+                          "code": self.code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates escaped (\\ud800): a message may quote the request (a model name, a
+    logit_bias key), where JSON can escape one, and the response's UTF-8 could not hold it (a 500, or a stream
+    cut off, instead of the error)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if text is not None else None
 
 
 # ---- request models -----------------------------------------------------------------------------
@@ -379,9 +387,12 @@ class Server:
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         try:
-            ids = tok.encode(text)
-        except UnicodeError as exc:  # e.g. a lone surrogate escape (\udc80) in the JSON string
+            # JSON may escape a lone surrogate (\udc80): not a character. The byte tokenizer's UTF-8 encoding
+            # raises on it, the tokenizers library's a TypeError, so check before either sees it
+            text.encode("utf-8")
+        except UnicodeError as exc:
             raise APIError(400, f"the text is not valid Unicode: {exc}", param=param) from None
+        ids = tok.encode(text)
         return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
 
     def completion_prompts(self, req: CompletionRequest) -> list[str | list[int]]:
@@ -595,8 +606,10 @@ class Server:
                 at += len(stream.push(token))
         return Echo(prompt if isinstance(prompt, str) else tok.decode(ids), offsets)
 
-    def usage(self, jobs: list[Job]) -> dict[str, int]:
-        p, g = sum(len(job.prompt) for job in jobs), sum(job.generated for job in jobs)
+    def usage(self, jobs: list[Job], n: int = 1) -> dict[str, int]:
+        """A response's usage: each prompt's tokens once, however many (``n``) choices it has (OpenAI's and vLLM's
+        count: the n choices of job i * n + k share prompt i), and every choice's generated tokens."""
+        p, g = sum(len(job.prompt) for job in jobs[::n]), sum(job.generated for job in jobs)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
 
@@ -755,7 +768,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         try:
             req = await parse(request, model)
             server._check_model(req)
-            body = answer(req)
+            body = await asyncio.to_thread(answer, req)  # off the event loop, as a completion's prompt
         except APIError as exc:
             return error(exc, endpoint)
         count(endpoint, 200)
@@ -815,12 +828,14 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                 req.check_supported(server.templated)
                 logprobs = req.alternatives()
                 sent: list[str | list[int]] = []
-                prompts = [(server.chat_prompt(req), True)]
+                # tokenized off the event loop: a long prompt (seconds for megabytes of text) would stall every
+                # other request's stream meanwhile
+                prompts = [(await asyncio.to_thread(server.chat_prompt, req), True)]
                 max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
                 logprobs = req.logprobs
                 sent = server.completion_prompts(req)
-                prompts = [server.completion_ids(p) for p in sent]
+                prompts = await asyncio.to_thread(lambda: [server.completion_ids(p) for p in sent])
                 max_tokens = 16 if req.max_tokens is None else req.max_tokens
             # choice i * n + k: the k-th of prompt i (OpenAI's order)
             jobs = [server.make_job(req, prompt, text, max_tokens, logprobs, k) for prompt, text in prompts
@@ -906,7 +921,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
                     yield _sse(err.body())
                     return
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": server.usage(jobs)})
+                    yield _sse({**head, "choices": [], "usage": server.usage(jobs, req.n)})
                 yield "data: [DONE]\n\n"
 
             count(endpoint, 200)
@@ -930,7 +945,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
             whole = Piece("".join(p.text for p in got), [t for p in got for t in p.ids],
                           got[-1].finish if got else None, [lp for p in got for lp in p.logprobs])
             choices.append(choice(i, whole, first=True))
-        body = {**head, "choices": choices, "usage": server.usage(jobs)}
+        body = {**head, "choices": choices, "usage": server.usage(jobs, req.n)}
         if req.return_token_ids and not batch:
             body["prompt_token_ids"] = jobs[0].prompt
         count(endpoint, 200)
