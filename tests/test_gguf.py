@@ -320,9 +320,12 @@ def test_error_wrong_architecture(tmp_path, tiny):
         load_gguf(p)
 
 
-def test_error_missing_key(tmp_path, tiny):
-    p = _bad_file(tmp_path, tiny, meta=_set("deepseek4.embedding_length", None))
-    with pytest.raises(GGUFError, match="'deepseek4.embedding_length' is missing"):
+@pytest.mark.parametrize("key", ["deepseek4.embedding_length", "deepseek4.expert_weights_scale"])
+def test_error_missing_key(tmp_path, tiny, key):
+    """A required key is named; expert_weights_scale among them (ds4.c requires it: a default would scale every
+    routed expert's output silently wrong)."""
+    p = _bad_file(tmp_path, tiny, meta=_set(key, None))
+    with pytest.raises(GGUFError, match=f"'{key}' is missing"):
         load_gguf(p)
 
 
@@ -488,3 +491,59 @@ def test_tokenizer_unknown_or_missing_pre_splits_as_deepseek_v4(f32_gguf, pre):
     assert tok.pre == "joyai-llm"
     text = "naïve café 日本語 12345, x=42\n\n  y"
     assert tok.encode(text) == want.encode(text)
+
+
+# ---- regressions from the adversarial probe (devrun/gguf_probe_adversarial.py) --------------------------
+
+@pytest.mark.parametrize("key,value,vtype", [
+    ("deepseek4.expert_used_count", 0, "UINT32"),
+    ("deepseek4.attention.sliding_window", 0, "UINT32"),
+    ("deepseek4.hyper_connection.epsilon", 0.0, "FLOAT32"),
+])
+def test_error_bad_config_value_names_the_gguf_key(tmp_path, tiny, key, value, vtype):
+    # ModelConfig's own check names its field ('n_experts_per_tok'); the GGUF error must name the file's key
+    from gguf import GGUFValueType
+
+    p = _bad_file(tmp_path, tiny, meta=_set(key, value, GGUFValueType[vtype]))
+    with pytest.raises(GGUFError, match=f"GGUF metadata key '{key}'"):
+        load_gguf(p)
+
+
+@pytest.mark.parametrize("key,value,vtype", [
+    ("deepseek4.rope.scaling.factor", 0.0, "FLOAT32"),  # was NaN logits
+    ("deepseek4.rope.scaling.yarn_beta_fast", 0.0, "FLOAT32"),  # was a ZeroDivisionError in rope.py
+    ("deepseek4.rope.scaling.yarn_beta_slow", -1.0, "FLOAT32"),  # was "math domain error"
+    ("deepseek4.rope.scaling.original_context_length", 0, "UINT64"),
+])
+def test_error_bad_yarn_values_are_refused_at_load(tmp_path, tiny, key, value, vtype):
+    from gguf import GGUFValueType
+
+    def meta(wr):
+        wr.add_key_value("deepseek4.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32)
+        wr.add_key_value("deepseek4.rope.scaling.original_context_length", 64, GGUFValueType.UINT64)
+        for k in ("yarn_beta_fast", "yarn_beta_slow"):
+            wr.add_key_value(f"deepseek4.rope.scaling.{k}", 2.0, GGUFValueType.FLOAT32)
+        wr.kv_data[0].pop(key, None)
+        wr.add_key_value(key, value, GGUFValueType[vtype])
+    p = _bad_file(tmp_path, tiny, meta=meta)
+    with pytest.raises(GGUFError, match=f"GGUF metadata key '{key}'"):
+        load_gguf(p)
+
+
+def test_mtp_sidecar_with_ds4_architecture(tiny, f32_gguf, tmp_path):
+    # ds4's DeepSeek-V4-Flash-MTP GGUF declares general.architecture 'deepseek4_mtp_support'
+    from gguf import GGUFValueType
+
+    cfg, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    mtp_w = {n: torch.randn(s, generator=g) * 0.1 for n, s in mtp_expected_shapes(cfg).items()}
+    plan = [e for e in tensor_plan(cfg, {**synthetic_weights(cfg, seed=0), **mtp_w}, "f32") if e[0].startswith("mtp.")]
+    side = tmp_path / "mtp-sidecar.gguf"
+    write_gguf(side, cfg, {}, plan=plan,
+               metadata_hook=_set("general.architecture", "deepseek4_mtp_support", GGUFValueType.STRING))
+    cfg_g, w, _ = load_gguf(f32_gguf, mtp_path=side)
+    assert cfg_g.num_mtp_layers == 1 and torch.equal(w["mtp.0.e_proj.weight"], mtp_w["mtp.0.e_proj.weight"])
+    other = tmp_path / "mtp-llama.gguf"
+    write_gguf(other, cfg, {}, plan=plan, metadata_hook=_set("general.architecture", "llama", GGUFValueType.STRING))
+    with pytest.raises(GGUFError, match="general.architecture' is 'llama'"):
+        load_gguf(f32_gguf, mtp_path=other)

@@ -169,6 +169,18 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"config field '{name}' must be a positive number, got {value!r}")
+        y = self.compress_rope_scaling
+        if y is not None:
+            # the YaRN tables take logs of these and divide by them: a bad value must not reach rope.py
+            # (a ZeroDivisionError there, or NaN logits for a zero factor)
+            for name in ("factor", "beta_fast", "beta_slow"):
+                value = getattr(y, name)
+                if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                    raise ConfigError(f"config field 'rope_scaling.{name}' must be a positive number, got {value!r}")
+            orig = y.original_max_position_embeddings
+            if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+                raise ConfigError(f"config field 'rope_scaling.original_max_position_embeddings' must be a positive "
+                                  f"integer, got {orig!r}")
         if self.bos_token_id is not None and not 0 <= self.bos_token_id < self.vocab_size:
             raise ConfigError(f"config field 'bos_token_id' ({self.bos_token_id}) is outside the vocabulary")
         for tok in self.eos_token_ids:

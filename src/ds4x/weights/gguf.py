@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
 log = logging.getLogger(__name__)
 
 ARCH = "deepseek4"
+# ds4's separate MTP GGUF (DeepSeek-V4-Flash-MTP-*.gguf) declares its own architecture string
+MTP_ARCHS = (ARCH, "deepseek4_mtp_support")
 T = GGMLQuantizationType
 
 # Types a plain (read directly by the model) tensor may have, and those a matrix may have.
@@ -332,6 +335,37 @@ def _token_id(meta: dict[str, Any], key: str, text: str) -> int | None:
     return None
 
 
+# ModelConfig field (as ConfigError names it) -> the GGUF metadata key it was read from
+_FIELD_KEYS: dict[str, str] = {
+    "vocab_size": "vocab_size", "hidden_size": "embedding_length", "num_layers": "block_count",
+    "num_heads": "attention.head_count", "head_dim": "attention.key_length",
+    "qk_rope_head_dim": "rope.dimension_count", "q_lora_rank": "attention.q_lora_rank",
+    "o_groups": "attention.output_group_count", "o_lora_rank": "attention.output_lora_rank",
+    "n_routed_experts": "expert_count", "n_shared_experts": "expert_shared_count",
+    "n_experts_per_tok": "expert_used_count", "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length", "sliding_window": "attention.sliding_window",
+    "index_n_heads": "attention.indexer.head_count", "index_head_dim": "attention.indexer.key_length",
+    "index_topk": "attention.indexer.top_k", "hc_mult": "hyper_connection.count",
+    "hc_sinkhorn_iters": "hyper_connection.sinkhorn_iterations", "hc_eps": "hyper_connection.epsilon",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "swiglu_limit": "swiglu_clamp_exp",
+    "rope_theta": "rope.freq_base", "compress_rope_theta": "attention.compress_rope_freq_base",
+    "max_position_embeddings": "context_length", "compress_ratios": "attention.compress_ratios",
+    "layer_types": "attention.compress_ratios",
+    "rope_scaling.factor": "rope.scaling.factor", "rope_scaling.beta_fast": "rope.scaling.yarn_beta_fast",
+    "rope_scaling.beta_slow": "rope.scaling.yarn_beta_slow",
+    "rope_scaling.original_max_position_embeddings": "rope.scaling.original_context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
+
+
+def _config_field_key(message: str, m: _Meta) -> str:
+    """`` (GGUF metadata key '...')`` for the config field a ConfigError names, so the error names what to fix
+    in the file rather than a field of ds4x's config; empty if the field has no key."""
+    match = re.search(r"config field '([\w.]+)", message)
+    key = _FIELD_KEYS.get(match.group(1)) if match else None
+    return f" (GGUF metadata key '{m.key(key)}')" if key else ""
+
+
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | Path = "<gguf>") -> ModelConfig:
     """ModelConfig from ds4 GGUF metadata; ``tensor_names`` tells CSA layers (ratio 4 with indexer
     tensors) from HCA ones (any other non-zero ratio)."""
@@ -442,7 +476,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
             rms_norm_eps=m.get_float("attention.layer_norm_rms_epsilon"),
             swiglu_limit=clamps[0],
             scoring_func=_GATING_FUNCS[gating],
-            routed_scaling_factor=m.get_float("expert_weights_scale", default=1.0),
+            # required, as ds4.c requires it: a default would scale every routed output silently wrong
+            routed_scaling_factor=m.get_float("expert_weights_scale"),
             rope_theta=m.get_float("rope.freq_base"),
             compress_rope_theta=m.get_float("attention.compress_rope_freq_base"),
             compress_rope_scaling=scaling,
@@ -452,7 +487,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
             num_mtp_layers=m.get_int("nextn_predict_layers", default=0),
         )
     except ConfigError as exc:
-        raise GGUFError(f"{p}: GGUF metadata does not describe a valid DeepSeek-V4 model: {exc}") from None
+        raise GGUFError(f"{p}: GGUF metadata does not describe a valid DeepSeek-V4 model: {exc}"
+                        f"{_config_field_key(str(exc), m)}") from None
 
 
 # ---- binding -----------------------------------------------------------------------------------
@@ -565,8 +601,9 @@ def load_gguf(
         mp = Path(mtp_path)
         mreader = open_gguf(mp)
         march = read_metadata(mreader).get("general.architecture")
-        if march not in (None, ARCH):
-            raise GGUFError(f"{mp}: GGUF metadata key 'general.architecture' is {march!r}; expected {ARCH!r}")
+        if march is not None and march not in MTP_ARCHS:
+            raise GGUFError(f"{mp}: GGUF metadata key 'general.architecture' is {march!r}; expected one of "
+                            f"{', '.join(repr(a) for a in MTP_ARCHS)}")
         if not _mtp_blocks({t.name for t in mreader.tensors}):
             raise GGUFError(f"{mp}: MTP GGUF holds no 'mtp.N.*' tensors")
         mtp_sources.append((mreader, mp))
