@@ -6,8 +6,9 @@
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min;
 #                                       # DS4X_SERVE_OVERLAP=0: the host reads each step's tokens before the next
-#                                       # step, the baseline of the overlapped reads; the ledger rows' server_meta
-#                                       # says which ran)
+#                                       # step, the baseline of the overlapped reads; DS4X_SERVE_ARGS: more
+#                                       # arguments of `ds4x serve`, e.g. "--prefill-budget 2048"; the ledger
+#                                       # rows' server_meta says which ran)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh loop      # GPU tests of the decode slots and the scheduler, then the server's decode loop
@@ -96,7 +97,7 @@ prefill)
         --profile
     ;;
 serve)
-    python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q > "$out/server.log" 2>&1 &
+    python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q ${DS4X_SERVE_ARGS:-} > "$out/server.log" 2>&1 &
     server=$!
     # up to 300 s for the server to answer (the synthetic model is generated on the device first); give up at once
     # should it exit
