@@ -348,6 +348,22 @@ def test_error_bad_values(tmp_path, tiny, key, value, match):
         load_gguf(p)
 
 
+def test_error_indexer_on_a_layer_not_of_ratio_4(tmp_path, tiny):
+    """Layer 1 is CSA (ratio 4, indexer tensors); the file says ratio 8 there: the error names the layer, its
+    indexer tensors and the ratios' key."""
+    from gguf import GGUFValueType
+
+    def hook(wr):
+        wr.kv_data[0].pop("deepseek4.attention.compress_ratios")
+        wr.add_key_value("deepseek4.attention.compress_ratios", [0, 8, 8, 4, 0, 8], GGUFValueType.ARRAY,
+                         sub_type=GGUFValueType.UINT32)
+
+    p = _bad_file(tmp_path, tiny, meta=hook)
+    with pytest.raises(GGUFError, match=r"layer 1 has indexer tensors \(blk\.1\.indexer\.\*\) but compress "
+                                        r"ratio 8.*deepseek4\.attention\.compress_ratios"):
+        load_gguf(p)
+
+
 def test_error_clamp_varies(tmp_path, tiny):
     from gguf import GGUFValueType
 

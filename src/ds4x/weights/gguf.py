@@ -410,8 +410,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
         else:
             kind = HCA
         if has_indexer and kind != CSA:
-            raise GGUFError(f"{p}: layer {i} has indexer tensors but compress ratio {r}; only ratio-4 layers are "
-                            f"CSA (see '{m.key('attention.compress_ratios')}')")
+            raise GGUFError(f"{p}: layer {i} has indexer tensors (blk.{i}.indexer.*) but compress ratio {r}; only "
+                            f"ratio-4 layers are CSA (see '{m.key('attention.compress_ratios')}')")
         kinds.append(kind)
     clamps = m.get_list("swiglu_clamp_exp", n_layers, float)[:n_layers] if m.has("swiglu_clamp_exp") else [10.0]
     if any(c != clamps[0] for c in clamps):
