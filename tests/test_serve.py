@@ -60,6 +60,25 @@ def _assert_error(r: httpx.Response, status: int, param: str | None = None, code
         assert err["code"] == code
 
 
+def test_kernel_compiles_after_the_warm_up_are_in_the_metrics(client: TestClient, monkeypatch) -> None:
+    """A kernel compiled while serving (which requests waited for) is a series by kernel name: count and seconds;
+    a server that compiled nothing shows no series."""
+    from types import SimpleNamespace
+
+    from ds4x.kernels import jit_watch
+    from ds4x.serve import app as app_module
+
+    w = jit_watch.CompileWatch()
+    monkeypatch.setattr(app_module, "watch", lambda: w)
+    assert "ds4x_kernel_compiles_total" not in client.get("/metrics").text
+    fn = SimpleNamespace(name="_routed_probe", jit_function=SimpleNamespace(arg_names=[]))
+    w.cache_missed(key="k", fn=fn)
+    w.compiled(key="k", fn=fn)
+    text = client.get("/metrics").text
+    assert re.search(r'^ds4x_kernel_compiles_total\{kernel="_routed_probe"\} 1$', text, re.M)
+    assert re.search(r'^ds4x_kernel_compile_seconds_total\{kernel="_routed_probe"\} \d+\.\d{3}$', text, re.M)
+
+
 def test_health_models_metrics(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()

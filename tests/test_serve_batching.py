@@ -282,6 +282,28 @@ def test_shutdown_answers_503(engine: Engine) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
 
+def test_a_kernel_compiled_while_serving_is_logged(engine: Engine, caplog) -> None:
+    """From `start` (after the warm-up) to `stop` the scheduler hears of every kernel compile (the process's
+    CompileWatch, Triton's JIT hooks) and logs it as a warning: requests waited for it."""
+    from types import SimpleNamespace
+
+    from ds4x.kernels.jit_watch import watch
+
+    sched = Scheduler(engine, CTX, "packed", prefill_chunk=CHUNK, kv_budget=2**30)
+    fn = SimpleNamespace(name="_late_kernel", jit_function=SimpleNamespace(arg_names=["x", "BLOCK"]))
+    info = {"constants": {(1,): 64}}
+    sched.start()
+    try:
+        with caplog.at_level("WARNING", logger="ds4x.serve.scheduler"):
+            watch().cache_missed(key="late", fn=fn, compile=info)
+            watch().compiled(key="late", fn=fn, compile=info)
+    finally:
+        sched.stop()
+    assert any("kernel _late_kernel compiled while serving" in r.message and "BLOCK=64" in r.message
+               for r in caplog.records)
+    assert sched._kernel_compiled not in watch().listeners
+
+
 def test_scheduler_admission_by_kv_budget(engine: Engine) -> None:
     from ds4x.model.cache import plan_cache
 

@@ -84,6 +84,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ds4x.kernels.jit_watch import watch
 from ds4x.runtime.chat import ReplyParts, chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
@@ -350,6 +351,15 @@ class Metrics:
             ]
         for name, kind, help_, value in values:
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        compiles = watch().totals()
+        if compiles:  # a series per kernel compiled since the server started (none: no series, as Prometheus does)
+            lines += ["# HELP ds4x_kernel_compiles_total Kernel specializations compiled (or read from Triton's disk "
+                      "cache) after the warm-up: requests waited for each.",
+                      "# TYPE ds4x_kernel_compiles_total counter"]
+            lines += [f'ds4x_kernel_compiles_total{{kernel="{k}"}} {n}' for k, n, _ in compiles]
+            lines += ["# HELP ds4x_kernel_compile_seconds_total Time those compiles took.",
+                      "# TYPE ds4x_kernel_compile_seconds_total counter"]
+            lines += [f'ds4x_kernel_compile_seconds_total{{kernel="{k}"}} {s:.3f}' for k, _, s in compiles]
         lines += st.batch_size.render("ds4x_batch_size", "Requests per batched decode step.")
         lines += st.ttft.render("ds4x_time_to_first_token_seconds", "From arrival to the first token.")
         lines += st.itl.render("ds4x_inter_token_latency_seconds", "Between consecutive tokens of a request.")

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds4x.kernels.jit_watch import KernelCompile, watch
 from ds4x.memory import free_memory
 from ds4x.model.cache import ModelCache, plan_cache
 from ds4x.runtime.batch import DecodeSlots, step_sessions
@@ -422,6 +423,9 @@ class Scheduler:
         return calls
 
     def start(self) -> None:
+        """Start the engine thread. From here on (after the warm-up) a kernel compile is one the warm-up did not
+        foresee, which requests wait for: logged as a warning, counted in /metrics."""
+        watch().listeners.append(self._kernel_compiled)
         self._thread = threading.Thread(target=self._loop, name="ds4x-engine", daemon=True)
         self._thread.start()
 
@@ -432,6 +436,12 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._kernel_compiled in watch().listeners:
+            watch().listeners.remove(self._kernel_compiled)
+
+    def _kernel_compiled(self, event: KernelCompile) -> None:
+        log.warning("kernel %s compiled while serving (%.2f s; requests waited): %s", event.kernel, event.seconds,
+                    event.constants)
 
     def submit(self, job: Job, deliver: Callable[[Piece | Exception], None]) -> Generation:
         """Take ``job``, or raise :class:`Rejected`."""
