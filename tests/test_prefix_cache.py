@@ -141,6 +141,35 @@ def test_foreign_and_damaged_files_are_removed(engine, three, tmp_path):
     assert pc.lookup(three[0].tokens + [1])[1] == 8
 
 
+def test_bad_headers_damaged_tokens_and_directories_are_misses(engine, three, tmp_path):
+    """A directory entry of corrupt header values or damaged tokens is removed at start (not a crash there,
+    nor a failing or wrong hit later); a directory named like a session file is left alone."""
+    import json
+    import struct
+
+    a, b, c = three
+    for name, s in (("ours", a), ("badmode", b), ("tokflip", c)):
+        save_session(s, tmp_path / f"{name}{SUFFIX}")
+    data = (tmp_path / f"badmode{SUFFIX}").read_bytes()
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    meta = json.loads(data[16 : 16 + hlen])
+    for i, (key, value) in enumerate((("cache_mode", "zip"), ("ctx", "abc"), ("rewind_floor", None))):
+        raw = json.dumps({**meta, key: value}).encode()
+        (tmp_path / f"bad{i}{SUFFIX}").write_bytes(data[:12] + struct.pack("<I", len(raw)) + raw + data[16 + hlen :])
+    (tmp_path / f"badmode{SUFFIX}").unlink()
+    flip = bytearray((tmp_path / f"tokflip{SUFFIX}").read_bytes())
+    flip[16 + struct.unpack_from("<I", flip, 12)[0]] ^= 1  # the first token
+    (tmp_path / f"tokflip{SUFFIX}").write_bytes(bytes(flip))
+    (tmp_path / f"subdir{SUFFIX}").mkdir()
+    pc = PrefixCache(engine, max_resident_bytes=2**30, directory=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"ours{SUFFIX}", f"subdir{SUFFIX}"]
+    assert pc.lookup(b.tokens + [1]) == (None, 0)
+    wrong = list(c.tokens)
+    wrong[0] ^= 1
+    assert pc.lookup(wrong + [1]) == (None, 0)
+    assert pc.lookup(a.tokens + [1])[1] == 8
+
+
 def test_concurrent_store_and_lookup(engine, three, tmp_path):
     pc = PrefixCache(engine, max_resident_bytes=int(1.5 * snapshot(three[0]).nbytes), directory=tmp_path)
     errors, lookups = [], 12

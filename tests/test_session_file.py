@@ -1,6 +1,8 @@
 """Session checkpoints (DESIGN §5): bit-exact round trips, clones, every refusal, and the CLI flags."""
 
+import json
 import struct
+import zlib
 
 import pytest
 import torch
@@ -158,6 +160,65 @@ def test_trailing_bytes_and_damaged_payload(engine, saved):
     damaged[-100] ^= 1  # one bit of one cached row
     saved.write_bytes(bytes(damaged))
     with pytest.raises(SessionFileError, match="damaged: its tensor payload does not match"):
+        load_session(engine, saved)
+
+
+def _rewrite(path, header=None, tokens=None, payload=None):
+    """Replace parts of a saved file, keeping the rest (a payload given keeps a matching checksum)."""
+    data = path.read_bytes()
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    meta = json.loads(data[16 : 16 + hlen])
+    tok0 = 16 + hlen
+    pay0 = tok0 + 4 * meta["n_tokens"]
+    toks, pay = (data[tok0:pay0] if tokens is None else tokens), (data[pay0:] if payload is None else payload)
+    if payload is not None:
+        meta.update(payload_bytes=len(pay), payload_crc32=zlib.crc32(pay))
+    raw = header(meta) if callable(header) else json.dumps(meta).encode()
+    path.write_bytes(data[:12] + struct.pack("<I", len(raw)) + raw + toks + pay)
+    return data[tok0:pay0], data[pay0:]
+
+
+def _with(**changes):
+    return lambda meta: json.dumps({**meta, **changes}).encode()
+
+
+@pytest.mark.parametrize("header", [
+    _with(ctx="abc"), _with(ctx=None), _with(ctx=0), _with(prefill_chunk=0),
+    _with(cache_mode="zip"), _with(prefill_mode="fast"), _with(rewind_floor="x"), _with(rewind_floor=10**6),
+    _with(n_tokens=-1), _with(n_tokens=True), _with(payload_bytes=-5),
+    lambda meta: b"[" * 100_000 + b"]" * 100_000,  # nesting past the JSON parser's recursion limit
+], ids=["ctx-str", "ctx-null", "ctx-0", "chunk-0", "mode", "prefill-mode", "floor-str",
+        "floor-past-end", "n-negative", "n-bool", "payload-negative", "deep-json"])
+def test_corrupt_header_values(engine, saved, header):
+    # valid JSON with values of the wrong type or range: refused by the header check, not by an int() or a
+    # cache allocation deep inside the load
+    _rewrite(saved, header=header)
+    with pytest.raises(SessionFileError, match="corrupt header"):
+        load_session(engine, saved)
+
+
+def test_damaged_tokens(engine, saved):
+    # the tokens sit outside the tensor payload: a flipped token must not load as another conversation
+    tokens, _ = _rewrite(saved)
+    damaged = bytearray(tokens)
+    damaged[5] ^= 1
+    _rewrite(saved, tokens=bytes(damaged))
+    with pytest.raises(SessionFileError, match="damaged: its tokens do not match"):
+        load_session(engine, saved)
+
+
+def test_corrupt_payload_with_valid_checksum(engine, sessions, saved):
+    # a payload that passes the checksum but is not a valid tensor file, or holds logits of another shape
+    _rewrite(saved, payload=b"\0" * 64)
+    with pytest.raises(SessionFileError, match="corrupt payload"):
+        load_session(engine, saved)
+    save_session(sessions["native"], saved)
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+    tensors = st_load(_rewrite(saved)[1])
+    tensors["logits"] = tensors["logits"][:10].clone()
+    _rewrite(saved, payload=st_save(tensors))
+    with pytest.raises(SessionFileError, match="logits"):
         load_session(engine, saved)
 
 

@@ -265,16 +265,25 @@ class PrefixCache:
             except OSError:
                 return -1
 
+        def remove(path: Path) -> None:  # a start-up scan must not fail on an entry it cannot delete
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("prefix cache: could not remove %s: %s", path, exc)
+
         for path in sorted(self.directory.glob(f"*{SUFFIX}"), key=mtime):  # oldest first
+            if path.is_dir():  # not a session file, and not ours to delete: skip it
+                log.warning("prefix cache: ignoring %s: a directory", path)
+                continue
             try:
                 header = read_header(path, self._fingerprint, self._model)
             except (SessionFileError, OSError) as exc:
                 log.warning("prefix cache: removing %s: %s", path, exc)
-                path.unlink(missing_ok=True)
+                remove(path)
                 continue
             meta, key = header.meta, _key(header.tokens)
             if key in self._entries:  # the same tokens twice (a copied file): keep one
-                path.unlink(missing_ok=True)
+                remove(path)
                 continue
             self._clock += 1
             self._entries[key] = _Entry(

@@ -6,7 +6,8 @@ File layout (little-endian)::
     version  u32       SESSION_ABI_VERSION
     hlen     u32       bytes of the header that follows
     header   hlen      UTF-8 JSON: model fingerprint and description, context, cache mode, prefill
-                       chunk and mode, token count, rewind floor, payload bytes and CRC-32
+                       chunk and mode, token count, rewind floor, payload bytes and CRC-32, tokens' CRC-32
+                       (``tokens_crc32``; optional: files written before it was added lack it)
     tokens   4n bytes  int32, the n tokens the cache holds
     payload            safetensors: "logits" (float32 [vocab], if any) and the rows in use of every
                        cache store, "layers.{i}.{raw|comp_proj|comp_rows|idx_proj|idx_rows}", in the
@@ -39,8 +40,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.model.cache import ModelCache
-from ds4x.runtime.engine import Engine, Session
+from ds4x.model.cache import CACHE_MODES, ModelCache
+from ds4x.runtime.engine import PREFILL_MODES, Engine, Session
 
 SESSION_ABI_VERSION = 1
 MAGIC = b"DS4XSESS"
@@ -50,6 +51,30 @@ _SAMPLED_TENSORS = 8  # weights whose bytes enter the fingerprint (a content sam
 _SAMPLE_ELEMS = 256
 _HEADER_KEYS = {"model_fingerprint", "model", "ctx", "cache_mode", "prefill_chunk", "prefill_mode", "n_tokens",
                 "rewind_floor", "payload_bytes", "payload_crc32"}
+_MAX_HEADER_BYTES = 1 << 20  # a real header is a few hundred bytes
+
+
+def _header_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a parsed header's values (types and ranges), or None. Checked when the header is
+    read so that a damaged or crafted value is refused there, not deep inside a load (an ``int()`` of a string,
+    a cache of a huge chunk) or, in a prefix cache, at every lookup."""
+    def nat(key: str, lo: int) -> bool:  # an int (bool is not one here) >= lo
+        v = meta.get(key)
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    for key, lo in (("ctx", 1), ("prefill_chunk", 1), ("n_tokens", 0), ("rewind_floor", 0), ("payload_bytes", 0),
+                    ("payload_crc32", 0)):
+        if not nat(key, lo):
+            return f"{key} {meta.get(key)!r} is not an integer >= {lo}"
+    if meta["rewind_floor"] > meta["n_tokens"]:
+        return f"rewind floor {meta['rewind_floor']} is past the {meta['n_tokens']} tokens"
+    if "tokens_crc32" in meta and not nat("tokens_crc32", 0):
+        return f"tokens_crc32 {meta['tokens_crc32']!r} is not an integer >= 0"
+    if meta.get("cache_mode") not in CACHE_MODES:
+        return f"cache mode {meta.get('cache_mode')!r} is not one of {CACHE_MODES}"
+    if meta.get("prefill_mode") not in PREFILL_MODES:
+        return f"prefill mode {meta.get('prefill_mode')!r} is not one of {PREFILL_MODES}"
+    return None
 
 
 class SessionFileError(ValueError):
@@ -197,8 +222,11 @@ def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, mo
         "prefill_chunk": snap.prefill_chunk, "prefill_mode": snap.prefill_mode, "n_tokens": len(snap.tokens),
         "rewind_floor": snap.rewind_floor, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
     }
-    header = json.dumps(meta).encode()
     tokens = np.asarray(snap.tokens, dtype="<i4").tobytes()
+    # the tokens lie outside the payload's checksum: without their own, a damaged token loads as another
+    # conversation (and a prefix cache would hand this state out for the wrong prompt)
+    meta["tokens_crc32"] = zlib.crc32(tokens)
+    header = json.dumps(meta).encode()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(snap):x}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -228,16 +256,20 @@ def read_header(path: str | Path, fingerprint: str, model: str) -> SessionFileHe
         if len(head) < _PREFIX.size:
             raise SessionFileError(f"{path} is truncated: {size} bytes, shorter than the fixed header")
         hlen = _PREFIX.unpack(head)[2]
-        raw = f.read(hlen)
-        if len(raw) < hlen:
+        if _PREFIX.size + hlen > size:  # checked before reading: a damaged length must not size an allocation
             raise SessionFileError(f"{path} is truncated: {size} bytes, the header alone needs "
                                    f"{_PREFIX.size + hlen}")
+        if hlen > _MAX_HEADER_BYTES:
+            raise SessionFileError(f"{path} has a corrupt header (its length {hlen} is implausible)")
+        raw = f.read(hlen)
         try:
             meta = json.loads(raw)
             if missing := _HEADER_KEYS - meta.keys():
                 raise ValueError(f"no {', '.join(sorted(missing))}")
-            n, payload = int(meta["n_tokens"]), int(meta["payload_bytes"])
-        except (ValueError, TypeError, AttributeError) as exc:
+            if problem := _header_problem(meta):
+                raise ValueError(problem)
+            n, payload = meta["n_tokens"], meta["payload_bytes"]
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise SessionFileError(f"{path} has a corrupt header ({exc})") from None
         if meta.get("model_fingerprint") != fingerprint:
             raise SessionFileError(
@@ -248,7 +280,10 @@ def read_header(path: str | Path, fingerprint: str, model: str) -> SessionFileHe
         if size != offset + payload:
             what = "truncated" if size < offset + payload else "longer than its header says"
             raise SessionFileError(f"{path} is {what}: {size} bytes, the header promises {offset + payload}")
-        tokens = tuple(np.frombuffer(f.read(4 * n), dtype="<i4").tolist())
+        raw_tokens = f.read(4 * n)
+    if "tokens_crc32" in meta and zlib.crc32(raw_tokens) != meta["tokens_crc32"]:
+        raise SessionFileError(f"{path} is damaged: its tokens do not match the header's checksum")
+    tokens = tuple(np.frombuffer(raw_tokens, dtype="<i4").tolist())
     return SessionFileHeader(path, meta, tokens, offset)
 
 
@@ -263,11 +298,18 @@ def read_snapshot(header: SessionFileHeader) -> SessionSnapshot:
                                f"{meta['payload_bytes']} bytes")
     if zlib.crc32(payload) != meta["payload_crc32"]:
         raise SessionFileError(f"{path} is damaged: its tensor payload does not match the header's checksum")
-    tensors = st_load(payload)
+    try:
+        tensors = st_load(payload)
+    except Exception as exc:  # safetensors raises its own SafetensorError: a payload matching a forged checksum
+        raise SessionFileError(f"{path} has a corrupt payload ({exc})") from None
     logits = tensors.pop("logits", None)
-    return SessionSnapshot(ctx=int(meta["ctx"]), cache_mode=meta["cache_mode"],
-                           prefill_chunk=int(meta["prefill_chunk"]), prefill_mode=meta["prefill_mode"],
-                           tokens=header.tokens, logits=logits, rows=tensors, rewind_floor=int(meta["rewind_floor"]))
+    # the rows are checked against the cache's layout when loaded; the logits have no other check
+    if logits is not None and (logits.dtype != torch.float32 or logits.dim() != 1):
+        raise SessionFileError(f"{path} has a corrupt payload: its logits are {logits.dtype} "
+                               f"{list(logits.shape)}, not a float32 vector")
+    return SessionSnapshot(ctx=meta["ctx"], cache_mode=meta["cache_mode"], prefill_chunk=meta["prefill_chunk"],
+                           prefill_mode=meta["prefill_mode"], tokens=header.tokens, logits=logits, rows=tensors,
+                           rewind_floor=meta["rewind_floor"])
 
 
 def save_session(session: Session, path: str | Path) -> int:
@@ -293,6 +335,9 @@ def load_session(engine: Engine, path: str | Path, ctx: int | None = None, cache
         raise SessionFileError(f"{path} was saved with prefill chunk {meta['prefill_chunk']} (it sizes the cache "
                                f"rings); it cannot be loaded with prefill chunk {prefill_chunk}")
     snap = read_snapshot(header)
+    if snap.logits is not None and snap.logits.numel() != engine.cfg.vocab_size:
+        raise SessionFileError(f"{path} has a corrupt payload: {snap.logits.numel()} logits, the model's "
+                               f"vocabulary has {engine.cfg.vocab_size}")
     if prefill_mode is not None:
         snap = dataclasses.replace(snap, prefill_mode=prefill_mode)
     try:
