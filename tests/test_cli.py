@@ -1,5 +1,6 @@
 """The ds4x command line end to end, and its errors (a message, exit code 2, no traceback)."""
 
+import io
 import json
 import shutil
 import subprocess
@@ -75,12 +76,35 @@ def test_inspect_presets_and_checkpoint(tmp_path, capsys):
         (["generate", "-p", "x", "--device", "cuda:7"] if not torch.cuda.is_available() else
          ["generate", "-p", "x", "--device", "bogus"], "device"),
         (["inspect", "/no/such"], "neither a preset"),
+        # argv bytes that are not UTF-8 arrive as lone surrogates: the tokenizers library raised a bare TypeError
+        (["generate", "-p", "a\udcff"], "not valid UTF-8"),
+        (["chat", "-p", "a\udcff", "-q"], "not valid UTF-8"),
+        (["chat", "-p", "x", "--system", "\udcff", "-q"], "--system is not valid UTF-8"),
+        (["generate", "-p", "x", "--threads", "100000"], "--threads must be at most"),  # crashed the process
+        (["bench", "caches", "-m", "tiny", "--prompt-len", "0"], "--prompt-len and --gen"),  # IndexError
+        (["bench", "caches", "-m", "tiny", "--gen", "0"], "--prompt-len and --gen"),
+        (["bench", "prefill", "-m", "tiny", "--contexts", "4k"], "--contexts must be comma-separated"),
+        (["quality", "--tokens", "0"], "--tokens must be >= 1"),  # nan perplexities, exit 0
+        (["quality", "--tokens", "-5"], "--tokens must be >= 1"),  # scored nearly the whole text
+        (["quality", "--samples", "-1"], "--samples must be >= 0"),  # silently ignored
+        (["quality", "--recall", "-5"], "--recall contexts must be positive"),  # IndexError
     ],
 )
 def test_bad_options_give_clear_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_chat_line_that_is_not_text_is_refused_and_the_chat_goes_on(capsys):
+    from ds4x.cli import chat as chat_cmd
+    from ds4x.cli.main import build_parser
+
+    args = build_parser().parse_args(["chat", "-n", "2", "-q"])
+    stdin = io.StringIO("a\udcff\nhello\n")  # a non-UTF-8 line read under surrogateescape (C / POSIX locale)
+    assert chat_cmd.run(args, stdin=stdin, out=io.StringIO()) == 0
+    err = capsys.readouterr().err
+    assert "the message is not valid UTF-8" in err and "Traceback" not in err
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, capsys):

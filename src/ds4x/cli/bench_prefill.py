@@ -35,9 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from ds4x.bench.prefill import PrefillBenchConfig, fixture_ids, run_prefill_bench
     from ds4x.runtime.engine import Engine, resolve_device
 
-    contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    try:  # int()'s own message ("invalid literal for int() with base 10") names no option
+        contexts = tuple(int(c) for c in args.contexts.split(",") if c.strip())
+    except ValueError:
+        raise ValueError(f"--contexts must be comma-separated positive integers, got {args.contexts!r}") from None
     if not contexts or any(c <= 0 for c in contexts):
-        raise ValueError("--contexts must be positive integers")
+        raise ValueError(f"--contexts must be comma-separated positive integers, got {args.contexts!r}")
     dev = resolve_device(args.device)
     engine = Engine.load(args.model, device=str(dev), dtype=args.dtype, seed=args.seed)
     synthetic = ":" in args.model

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
+from ds4x.cli.text_input import checked_text
 
 if TYPE_CHECKING:  # the command line starts without importing torch
     from ds4x.runtime.conversation import Conversation
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | Non
     apply_cpu_threads(engine, args.threads)
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer; chat needs text (ds4x generate takes token ids)")
-    chat = Conversation(engine.new_session(ctx=args.ctx, cache=args.cache), system=args.system,
+    system = checked_text(args.system, "--system") if args.system is not None else None
+    chat = Conversation(engine.new_session(ctx=args.ctx, cache=args.cache), system=system,
                         thinking=args.think)
     if not args.quiet and not chat.templated:
         print("[ds4x] this model's tokenizer has no chat tokens: each turn is its message text on a new line",
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | Non
             continue
         try:
             _answer(chat, text, args, params, out)
-        except ValueError as exc:  # the conversation outgrew the context: say so, keep the chat
+        except ValueError as exc:  # the conversation outgrew the context or the line is not text: say so, go on
             print(f"[ds4x] {exc}", file=sys.stderr)
 
 
@@ -129,7 +131,7 @@ def _answer(chat: Conversation, text: str, args: argparse.Namespace, params: Sam
             out.write(answer)
         out.flush()
 
-    reply = chat.reply(text, args.max_tokens, params, stats=stats)
+    reply = chat.reply(checked_text(text, "the message"), args.max_tokens, params, stats=stats)
     try:
         for token in reply:
             if token not in eos:

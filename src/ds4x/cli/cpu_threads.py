@@ -37,6 +37,11 @@ def apply_cpu_threads(engine: Engine, requested: int | None) -> int:
     if requested is not None:
         if requested < 1:
             raise ValueError(f"--threads must be >= 1, got {requested}")
+        # torch starts that many OpenMP threads at once: far past the CPU count (--threads 100000) the process
+        # died in a Rust panic and a segfault, and starved other processes of threads meanwhile
+        cpus = os.cpu_count() or 1
+        if requested > cpus:
+            raise ValueError(f"--threads must be at most this machine's {cpus} CPUs, got {requested}")
         torch.set_num_threads(requested)
     elif "OMP_NUM_THREADS" not in os.environ and engine.model.device.type == "cpu" \
             and weight_bytes(engine.model.w) < SMALL_MODEL_BYTES:

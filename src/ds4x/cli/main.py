@@ -17,6 +17,7 @@ from ds4x.cli import convert as convert_cmd
 from ds4x.cli import serve as serve_cmd
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
+from ds4x.cli.text_input import checked_text
 from ds4x.config import ConfigError
 
 
@@ -110,6 +111,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ds4x.bench.cache_quality import compare_caches
         from ds4x.runtime.engine import Engine
 
+        if args.prompt_len < 1 or args.gen < 1:  # an empty prompt or reply has nothing to compare
+            raise ValueError(f"--prompt-len and --gen must be >= 1, got {args.prompt_len} and {args.gen}")
         engine = Engine.load(args.model, device=args.device)
         apply_cpu_threads(engine, args.threads)
         g = torch.Generator().manual_seed(args.seed)
@@ -196,6 +199,15 @@ def cmd_quality(args: argparse.Namespace) -> int:
     from ds4x.runtime import quality
     from ds4x.runtime.engine import Engine
 
+    # checked before the model loads: --tokens 0 printed nan perplexities with exit 0, a negative --tokens sliced
+    # from the end (scoring nearly the whole text), a negative --samples was ignored, a --recall <= 0 crashed
+    if args.tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.samples < 0:
+        raise ValueError(f"--samples must be >= 0, got {args.samples}")
+    recall = _parse_ids(args.recall, "--recall") if args.recall else []
+    if any(ctx < 1 for ctx in recall):
+        raise ValueError(f"--recall contexts must be positive, got {args.recall!r}")
     if args.weights is not None:
         return _weight_table(args)
     engine = Engine.load(args.model, device=args.device)
@@ -215,7 +227,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     if args.samples:
         parsed = quality.parse_rate(engine, n=args.samples)
         rows.append(("sampled function bodies accepted by ast.parse", f"{parsed.parsed}/{parsed.total}"))
-    for ctx in _parse_ids(args.recall, "--recall") if args.recall else []:
+    for ctx in recall:
         for cache in ("float", "packed"):
             r = quality.recall(engine, text, ctx, cache=cache)
             rows.append((f"recall at {ctx} tokens ({cache} cache)", f"{r.correct}/{r.asked}"))
@@ -267,7 +279,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if tok is None:
             raise ValueError(f"model {args.model} has no tokenizer (no tokenizer.json); use --prompt-ids")
-        prompt = tok.encode(args.prompt if args.prompt is not None else "")
+        prompt = tok.encode(checked_text(args.prompt, "the prompt") if args.prompt is not None else "")
         # a loaded session already began with BOS; its prompt is a continuation and may be empty
         if tok.bos_id is not None and not args.no_bos and args.load_session is None:
             prompt = [tok.bos_id, *prompt]
