@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
-from ds4x.cli.text_input import checked_text
+from ds4x.runtime.tokenizer import checked_text
 
 if TYPE_CHECKING:  # the command line starts without importing torch
     from ds4x.runtime.conversation import Conversation

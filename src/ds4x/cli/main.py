@@ -17,8 +17,8 @@ from ds4x.cli import convert as convert_cmd
 from ds4x.cli import serve as serve_cmd
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
-from ds4x.cli.text_input import checked_text
 from ds4x.config import ConfigError
+from ds4x.runtime.tokenizer import checked_text
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -60,6 +60,20 @@ class ByteTokenizer:
         return bytes([token - self.OFFSET]) if self.OFFSET <= token < self.OFFSET + 256 else b""
 
 
+def checked_text(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode, else a ValueError naming ``what``.
+
+    A lone surrogate is no character: non-UTF-8 bytes in argv (or stdin under a C / POSIX locale) reach Python as
+    such (surrogateescape), and JSON can escape one (\\udc80). The tokenizers library raises a bare TypeError on
+    it and the byte tokenizer a codec error, so callers check the text before either sees it.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text (byte {exc.start} is not part of a character)") from None
+    return text
+
+
 class HFTokenizer:
     """A ``tokenizer.json`` through the ``tokenizers`` library."""
 

@@ -88,7 +88,7 @@ from ds4x.kernels.jit_watch import watch
 from ds4x.runtime.chat import ReplyParts, chat_text, uses_chat_encoding
 from ds4x.runtime.engine import Engine
 from ds4x.runtime.sampling import SamplingParams
-from ds4x.runtime.tokenizer import TextStream
+from ds4x.runtime.tokenizer import TextStream, checked_text
 from ds4x.serve.info import server_info
 from ds4x.serve.scheduler import (
     Generation,
@@ -396,11 +396,9 @@ class Server:
         tok = self.engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        try:
-            # JSON may escape a lone surrogate (\udc80): not a character. The byte tokenizer's UTF-8 encoding
-            # raises on it, the tokenizers library's a TypeError, so check before either sees it
-            text.encode("utf-8")
-        except UnicodeError as exc:
+        try:  # JSON may escape a lone surrogate (\udc80), which no tokenizer takes
+            checked_text(text, "the text")
+        except ValueError as exc:
             raise APIError(400, f"the text is not valid Unicode: {exc}", param=param) from None
         ids = tok.encode(text)
         return [tok.bos_id, *ids] if bos and tok.bos_id is not None else ids
