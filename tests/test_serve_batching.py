@@ -345,12 +345,13 @@ def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
         lines: list[str] = []
         if warm:
             sched.warm_up(lines.append)
-            assert lines == [f"a prompt call of {CHUNK} tokens in 1 session",
-                             f"a prompt call of {CHUNK - 1} tokens in 1 session",
-                             f"a prompt call of {4 * CHUNK} tokens in 4 sessions",
-                             f"a prompt call of {4 * CHUNK - 1} tokens in 4 sessions",
-                             "the decode step of 1 session", "the decode step of 2 sessions",
-                             "the decode step of 4 sessions"]
+            calls = sched.warm_prompt_calls()
+            assert lines[:len(calls)] == [
+                f"a prompt call of {sum(c)} token{'s' * (sum(c) > 1)} in {len(c)} session{'s' * (len(c) > 1)}"
+                for c in calls]
+            assert calls[-2:] == [[CHUNK] * 4, [CHUNK] * 3 + [CHUNK - 1]]
+            assert lines[len(calls):] == ["the decode step of 1 session", "the decode step of 2 sessions",
+                                          "the decode step of 4 sessions"]
             assert sched.stats.steps == 0 and sched.slots is not None and len(sched.slots.free) == 4
         got: dict[int, list] = {i: [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):
@@ -371,17 +372,23 @@ def test_scheduler_warm_up_then_serves_as_a_cold_one(engine: Engine) -> None:
     assert lines == []
 
 
-def test_warm_prompt_calls_cover_one_chunk_and_the_prefill_budget(engine: Engine) -> None:
-    """The warm-up's prompt calls: a chunk and the whole prefill budget (as many sessions as it takes, at most the
-    slots), each also one token short; a context shorter than the chunk caps the lengths."""
+def test_warm_prompt_calls_climb_to_the_prefill_budget(engine: Engine) -> None:
+    """The warm-up's prompt calls: every power of two tokens below the prefill budget, one chunk and the budget
+    itself, each also one token short, cut into chunks over as many sessions as it takes (at most the slots); a
+    context shorter than the chunk caps the lengths."""
     def calls(**kw) -> list[list[int]]:
         return Scheduler(engine, kw.pop("ctx", CTX), "packed", kv_budget=2**30, slots=True, **kw).warm_prompt_calls()
 
-    assert calls(prefill_chunk=32, max_batch=8) == [[32], [31], [32] * 4, [32, 32, 32, 31]]
-    assert calls(prefill_chunk=32, max_batch=8, prefill_budget=80) == [[32], [31], [32, 32, 16], [32, 32, 15]]
-    assert calls(prefill_chunk=32, max_batch=2) == [[32], [31], [32, 32], [32, 31]]
-    assert calls(prefill_chunk=32, max_batch=1) == [[32], [31]]
-    assert calls(prefill_chunk=32, max_batch=4, prefill_budget=33) == [[32], [31], [32, 1]]
+    small = [[1], [2], [4], [3], [8], [7], [16], [15], [32], [31]]
+    assert calls(prefill_chunk=32, max_batch=8) == small + [[32, 32], [32, 31], [32] * 4, [32, 32, 32, 31]]
+    assert calls(prefill_chunk=32, max_batch=8, prefill_budget=80) == small + [[32, 32], [32, 31], [32, 32, 16],
+                                                                                [32, 32, 15]]
+    assert calls(prefill_chunk=32, max_batch=2) == small + [[32, 32], [32, 31]]
+    assert calls(prefill_chunk=32, max_batch=1) == small
+    assert calls(prefill_chunk=32, max_batch=4, prefill_budget=33) == small + [[32, 1]]
+    assert calls(prefill_chunk=24, max_batch=4, prefill_budget=48) == [[1], [2], [4], [3], [8], [7], [16], [15],
+                                                                       [24], [23], [24, 8], [24, 7], [24, 24],
+                                                                       [24, 23]]
     assert calls(ctx=2, prefill_chunk=32, max_batch=1, prefill_budget=32) == [[1]]
 
 

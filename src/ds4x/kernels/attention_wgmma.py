@@ -123,8 +123,9 @@ if HAVE_GLUON:
             idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live, MODE_B)
         return idx
 
-    # row and block counts change with the context in a prefill chunk (HCA rows): one compiled variant
-    @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split"])
+    # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
+    # prompt's length (CSA's top-k of a short context): one compiled variant
+    @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
     def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
                        rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,

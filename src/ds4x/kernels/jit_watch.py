@@ -20,18 +20,29 @@ from typing import Any
 @dataclass(frozen=True)
 class KernelCompile:
     kernel: str  # the kernel function's name
-    constants: str  # its constexpr (and specialized) arguments, name=value
+    constants: str  # its constexpr (and specialized) arguments, name=value; then its arguments that Triton did
+    # not specialize as multiples of 16 (pointers not 16-byte aligned, integers not divisible by 16)
     seconds: float  # from the JIT cache miss to the compiled kernel (a disk-cache read counts too)
 
 
 def _constants(fn: Any, compile_info: dict[str, Any]) -> str:
-    """``name=value`` of the specialization's constants (keys are tuples of argument positions)."""
-    names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
-    parts = []
-    for key, value in (compile_info.get("constants") or {}).items():
+    """``name=value`` of the specialization's constants (keys are tuples of argument positions), then the
+    arguments specialized as *not* multiples of 16 (``do_not_specialize`` ones left out): a launch with another
+    alignment or divisibility of such an argument compiles the kernel again, which constants alone do not show."""
+    jit = getattr(fn, "jit_function", None)
+    names = getattr(jit, "arg_names", None) or []
+    unspecialized = {p.name for p in getattr(jit, "params", None) or [] if getattr(p, "do_not_specialize", False)}
+
+    def name_of(key: Any) -> str:
         pos = key[0] if isinstance(key, tuple) and len(key) == 1 else None
-        name = names[pos] if isinstance(pos, int) and pos < len(names) else str(key)
-        parts.append(f"{name}={getattr(value, 'value', value)}")
+        return names[pos] if isinstance(pos, int) and pos < len(names) else str(key)
+
+    parts = [f"{name_of(key)}={getattr(value, 'value', value)}"
+             for key, value in (compile_info.get("constants") or {}).items()]
+    attrs = (compile_info.get("configs") or [{}])[0] or {}
+    odd = [name_of(key) for key, desc in attrs.items() if not desc and name_of(key) not in unspecialized]
+    if odd:
+        parts.append("not multiples of 16: " + " ".join(odd))
     return ", ".join(parts)
 
 
@@ -69,7 +80,8 @@ class CompileWatch:
         """Triton's hook after a compile: count it, time it, tell the listeners."""
         now = time.perf_counter()
         fn = kw.get("fn")
-        name = getattr(fn, "name", None) or str(kw.get("repr", "?")).split("[", 1)[0]
+        # the function's own name (a kernel defined in a function has a qualified one)
+        name = (getattr(fn, "name", None) or str(kw.get("repr", "?")).split("[", 1)[0]).rsplit(".", 1)[-1]
         with self._lock:
             begun = self._begun.pop((threading.get_ident(), str(kw.get("key"))), now)
             self.count[name] += 1

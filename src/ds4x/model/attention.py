@@ -249,6 +249,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
         cache, r = seg.cache, seg.rows
         st: LayerState = cache.layers[layer]
         pos = positions[r]
+        if pos.data_ptr() % 16:  # a segment at an odd offset: Triton would compile each kernel reading it again
+            pos = pos.clone()
         st.raw.write_at(pos, kv[r])
         p0 = cache.length  # host int (reading positions[0] would sync the GPU)
         windows = None  # the windows that close in this pass, known from the host's position

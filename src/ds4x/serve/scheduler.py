@@ -408,18 +408,23 @@ class Scheduler:
         self.slots.warm_up(lambda b: progress and progress(f"the decode step of {b} session{'s' * (b > 1)}"))
 
     def warm_prompt_calls(self) -> list[list[int]]:
-        """The prompt calls the warm-up evaluates, each a list of per-session token counts: one prefill chunk, and
-        a full ``prefill_budget`` over as many sessions as it takes (the routed experts' kernel picks its tiles by
-        tokens per expert, so a call of several prompts meets other kernels than one chunk does), each also one
-        token short (Triton compiles a kernel again for an integer argument that is not a multiple of 16)."""
+        """The prompt calls the warm-up evaluates, each a list of per-session token counts: a call of every power of
+        two tokens up to the ``prefill_budget`` (and the budget and one chunk themselves), each also one token
+        short, split into prefill chunks over as many sessions as it takes. The kernels a call runs depend on its
+        size (the routed experts' products pick a kernel and its tiles by pairs per expert, and a short context's
+        attention and cache writes take other shapes), and Triton compiles a kernel again for an integer argument
+        that is not a multiple of 16 or is 1, so a ladder of sizes and their odd neighbours meets what requests of
+        any length will."""
         assert self.slots is not None
         n = min(self.chunk, self.ctx - 1)  # leaves a row for the decode steps' token
-        k = min(-(-self.prefill_budget // n), self.slots.capacity)
-        full = [n] * (k - 1) + [min(n, self.prefill_budget - n * (k - 1))]
-        calls = []
-        for lengths in ([n], full):
-            short = lengths[:-1] + [lengths[-1] - 1] if lengths[-1] > 1 else lengths[:-1]
-            calls += [c for c in (lengths, short) if c and c not in calls]
+        top = min(self.prefill_budget, n * self.slots.capacity)
+        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k < top} | {min(n, top), top})
+        calls: list[list[int]] = []
+        for size in sizes:
+            for total in (size, size - 1):
+                lengths = [n] * (total // n) + ([total % n] if total % n else [])
+                if lengths and lengths not in calls:
+                    calls.append(lengths)
         return calls
 
     def start(self) -> None:
