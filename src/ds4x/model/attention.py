@@ -136,6 +136,9 @@ class Segment:
     cache: ModelCache
     start: int
     length: int
+    # its positions as a tensor of their own (16-byte aligned: Triton compiles a kernel again for a pointer that
+    # is not, as a slice of the batch's positions at an odd row would be); None: the batch's positions[rows]
+    positions: torch.Tensor | None = None
 
     @property
     def rows(self) -> slice:
@@ -248,9 +251,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, positions
             continue
         cache, r = seg.cache, seg.rows
         st: LayerState = cache.layers[layer]
-        pos = positions[r]
-        if pos.data_ptr() % 16:  # a segment at an odd offset: Triton would compile each kernel reading it again
-            pos = pos.clone()
+        pos = seg.positions if seg.positions is not None else positions[r]
         st.raw.write_at(pos, kv[r])
         p0 = cache.length  # host int (reading positions[0] would sync the GPU)
         windows = None  # the windows that close in this pass, known from the host's position

@@ -64,11 +64,10 @@ class Transformer:
             if n == 0:
                 raise ValueError("forward needs at least one token per cache")
             cache.check_room(n)
-            segments.append(Segment(cache, start, n))
+            segments.append(Segment(cache, start, n, torch.arange(cache.length, cache.length + n, device=self.device)))
             start += n
         ids = torch.cat([t.reshape(-1) for t in tokens]).to(self.device)
-        positions = torch.cat([torch.arange(s.cache.length, s.cache.length + s.length, device=self.device)
-                               for s in segments])
+        positions = torch.cat([s.positions for s in segments]) if len(segments) > 1 else segments[0].positions
         with rowwise_products(rowwise):
             logits = self._forward(ids, positions, segments, all_logits, reference)
         for seg in segments:
