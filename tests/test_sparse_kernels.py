@@ -236,6 +236,32 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
             torch.testing.assert_close(fused.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_merge_configurations_agree(monkeypatch):
+    """The merge of the splits by (splits per iteration, chunks per program): one 64-value chunk a program over
+    64 splits at once (the first merge), whole rows over 16 or 4 splits at a time (several iterations, the last
+    partly empty); the same outputs to float rounding, with and without the inverse RoPE."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import attention_decode_triton
+
+    g = torch.Generator().manual_seed(21)
+    dev = _device()
+    rows = pack_kv_rows(torch.randn(400, 128, generator=g) * 2, rope_dim=64).to(dev)
+    q = torch.randn(16, 128, generator=g).to(dev)
+    sinks = torch.randn(16, generator=g).to(dev)
+    sources = [(rows, torch.arange(300, 364, device=dev)), (rows, torch.randperm(300, generator=g)[:90].to(dev))]
+    angles = torch.randn(1, 32, generator=g).to(dev)
+    outs = []
+    for config in ((64, 1), (16, 8), (4, 2)):
+        monkeypatch.setattr(A, "COMBINE_CONFIG", config)
+        outs.append([attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64)),
+                     attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64),
+                                             inverse_rope=(angles.cos(), angles.sin(), torch.float32))])
+    for plain, rotated in outs[1:]:
+        torch.testing.assert_close(plain, outs[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(rotated, outs[0][1], rtol=2e-6, atol=2e-6)
+    assert not torch.equal(outs[0][0], outs[0][1])  # the RoPE columns were rotated
+
+
 @pytest.mark.parametrize("position", [3, 40, 299])
 def test_attention_slots_from_the_position_match_explicit_indices(position):
     """Window-of-a-ring and closed-compressed-rows slots, derived in the kernel from the device position, give

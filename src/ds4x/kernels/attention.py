@@ -12,6 +12,7 @@ The torch reference is the model's attention path (`ds4x.model.attention`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,10 @@ WGMMA_CONFIG = (16, 128)
 # With ``batch_splits`` each source of a batch of B > 1 queries gets at most BATCH_SPLIT_WAVES x SMs / (B x sources)
 # splits (at least one); 0 keeps one query's splits.
 BATCH_SPLIT_WAVES = 1
+# The merge of the splits: (splits per iteration, 64-value chunks per program). (64, 1) was the only one until
+# 2026-12-05: a 32-session step spent 1.75 ms of 36.7 in it (H200, a858b79), 8 x 64 x 32 programs each reading the
+# split's m and l again for its 64 values.
+COMBINE_CONFIG = (16, 8)
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -196,7 +201,9 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                                                index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
                                                NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
                                                MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
-    n_iter = 1 << (-(-n_split // 64) - 1).bit_length()  # powers of two: few compiled variants
+    sb, cb = COMBINE_CONFIG
+    cb = math.gcd(cb, D // 64)  # chunks per program: a power of two dividing the row's
+    n_iter = 1 << (-(-n_split // sb) - 1).bit_length()  # powers of two: few compiled variants
     if inverse_rope is not None:
         cos, sin, dtype = inverse_rope
         if cos.shape != (B, 32) or sin.shape != (B, 32):
@@ -206,8 +213,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     else:
         out = torch.empty(B, H, D, device=q.device)
         cos = sin = out  # unread
-    combine_kernel[(H, D // 64, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=64, N_ITER=n_iter,
-                                    ROPE=inverse_rope is not None, num_warps=4, **pdl)
+    combine_kernel[(H, D // 64 // cb, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=sb,
+                                          N_ITER=n_iter, ROPE=inverse_rope is not None, CB=cb, num_warps=4, **pdl)
     return out if batched else out[0]
 
 

@@ -191,20 +191,22 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, n_split, HP: tl.constexpr,
-                   D: tl.constexpr, SB: tl.constexpr, N_ITER: tl.constexpr, ROPE: tl.constexpr,
+                   D: tl.constexpr, SB: tl.constexpr, N_ITER: tl.constexpr, ROPE: tl.constexpr, CB: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
-    """Program (head, 64-value chunk, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s - top) + e^(sink -
-    top)), rounded to out's dtype. ROPE: the last chunk (the 64 RoPE dims) is rotated back first by the query's
-    angles (cos / sin [queries, 32]) in interleaved pairs, the arithmetic of the inverse RoPE kernel."""
+    """Program (head, group of CB 64-value chunks, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s -
+    top) + e^(sink - top)), rounded to out's dtype, over SB splits at a time. ROPE: the last chunk (the 64 RoPE
+    dims) is rotated back first by the query's angles (cos / sin [queries, 32]) in interleaved pairs, the
+    arithmetic of the inverse RoPE kernel. A program of all D / 64 chunks reads each split's m and l once where
+    one per chunk read them D / 64 times and its programs waited on their loads in turn."""
     wait_upstream(PDL)
     h = tl.program_id(0)
-    c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     m_ptr += b * n_split * HP
     l_ptr += b * n_split * HP
     acc_ptr += b * n_split * HP * D
     out_ptr += b * tl.num_programs(0) * D
     offs = tl.arange(0, SB)
+    cols = tl.program_id(1) * CB * 64 + tl.arange(0, CB * 64)
     sink = tl.load(sinks_ptr + h).to(tl.float32)
     top = sink
     for i in range(N_ITER):  # a compile-time trip count (N_ITER * SB >= n_split): the interpreter needs one
@@ -212,27 +214,28 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
         top = tl.maximum(top, tl.max(tl.load(m_ptr + (s0 + offs) * HP + h, mask=s0 + offs < n_split,
                                              other=float("-inf")), 0))
     denom = tl.exp(sink - top)
-    acc = tl.zeros([64], tl.float32)
-    c64 = tl.arange(0, 64)
+    acc = tl.zeros([CB * 64], tl.float32)
     for i in range(N_ITER):
         s0 = i * SB
         live = s0 + offs < n_split
         w = tl.exp(tl.load(m_ptr + (s0 + offs) * HP + h, mask=live, other=float("-inf")) - top)  # 0 for empty blocks
         denom += tl.sum(tl.load(l_ptr + (s0 + offs) * HP + h, mask=live, other=0.0) * w, 0)
-        part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + c * 64 + c64[None, :], mask=live[:, None],
+        part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + cols[None, :], mask=live[:, None],
                        other=0.0)
         acc += tl.sum(part * w[:, None], 0)
     y = acc / denom
-    if ROPE and c == D // 64 - 1:
-        even, odd = tl.split(tl.reshape(y, (32, 2)))
-        pair = tl.arange(0, 32)
-        cs = tl.load(cos_ptr + b * 32 + pair)
-        sn = -tl.load(sin_ptr + b * 32 + pair)
-        dst = out_ptr + h * D + c * 64 + 2 * pair
-        tl.store(dst, tl.fma(even, cs, -(odd * sn)).to(out_ptr.dtype.element_ty))  # explicit FMAs: as the RoPE
-        tl.store(dst + 1, tl.fma(odd, cs, even * sn).to(out_ptr.dtype.element_ty))  # kernel's (no contraction choice)
+    if ROPE:
+        even, odd = tl.split(tl.reshape(y, (CB * 32, 2)))
+        pair = tl.arange(0, CB * 32)
+        rope = (tl.program_id(1) * CB * 32 + pair) >= (D - 64) // 2  # pairs of the last chunk
+        cs = tl.load(cos_ptr + b * 32 + pair % 32)
+        sn = -tl.load(sin_ptr + b * 32 + pair % 32)
+        dst = out_ptr + h * D + tl.program_id(1) * CB * 64 + 2 * pair
+        # explicit FMAs: as the RoPE kernel's (no contraction choice)
+        tl.store(dst, tl.where(rope, tl.fma(even, cs, -(odd * sn)), even).to(out_ptr.dtype.element_ty))
+        tl.store(dst + 1, tl.where(rope, tl.fma(odd, cs, even * sn), odd).to(out_ptr.dtype.element_ty))
     else:
-        tl.store(out_ptr + h * D + c * 64 + c64, y.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + h * D + cols, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
