@@ -23,7 +23,10 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
+    ap.add_argument("--parts", default="attention,indexer,select,merge",
+                    help="comma-separated parts to run: attention, indexer, select, merge")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
         print("compressed_kernels_ab needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
     qb = q.bfloat16()
     print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9}")
-    for name, sources in cases.items():
+    for name, sources in cases.items() if "attention" in parts else ():
         def call(query=q, sources=sources):
             return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True)
         A.WGMMA = False
@@ -83,6 +86,45 @@ def main(argv: list[str] | None = None) -> int:
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
 
+    # the merge of the splits (COMBINE_CONFIG): one query's cases above on the model's bf16 query, and a batch of 8
+    # / 32 sessions' at 4K (batch_splits, as a pooled decode step), alternating twice
+    merge_configs = {"(64, 1): a 64-value chunk a program": (64, 1), "(16, 8): whole rows": (16, 8)}
+    merge_cases = {name: (qb, sources, False) for name, sources in cases.items()}
+    for batch in (8, 32):
+        at = torch.full((batch,), 4095, device=dev)
+        ring_b = ring[None].expand(batch, *ring.shape).contiguous()
+        comp_b = rows[None, :1024].expand(batch, 1024, rows.shape[1]).contiguous()
+        picks = torch.stack([torch.randperm(1024, generator=g, device=dev)[:512].sort().values for _ in range(batch)])
+        qs = q[None].expand(batch, heads, dim).bfloat16().contiguous()
+        merge_cases[f"{batch} x CSA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)), (comp_b, picks)], True)
+        merge_cases[f"{batch} x HCA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)),
+                                                  (comp_b, Slots(34, position=at, ratio=128))], True)
+    default_merge = A.COMBINE_CONFIG
+    print(f"\n{'merge':<20} " + " ".join(f"{v:>36}" for v in merge_configs) + "  (us, max rel diff)")
+    for name, (query, sources, batched) in merge_cases.items() if "merge" in parts else ():
+        times_m: dict[str, list[float]] = {v: [] for v in merge_configs}
+        outs: dict[str, torch.Tensor] = {}
+        for _ in range(2):
+            for v, config in merge_configs.items():
+                A.COMBINE_CONFIG = config
+
+                def call(query=query, sources=sources, batched=batched):
+                    return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True,
+                                                   batch_splits=batched)
+                outs[v] = call()
+                times_m[v].append(us(call))
+        A.COMBINE_CONFIG = default_merge
+        first = outs[next(iter(merge_configs))]
+        diff = max(float((o - first).abs().max() / first.abs().max()) for o in outs.values())
+        print(f"{name:<20} " + " ".join(f"{min(times_m[v]):36.1f}" for v in merge_configs) + f"  {diff:.1e}")
+        for v in merge_configs:
+            record("decode attention merge", name, v, min(times_m[v]), {"rel_diff": diff})
+
+    if not parts & {"indexer", "select"}:
+        if args.ledger is not None:
+            append(rows_out, args.ledger)
+            print(f"{len(rows_out)} rows appended to {args.ledger}")
+        return 0
     n = 262_144
     keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
     packed = pack_indexer_rows(keys)
