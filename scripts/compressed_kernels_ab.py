@@ -86,34 +86,34 @@ def main(argv: list[str] | None = None) -> int:
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
 
-    # the merge of the splits (COMBINE_CONFIG): one query's cases above on the model's bf16 query, and a batch of 8
-    # / 32 sessions' at 4K (batch_splits, as a pooled decode step), alternating twice
-    merge_configs = {"(64, 1): a 64-value chunk a program": (64, 1), "(16, 8): whole rows": (16, 8)}
-    merge_cases = {name: (qb, sources, False) for name, sources in cases.items()}
+    # the merge of the splits by 64-value chunks or whole rows (COMBINE_CHUNKS / COMBINE_ROWS, forced either way
+    # through COMBINE_ROWS_WAVES): one query's cases above on the model's bf16 query, and a batch of 8 / 32
+    # sessions' at 4K (batch splits, as a pooled decode step), alternating twice
+    merge_configs = {f"{A.COMBINE_CHUNKS}: 64-value chunks": 0, f"{A.COMBINE_ROWS}: whole rows": 1e-9}
+    merge_cases = {name: (qb, sources) for name, sources in cases.items()}
     for batch in (8, 32):
         at = torch.full((batch,), 4095, device=dev)
         ring_b = ring[None].expand(batch, *ring.shape).contiguous()
         comp_b = rows[None, :1024].expand(batch, 1024, rows.shape[1]).contiguous()
         picks = torch.stack([torch.randperm(1024, generator=g, device=dev)[:512].sort().values for _ in range(batch)])
         qs = q[None].expand(batch, heads, dim).bfloat16().contiguous()
-        merge_cases[f"{batch} x CSA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)), (comp_b, picks)], True)
+        merge_cases[f"{batch} x CSA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)), (comp_b, picks)])
         merge_cases[f"{batch} x HCA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)),
-                                                  (comp_b, Slots(34, position=at, ratio=128))], True)
-    default_merge = A.COMBINE_CONFIG
+                                                  (comp_b, Slots(34, position=at, ratio=128))])
+    default_waves = A.COMBINE_ROWS_WAVES
     print(f"\n{'merge':<20} " + " ".join(f"{v:>36}" for v in merge_configs) + "  (us, max rel diff)")
-    for name, (query, sources, batched) in merge_cases.items() if "merge" in parts else ():
+    for name, (query, sources) in merge_cases.items() if "merge" in parts else ():
         times_m: dict[str, list[float]] = {v: [] for v in merge_configs}
         outs: dict[str, torch.Tensor] = {}
         for _ in range(2):
-            for v, config in merge_configs.items():
-                A.COMBINE_CONFIG = config
+            for v, waves in merge_configs.items():
+                A.COMBINE_ROWS_WAVES = waves
 
-                def call(query=query, sources=sources, batched=batched):
-                    return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True,
-                                                   batch_splits=batched)
+                def call(query=query, sources=sources):
+                    return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True, batch_splits=True)
                 outs[v] = call()
                 times_m[v].append(us(call))
-        A.COMBINE_CONFIG = default_merge
+        A.COMBINE_ROWS_WAVES = default_waves
         first = outs[next(iter(merge_configs))]
         diff = max(float((o - first).abs().max() / first.abs().max()) for o in outs.values())
         print(f"{name:<20} " + " ".join(f"{min(times_m[v]):36.1f}" for v in merge_configs) + f"  {diff:.1e}")

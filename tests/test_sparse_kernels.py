@@ -238,28 +238,41 @@ def test_attention_over_packed_rows_matches_reference(dim, rope, heads):
 
 def test_merge_configurations_agree(monkeypatch):
     """The merge of the splits by (splits per iteration, chunks per program): one 64-value chunk a program over
-    64 splits at once (the first merge), whole rows over 16 or 4 splits at a time (several iterations, the last
-    partly empty); the same outputs to float rounding, with and without the inverse RoPE."""
+    64 splits at once, whole rows over 16 or 4 splits at a time (several iterations, the last partly empty); the
+    same outputs to float rounding, with and without the inverse RoPE. Whole rows only for a batch with batch
+    splits whose programs fill the waves asked (here: any), so a query alone keeps the chunks' bits."""
     from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import attention_decode_triton
+    from ds4x.kernels.attention import Slots, attention_decode_triton
 
     g = torch.Generator().manual_seed(21)
     dev = _device()
     rows = pack_kv_rows(torch.randn(400, 128, generator=g) * 2, rope_dim=64).to(dev)
-    q = torch.randn(16, 128, generator=g).to(dev)
+    q = torch.randn(2, 16, 128, generator=g).to(dev)
     sinks = torch.randn(16, generator=g).to(dev)
-    sources = [(rows, torch.arange(300, 364, device=dev)), (rows, torch.randperm(300, generator=g)[:90].to(dev))]
-    angles = torch.randn(1, 32, generator=g).to(dev)
-    outs = []
-    for config in ((64, 1), (16, 8), (4, 2)):
-        monkeypatch.setattr(A, "COMBINE_CONFIG", config)
-        outs.append([attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64)),
-                     attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64),
-                                             inverse_rope=(angles.cos(), angles.sin(), torch.float32))])
-    for plain, rotated in outs[1:]:
-        torch.testing.assert_close(plain, outs[0][0], rtol=2e-6, atol=2e-6)
-        torch.testing.assert_close(rotated, outs[0][1], rtol=2e-6, atol=2e-6)
-    assert not torch.equal(outs[0][0], outs[0][1])  # the RoPE columns were rotated
+    window = Slots(64, position=torch.tensor([363, 363], device=dev), ring=400)
+    picks = torch.stack([torch.randperm(300, generator=g)[:90] for _ in range(2)]).to(dev)
+    sources = [(rows[None].expand(2, *rows.shape), window), (rows[None].expand(2, *rows.shape), picks)]
+    angles = torch.randn(2, 32, generator=g).to(dev)
+
+    def run(**kw) -> list[torch.Tensor]:
+        return [attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64), **kw),
+                attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, (16, 16, 4, 64),
+                                        inverse_rope=(angles.cos(), angles.sin(), torch.float32), **kw)]
+
+    monkeypatch.setattr(A, "COMBINE_ROWS_WAVES", 0)
+    chunks = run()
+    monkeypatch.setattr(A, "COMBINE_ROWS_WAVES", 1e-9)  # whole rows for any batch with batch splits
+    assert all(torch.equal(a, b) for a, b in zip(run(), chunks, strict=True))  # no batch splits: chunks
+    cut_chunks = None
+    for rows_config in ((16, 8), (4, 2)):
+        monkeypatch.setattr(A, "COMBINE_ROWS", rows_config)
+        cut = run(batch_splits=True)
+        monkeypatch.setattr(A, "COMBINE_ROWS_WAVES", 0)
+        cut_chunks = run(batch_splits=True)
+        monkeypatch.setattr(A, "COMBINE_ROWS_WAVES", 1e-9)
+        for got, want in zip(cut, cut_chunks, strict=True):
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert cut_chunks is not None and not torch.equal(cut_chunks[0], cut_chunks[1])  # the RoPE columns rotated
 
 
 @pytest.mark.parametrize("position", [3, 40, 299])

@@ -82,10 +82,16 @@ WGMMA_CONFIG = (16, 128)
 # With ``batch_splits`` each source of a batch of B > 1 queries gets at most BATCH_SPLIT_WAVES x SMs / (B x sources)
 # splits (at least one); 0 keeps one query's splits.
 BATCH_SPLIT_WAVES = 1
-# The merge of the splits: (splits per iteration, 64-value chunks per program). (64, 1) was the only one until
-# 2026-12-05: a 32-session step spent 1.75 ms of 36.7 in it (H200, a858b79), 8 x 64 x 32 programs each reading the
-# split's m and l again for its 64 values.
-COMBINE_CONFIG = (16, 8)
+# The merge of the splits, as (splits per iteration, 64-value chunks per program): one chunk a program over 64
+# splits at once, or whole rows over 16 at a time, which reads each split's m and l once instead of once per chunk
+# but runs D / 64 times fewer programs. H100, a858b79+, us for partial pass + merge (scripts/compressed_kernels_ab.py
+# --parts merge, bf16 query), chunks / rows: one query's window 128 12.1 / 12.1, CSA top-512 at 1M 12.1 / 14.8, HCA
+# at 1M 31.5 / 37.6; 8 queries at 4K (batch splits) CSA 31.9 / 23.9, HCA 22.8 / 15.7; 32 queries CSA 99.0 / 67.3,
+# HCA 58.1 / 26.4. So whole rows where a batch's H x B programs fill COMBINE_ROWS_WAVES waves of the SMs, and only
+# with ``batch_splits`` (a query's bits already depend on its batch there); 0 waves: chunks always.
+COMBINE_CHUNKS = (64, 1)
+COMBINE_ROWS = (16, 8)
+COMBINE_ROWS_WAVES = 2
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -201,7 +207,12 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                                                index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
                                                NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
                                                MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
-    sb, cb = COMBINE_CONFIG
+    rows_merge = False
+    if batch_splits and COMBINE_ROWS_WAVES > 0:
+        from ds4x.kernels.indexer import num_sms
+
+        rows_merge = H * B >= COMBINE_ROWS_WAVES * num_sms(q.device)
+    sb, cb = COMBINE_ROWS if rows_merge else COMBINE_CHUNKS
     cb = math.gcd(cb, D // 64)  # chunks per program: a power of two dividing the row's
     n_iter = 1 << (-(-n_split // sb) - 1).bit_length()  # powers of two: few compiled variants
     if inverse_rope is not None:
