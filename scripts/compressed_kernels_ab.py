@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
 
-    # the merge of the splits by 64-value chunks or whole rows (COMBINE_CHUNKS / COMBINE_ROWS, forced either way
-    # through COMBINE_ROWS_WAVES): one query's cases above on the model's bf16 query, and a batch of 8 / 32
-    # sessions' at 4K (batch splits, as a pooled decode step), alternating twice
-    merge_configs = {f"{A.COMBINE_CHUNKS}: 64-value chunks": 0, f"{A.COMBINE_ROWS}: whole rows": 1e-9}
+    # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
+    # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8
+    # / 32 sessions' at 4K (batch splits, as a pooled decode step), alternating twice
+    merge_configs = {f"({sb}, {cb})": (sb, cb) for sb, cb in ((64, 1), (32, 2), (16, 4), (16, 8))}
     merge_cases = {name: (qb, sources) for name, sources in cases.items()}
     for batch in (8, 32):
         at = torch.full((batch,), 4095, device=dev)
@@ -100,25 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         merge_cases[f"{batch} x CSA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)), (comp_b, picks)])
         merge_cases[f"{batch} x HCA @4K"] = (qs, [(ring_b, Slots(128, position=at, ring=768)),
                                                   (comp_b, Slots(34, position=at, ratio=128))])
-    default_waves = A.COMBINE_ROWS_WAVES
-    print(f"\n{'merge':<20} " + " ".join(f"{v:>36}" for v in merge_configs) + "  (us, max rel diff)")
+    default_merge = A.COMBINE_CHUNKS, A.COMBINE_ROWS_WAVES
+    A.COMBINE_ROWS_WAVES = 0
+    print(f"\n{'merge (splits, chunks)':<22} " + " ".join(f"{v:>9}" for v in merge_configs) + "  (us, max rel diff)")
     for name, (query, sources) in merge_cases.items() if "merge" in parts else ():
         times_m: dict[str, list[float]] = {v: [] for v in merge_configs}
         outs: dict[str, torch.Tensor] = {}
         for _ in range(2):
-            for v, waves in merge_configs.items():
-                A.COMBINE_ROWS_WAVES = waves
+            for v, config in merge_configs.items():
+                A.COMBINE_CHUNKS = config
 
                 def call(query=query, sources=sources):
                     return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True, batch_splits=True)
                 outs[v] = call()
                 times_m[v].append(us(call))
-        A.COMBINE_ROWS_WAVES = default_waves
         first = outs[next(iter(merge_configs))]
         diff = max(float((o - first).abs().max() / first.abs().max()) for o in outs.values())
-        print(f"{name:<20} " + " ".join(f"{min(times_m[v]):36.1f}" for v in merge_configs) + f"  {diff:.1e}")
+        print(f"{name:<22} " + " ".join(f"{min(times_m[v]):9.1f}" for v in merge_configs) + f"  {diff:.1e}")
         for v in merge_configs:
             record("decode attention merge", name, v, min(times_m[v]), {"rel_diff": diff})
+    A.COMBINE_CHUNKS, A.COMBINE_ROWS_WAVES = default_merge
 
     if not parts & {"indexer", "select"}:
         if args.ledger is not None:

@@ -4,11 +4,13 @@
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
 #   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
-#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~8 min;
+#   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~5 min;
 #                                       # DS4X_SERVE_OVERLAP=0: the host reads each step's tokens before the next
 #                                       # step, the baseline of the overlapped reads; DS4X_SERVE_ARGS: more
 #                                       # arguments of `ds4x serve`, e.g. "--prefill-budget 2048"; the ledger
-#                                       # rows' server_meta says which ran)
+#                                       # rows' server_meta says which ran; the logs come back as serve_logs.tgz,
+#                                       # the kernels compiled after the warm-up as compiles.txt, and
+#                                       # TRITON_CACHE_DIR=$(mktemp -d) makes a warm machine compile as a fresh one)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh loop      # GPU tests of the decode slots and the scheduler, then the server's decode loop
@@ -145,6 +147,12 @@ PY
     done
     kill -9 "$server" 2>/dev/null
     wait "$server" 2>/dev/null
+    # a device call returns at most 8 files: the kernels compiled after the warm-up (the server's warnings) as one
+    # file, the logs and counters in one archive
+    grep "compiled while serving" "$out/server.log" > "$out/compiles.txt"
+    echo "$(wc -l < "$out/compiles.txt") kernel compiles after the warm-up ($out/compiles.txt)"
+    (cd "$out" && tar czf serve_logs.tgz server.log serve_bench_c*.log metrics_c*.txt \
+        && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
 *)
     echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop or all)" >&2
