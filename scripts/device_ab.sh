@@ -21,8 +21,9 @@
 #                                       # layer kind at 4K / 1M (scripts/compressed_kernels_ab.py: attention on
 #                                       # float32 / bf16 queries; the top-k's histograms by tl.histogram or shared-
 #                                       # memory atomics, small rows by the packed-count kernel or one program of
-#                                       # the histogram select), then the step at 1, 8 and 32 sessions with the
-#                                       # earlier top-k as the variant (~9 min)
+#                                       # the histogram select; the merge of the splits by (splits, chunks)), then
+#                                       # the step at 1, 8 and 32 sessions with the merge by 64-value chunks as the
+#                                       # variant (~9 min)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -88,11 +89,11 @@ loop)
     ;;
 compressed)
     # (the GPU tests took 231 s on an H100 at c131be1)
-    piece compressed_tests.log 270 python -m pytest -q -m gpu tests/test_sparse_kernels.py
-    piece compressed_ab.log 110 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
+    piece compressed_tests.log 230 python -m pytest -q -m gpu tests/test_sparse_kernels.py
+    piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
     piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
-        --variant "earlier top-k: ds4x.kernels.select.SHARED_HISTOGRAM=False; ds4x.kernels.select.SMALL_BY_HISTOGRAM=False"
+        --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
