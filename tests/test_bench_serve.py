@@ -50,11 +50,14 @@ def test_server_counters_only_from_a_ds4x_metrics_text() -> None:
                       "ds4x_prefill_steps_total 2", "ds4x_prompt_tokens_total 100", "ds4x_generation_tokens_total 40",
                       "ds4x_decode_step_model_seconds_sum 0.5", "ds4x_decode_step_sample_seconds_sum 0.01",
                       'ds4x_batch_size_bucket{le="4"} 10'])
-    after = parse_counters(text)
-    before = {k: 0.0 for k in after}
+    assert parse_counters(text)["kernel_compiles"] == 0  # no compile yet: no such series
+    before = {k: 0.0 for k in parse_counters(text)}
+    after = parse_counters(text + '\nds4x_kernel_compiles_total{kernel="a"} 2\nds4x_kernel_compiles_total{kernel="b"} 1'
+                           '\nds4x_kernel_compile_seconds_total{kernel="a"} 1.5')
     c = counters_over(before, after)
     assert c is not None and (c["decode_steps"], c["mean_batch"], c["step_model_ms"]) == (10, 4, 50)
     assert c["step_host_ms"] == pytest.approx(1.0)
+    assert (c["kernel_compiles"], c["kernel_compile_s"]) == (3, 1.5)
     assert counters_over(before, parse_counters("vllm:num_requests_running 3")) is None  # another server
     assert counters_over(None, after) is None
 

@@ -24,8 +24,8 @@ own description (``server_model``: its ``/v1/models`` entry; ``server_meta``: th
 puts in that entry, with its commit, GPU, driver, torch and triton versions, dtype, cache and model fingerprint,
 or ``"unavailable"`` when the server reports none or ``/v1/models`` cannot be read), the flags, warm-up, prompt
 and output lengths, errors, and for a ds4x server what its ``/metrics`` counters say of the level
-(``server_counters``: decode steps and their mean batch, mean device and host time per step, prompt calls; None
-for another server).
+(``server_counters``: decode steps and their mean batch, mean device and host time per step, prompt calls, kernels
+compiled after the server's warm-up and their seconds; None for another server).
 """
 
 from __future__ import annotations
@@ -351,20 +351,29 @@ _COUNTERS = {"ds4x_decode_steps_total": "decode_steps", "ds4x_batch_size_sum": "
              "ds4x_decode_step_model_seconds_sum": "step_model_s", "ds4x_decode_step_sample_seconds_sum": "step_host_s"}
 
 
+# labelled per kernel, and absent until a first compile: summed over the kernels, 0 where a ds4x server has none
+_COMPILES = {"ds4x_kernel_compiles_total": "kernel_compiles", "ds4x_kernel_compile_seconds_total": "kernel_compile_s"}
+
+
 def parse_counters(text: str) -> dict[str, float]:
-    """The counters of ``_COUNTERS`` in a Prometheus text (those present)."""
-    out = {}
+    """The counters of ``_COUNTERS`` in a Prometheus text (those present), and for a ds4x server's text the kernels
+    it compiled after its warm-up (``_COMPILES``, summed over its kernels)."""
+    out: dict[str, float] = {}
+    compiles = dict.fromkeys(_COMPILES.values(), 0.0)
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        name, _, value = line.rpartition(" ")
         if name in _COUNTERS:
             out[_COUNTERS[name]] = float(value)
-    return out
+        elif name.partition("{")[0] in _COMPILES:
+            compiles[_COMPILES[name.partition("{")[0]]] += float(value)
+    return {**out, **compiles} if out else out
 
 
 def counters_over(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
     """What a ds4x server's counters say of a level: their change, the mean decode batch, and the mean device and
     host time per decode step (ms). None unless both snapshots hold all of them (another server)."""
-    if not before or not after or set(before) != set(_COUNTERS.values()) or set(after) != set(before):
+    keys = set(_COUNTERS.values()) | set(_COMPILES.values())
+    if not before or not after or set(before) != keys or set(after) != keys:
         return None
     d = {k: after[k] - before[k] for k in before}
     steps = d["decode_steps"]
@@ -421,7 +430,9 @@ async def run_levels(cfg: LoadConfig, concurrency: list[int], rates: list[float]
             if server is not None and server["decode_steps"]:
                 log(f"[bench serve] {level}: the server's {server['decode_steps']:.0f} decode steps (mean batch "
                     f"{server['mean_batch']:.1f}): {server['step_model_ms']:.2f} ms of device and "
-                    f"{server['step_host_ms']:.2f} ms of host time each; {server['prefill_calls']:.0f} prompt calls")
+                    f"{server['step_host_ms']:.2f} ms of host time each; {server['prefill_calls']:.0f} prompt calls"
+                    + (f"; {server['kernel_compiles']:.0f} kernels compiled after the server's warm-up "
+                       f"({server['kernel_compile_s']:.1f} s, requests waiting)" if server["kernel_compiles"] else ""))
             rows.append({"mode": "open" if rate is not None else "closed", "concurrency": conc, "rate": rate,
                          **summarize(samples, wall, cfg, rate is not None),
                          "warmup_requests": len(warm), "warmup_errors": sum(s.error is not None for s in warm),
