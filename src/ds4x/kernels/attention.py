@@ -84,7 +84,7 @@ WGMMA_CONFIG = (16, 128)
 BATCH_SPLIT_WAVES = 1
 # The merge of the splits, as (splits per iteration, 64-value chunks per program): one chunk a program over 64
 # splits at once, or whole rows over 16 at a time, which reads each split's m and l once instead of once per chunk
-# but runs D / 64 times fewer programs. H100, a858b79+, us for partial pass + merge (scripts/compressed_kernels_ab.py
+# but runs D / 64 times fewer programs. H100, cd222a2, us for partial pass + merge (scripts/compressed_kernels_ab.py
 # --parts merge, bf16 query), chunks / rows: one query's window 128 12.1 / 12.1, CSA top-512 at 1M 12.1 / 14.8, HCA
 # at 1M 31.5 / 37.6; 8 queries at 4K (batch splits) CSA 31.9 / 23.9, HCA 22.8 / 15.7; 32 queries CSA 99.0 / 67.3,
 # HCA 58.1 / 26.4. So whole rows where a batch's H x B programs fill COMBINE_ROWS_WAVES waves of the SMs, and only
