@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             record("decode attention merge", name, v, min(times_m[v]), {"rel_diff": diff})
     A.COMBINE_CHUNKS, A.COMBINE_ROWS_WAVES = default_merge
 
-    if not parts & {"indexer", "select"}:
+    if not parts & {"indexer", "select"}:  # (the select times the indexer's scores: it runs the indexer part too)
         if args.ledger is not None:
             append(rows_out, args.ledger)
             print(f"{len(rows_out)} rows appended to {args.ledger}")
