@@ -121,69 +121,66 @@ def main(argv: list[str] | None = None) -> int:
             record("decode attention merge", name, v, min(times_m[v]), {"rel_diff": diff})
     A.COMBINE_CHUNKS, A.COMBINE_ROWS_WAVES = default_merge
 
-    if not parts & {"indexer", "select"}:  # (the select times the indexer's scores: it runs the indexer part too)
-        if args.ledger is not None:
-            append(rows_out, args.ledger)
-            print(f"{len(rows_out)} rows appended to {args.ledger}")
-        return 0
-    n = 262_144
-    keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
-    packed = pack_indexer_rows(keys)
-    qi = mxfp4_roundtrip(hadamard128(torch.randn(heads, 128, generator=g, device=dev)), 32)
-    wi = torch.randn(heads, generator=g, device=dev)
-    times, scores = [], []
-    for flag in (False, True):
-        I.WGMMA = flag
-        scores.append(indexer_scores_triton(qi, wi, packed, n, True))
-        times.append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-    diff = float((scores[1] - scores[0]).abs().max() / scores[0].abs().max())
-    print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
-          f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
-    record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
-    record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
-    # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), alternating twice; the same scores bit for bit
-    per_sm_default = I.PROGRAMS_PER_SM
-    times_i: dict[int, list[float]] = {p: [] for p in (2, 3)}
-    same: dict[int, bool] = {}
-    for _ in range(2):
-        for per_sm in times_i:
-            I.PROGRAMS_PER_SM = per_sm
-            same[per_sm] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
-            times_i[per_sm].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-    I.PROGRAMS_PER_SM = per_sm_default
-    for per_sm, ts in times_i.items():
-        t_i = min(ts)
-        print(f"  Gluon, {per_sm} programs a SM {t_i:9.1f} us  same bits {same[per_sm]}  "
-              f"({packed.numel() / t_i / 1e3:.0f} GB/s)")
-        record("indexer scoring", "262,144 rows", f"Gluon kernel, {per_sm} programs a SM", t_i,
-               {"same_bits": same[per_sm]})
-
-    # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
-    # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
-    # the same set as the composite-key topk for every row
-    from ds4x.kernels import select as S
-
-    variants = {"tl.histogram, packed counts": (False, False), "shared hist, packed counts": (True, False),
-                "shared hist, small by hist": (True, True)}
-    defaults = S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM
-    print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
-    for rows_n, batch in ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8)):
-        s = scores[1][None].repeat(batch, 1)[:, :rows_n]
-        count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
-        times_v: dict[str, list[float]] = {v: [] for v in variants}
-        exact: dict[str, bool] = {}
+    if parts & {"indexer", "select"}:  # (the select times the indexer's scores: it runs the indexer part too)
+        n = 262_144
+        keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
+        packed = pack_indexer_rows(keys)
+        qi = mxfp4_roundtrip(hadamard128(torch.randn(heads, 128, generator=g, device=dev)), 32)
+        wi = torch.randn(heads, generator=g, device=dev)
+        times, scores = [], []
+        for flag in (False, True):
+            I.WGMMA = flag
+            scores.append(indexer_scores_triton(qi, wi, packed, n, True))
+            times.append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+        diff = float((scores[1] - scores[0]).abs().max() / scores[0].abs().max())
+        print(f"{'indexer 262,144 rows':<20} {times[0]:9.1f} {times[1]:9.1f} {diff:9.1e}  "
+              f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
+        record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
+        record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
+        # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), alternating twice; the same scores bit for bit
+        per_sm_default = I.PROGRAMS_PER_SM
+        times_i: dict[int, list[float]] = {p: [] for p in (2, 3)}
+        same: dict[int, bool] = {}
         for _ in range(2):
-            for name, (shared, small) in variants.items():
-                S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = shared, small
-                index, valid = select_topk_radix(s, count, 512)
-                exact[name] = all(set(index[b][valid[b]].tolist())
-                                  == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
-                times_v[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
-        S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = defaults
-        print(f"{f'{batch} x {rows_n:,}':<20} "
-              + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
-        for v in variants:
-            record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
+            for per_sm in times_i:
+                I.PROGRAMS_PER_SM = per_sm
+                same[per_sm] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
+                times_i[per_sm].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+        I.PROGRAMS_PER_SM = per_sm_default
+        for per_sm, ts in times_i.items():
+            t_i = min(ts)
+            print(f"  Gluon, {per_sm} programs a SM {t_i:9.1f} us  same bits {same[per_sm]}  "
+                  f"({packed.numel() / t_i / 1e3:.0f} GB/s)")
+            record("indexer scoring", "262,144 rows", f"Gluon kernel, {per_sm} programs a SM", t_i,
+                   {"same_bits": same[per_sm]})
+
+        # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
+        # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
+        # the same set as the composite-key topk for every row
+        from ds4x.kernels import select as S
+
+        variants = {"tl.histogram, packed counts": (False, False), "shared hist, packed counts": (True, False),
+                    "shared hist, small by hist": (True, True)}
+        defaults = S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM
+        print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
+        sizes = ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8))
+        for rows_n, batch in sizes if "select" in parts else ():
+            s = scores[1][None].repeat(batch, 1)[:, :rows_n]
+            count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
+            times_v: dict[str, list[float]] = {v: [] for v in variants}
+            exact: dict[str, bool] = {}
+            for _ in range(2):
+                for name, (shared, small) in variants.items():
+                    S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = shared, small
+                    index, valid = select_topk_radix(s, count, 512)
+                    exact[name] = all(set(index[b][valid[b]].tolist())
+                                      == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
+                    times_v[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
+            S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = defaults
+            print(f"{f'{batch} x {rows_n:,}':<20} "
+                  + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
+            for v in variants:
+                record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
     if args.ledger is not None:
         append(rows_out, args.ledger)
         print(f"{len(rows_out)} rows appended to {args.ledger}")

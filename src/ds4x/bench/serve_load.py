@@ -362,10 +362,11 @@ def parse_counters(text: str) -> dict[str, float]:
     compiles = dict.fromkeys(_COMPILES.values(), 0.0)
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
+        series = name.partition("{")[0]
         if name in _COUNTERS:
             out[_COUNTERS[name]] = float(value)
-        elif name.partition("{")[0] in _COMPILES:
-            compiles[_COMPILES[name.partition("{")[0]]] += float(value)
+        elif series in _COMPILES:
+            compiles[_COMPILES[series]] += float(value)
     return {**out, **compiles} if out else out
 
 
