@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         A.TWO_PASS_ROWS, A.TWO_PASS_CONFIG = 0, config_default
         print(f"{name:<20} " + " ".join(f"{min(ts):9.1f}" for ts in times_t.values()) + f"  {diff:.1e}")
         for v, ts in times_t.items():
-            record("decode attention", name, "Gluon kernel, bf16 query" if v == "1 pass" else f"two-pass {v}, bf16 query",
-                   min(ts), {"rel_diff": diff})
+            label = "Gluon kernel, bf16 query" if v == "1 pass" else f"two-pass {v}, bf16 query"
+            record("decode attention", name, label, min(ts), {"rel_diff": diff})
     A.TWO_PASS_ROWS = two_pass_default
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
