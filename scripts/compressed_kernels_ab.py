@@ -23,8 +23,8 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
-    ap.add_argument("--parts", default="attention,two_pass,indexer,select,merge",
-                    help="comma-separated parts to run: attention, two_pass, indexer, select, merge")
+    ap.add_argument("--parts", default="attention,indexer,select,merge",
+                    help="comma-separated parts to run: attention, indexer, select, merge")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
@@ -72,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
     qb = q.bfloat16()
-    two_pass_default = A.TWO_PASS_ROWS
-    A.TWO_PASS_ROWS = 0  # the one-pass kernels here; the two-pass ones below
     print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9}")
     for name, sources in cases.items() if "attention" in parts else ():
         def call(query=q, sources=sources):
@@ -87,33 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         record("decode attention", name, "Triton kernel, float32 query", t_ref)
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
-
-    # the two-pass kernels (ds4x.kernels.attention_two_pass) by (slots per block, blocks per split), forced for
-    # every case (TWO_PASS_ROWS = 1), against the one-pass Gluon kernel, all on the model's bf16 query, alternating
-    # twice; rel diff: the largest against the one-pass output
-    two_pass_configs = {f"({bl}, {bps})": (bl, bps) for bl, bps in ((64, 4), (64, 8), (64, 16), (128, 4), (32, 8))}
-    config_default = A.TWO_PASS_CONFIG
-    print(f"\n{'two-pass (block, bps)':<20} {'1 pass':>9} " + " ".join(f"{v:>9}" for v in two_pass_configs)
-          + "  (us, bf16 q, max rel diff)")
-    for name, sources in cases.items() if "two_pass" in parts else ():
-        def call(sources=sources):
-            return attention_decode_triton(qb, sources, sinks, dim**-0.5, nope, True)
-        times_t: dict[str, list[float]] = {v: [] for v in ["1 pass", *two_pass_configs]}
-        one, diff = call(), 0.0
-        for _ in range(2):
-            A.TWO_PASS_ROWS = 0
-            times_t["1 pass"].append(us(call))
-            A.TWO_PASS_ROWS = 1
-            for v, config in two_pass_configs.items():
-                A.TWO_PASS_CONFIG = config
-                diff = max(diff, float((call() - one).abs().max() / one.abs().max()))
-                times_t[v].append(us(call))
-        A.TWO_PASS_ROWS, A.TWO_PASS_CONFIG = 0, config_default
-        print(f"{name:<20} " + " ".join(f"{min(ts):9.1f}" for ts in times_t.values()) + f"  {diff:.1e}")
-        for v, ts in times_t.items():
-            label = "Gluon kernel, bf16 query" if v == "1 pass" else f"two-pass {v}, bf16 query"
-            record("decode attention", name, label, min(ts), {"rel_diff": diff})
-    A.TWO_PASS_ROWS = two_pass_default
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

@@ -389,53 +389,6 @@ def test_batch_splits_cut_each_query_into_fewer_splits(monkeypatch):
     assert torch.equal(run(slice(None), batch_splits=True), full)
 
 
-@pytest.mark.parametrize("config", [(16, 2), (32, 4), (16, 16)])
-def test_two_pass_attention_matches_one_pass(config, monkeypatch):
-    """The two-pass kernels (every block's scores, then the outputs by 64-value column chunk, merged as the one-pass
-    splits) against the one-pass kernel, to float rounding: one query and a batch, the window of a ring and the
-    closed compressed rows from the device position (blocks with no row, a split that is all empty), explicit picks
-    with holes, one source alone; packed and native rows give the same bits, and a bf16 query those of its float32
-    values."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import Slots, attention_decode_triton
-
-    g = torch.Generator().manual_seed(23)
-    dev = _device()
-    B, heads = 2, 16
-    raw = torch.stack([pack_kv_rows(torch.randn(96, 128, generator=g) * 2, rope_dim=64) for _ in range(B)]).to(dev)
-    comp = torch.stack([pack_kv_rows(torch.randn(200, 128, generator=g), rope_dim=64) for _ in range(B)]).to(dev)
-    q = torch.randn(B, heads, 128, generator=g).to(dev)
-    sinks = torch.randn(heads, generator=g).to(dev)
-    pos = torch.tensor([700, 13], device=dev)  # 87 closed rows of 8 tokens, then 1
-    picks = torch.randint(0, 200, (B, 40), generator=g).to(dev)
-    picks[:, ::3] = -1
-    cases = [[(raw, Slots(48, position=pos, ring=96)), (comp, Slots(200, position=pos, ratio=8))],
-             [(raw, Slots(48, position=pos, ring=96)), (comp, picks)],
-             [(comp, Slots(200, position=pos, ratio=8))]]
-    monkeypatch.setattr(A, "TWO_PASS_CONFIG", config)
-    for sources in cases:
-        monkeypatch.setattr(A, "TWO_PASS_ROWS", 0)
-        one = attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True)
-        monkeypatch.setattr(A, "TWO_PASS_ROWS", 1)
-        two = attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True)
-        torch.testing.assert_close(two, one, rtol=2e-5, atol=2e-5)
-        alone = attention_decode_triton(q[1], [(r[1], s[1] if isinstance(s, torch.Tensor) else
-                                                Slots(s.n, position=pos[1:], ring=s.ring, ratio=s.ratio))
-                                               for r, s in sources], sinks, 128**-0.5, 64, True)
-        torch.testing.assert_close(alone, one[1], rtol=2e-5, atol=2e-5)
-        native = [(unpack_kv_rows(r, rope_dim=64).contiguous(), s) for r, s in sources]
-        assert torch.equal(attention_decode_triton(q, native, sinks, 128**-0.5, 64, False), two)
-        assert torch.equal(attention_decode_triton(q.bfloat16(), sources, sinks, 128**-0.5, 64, True),
-                           attention_decode_triton(q.bfloat16().float(), sources, sinks, 128**-0.5, 64, True))
-
-
-@pytest.mark.gpu
-def test_two_pass_attention_matches_one_pass_on_gpu(monkeypatch):
-    """The same on the compiled kernels (bf16 tensor-core products)."""
-    for config in ((16, 2), (64, 8)):
-        test_two_pass_attention_matches_one_pass(config, monkeypatch)
-
-
 def _prefill_reference(q, positions, ring_rows, ring, w, sinks, scale, extra):
     """float64 softmax over each query's window slots and extra rows (``extra[t]``: row ids), with the sink."""
     out = []

@@ -92,11 +92,6 @@ BATCH_SPLIT_WAVES = 1
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
-# Queries whose sources offer at least TWO_PASS_ROWS slots together (HCA at long context) run the two-pass kernels
-# (`ds4x.kernels.attention_two_pass`: every block's scores, then the outputs by 64-value column chunk) instead of one
-# pass, with (slots per block, blocks per split); 0 rows: never.
-TWO_PASS_ROWS = 2048
-TWO_PASS_CONFIG = (64, 8)
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -168,20 +163,13 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         from ds4x.kernels.indexer import num_sms
 
         max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * num_sms(q.device) // (B * len(slots))))
-    two_pass = config is None and not one_pass and 0 < TWO_PASS_ROWS <= sum(s.n for s in slots)
-    if two_pass:
-        block, bps = TWO_PASS_CONFIG
-        hp = max(16, 1 << (H - 1).bit_length())
     per_split, n_splits = [], []
     for s in slots:
         n_blocks = max(1, -(-s.n // block))
-        per_split.append(n_blocks if two_pass else -(-n_blocks // max_splits))
+        per_split.append(-(-n_blocks // max_splits))
         n_splits.append(-(-n_blocks // per_split[-1]))
     if len(slots) == 1:  # source B repeats A and is never reached
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, per_split * 2, [n_splits[0], 0]
-    if two_pass:  # per_split: the sources' blocks; the splits cut their sequence
-        n_blocks = per_split[0] + (per_split[1] if n_splits[1] else 0)
-        n_splits = [-(-n_blocks // bps), 0]
     n_split = sum(n_splits)
     qc = q.contiguous()
     if one_pass:
@@ -206,20 +194,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     from ds4x.formats.pdl import launch_options
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
-    if two_pass:
-        from ds4x.kernels.attention_two_pass import score_kernel, value_kernel
-
-        scores = torch.empty(B, n_blocks, hp, block, device=q.device)
-        tops = torch.empty(B, n_blocks, hp, device=q.device)
-        score_kernel[(n_blocks, 1, B)](qc, ra, ia, pa, na, ga, sa, per_split[0], rb, ib, pb, nb, gb, sb, scores, tops,
-                                       scale, store_a, store_b, index_a, index_b, n_blocks, H=H, HP=hp, D=D, NOPE=nope,
-                                       BLOCK=block, SPLIT=q.is_cuda, Q_LO=qc.dtype != torch.bfloat16,
-                                       MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=4, **pdl)
-        value_kernel[(n_split, D // 64, B)](scores, tops, ra, ia, pa, na, ga, sa, per_split[0], rb, ib, pb, nb, gb, sb,
-                                            m, l, acc, store_a, store_b, index_a, index_b, n_blocks, n_split, HP=hp,
-                                            D=D, NOPE=nope, BLOCK=block, BPS=bps, SPLIT=q.is_cuda,
-                                            MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=4, **pdl)
-    elif wide:
+    if wide:
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
