@@ -16,6 +16,7 @@ expected.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -203,6 +204,7 @@ def _reader_class() -> type:
             from gguf import GGML_QUANT_SIZES
 
             size = len(self.data)
+            spans = []  # (start, end, name): tensors must not share bytes
             for field in fields:
                 _nlen, name_data, _ndims, dims, raw_dtype, offset = field.parts
                 name = bytes(name_data).decode("utf-8", "replace")
@@ -216,12 +218,21 @@ def _reader_class() -> type:
                     raise GGUFError(f"tensor '{name}' ({qt.name}) has row length {dims_l[0]}, not a multiple of "
                                     f"the block size {block}")
                 nbytes = math.prod(dims_l) // block * type_size
+                if int(offset[0]) % self.alignment:  # the format aligns every tensor's data (general.alignment)
+                    raise GGUFError(f"tensor '{name}' has data offset {int(offset[0])}, not a multiple of the file's "
+                                    f"alignment {self.alignment}: the tensor table is corrupt")
                 start = start_offs + int(offset[0])
                 if start + nbytes > size:
                     raise GGUFTruncatedError(
                         f"tensor '{name}' ({qt.name}, GGUF dims {dims_l}) needs bytes {start}..{start + nbytes} "
                         f"but the file has {size} bytes: the file is truncated"
                     )
+                spans.append((start, start + nbytes, name))
+            spans.sort()
+            for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+                if start < end:
+                    raise GGUFError(f"tensors '{first}' and '{second}' share bytes {start}..{end}: the tensor table "
+                                    f"is corrupt")
             super()._build_tensors(start_offs, fields)
 
     return _Reader
@@ -389,9 +400,14 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
         if m.get_int(key, default=0) not in (0, 1):
             raise GGUFError(f"{p}: GGUF metadata key '{m.key(key)}' must be 0 (no group-limited routing), "
                             f"got {m.get_int(key)}")
-    if m.has("expert_weights_norm") and m.raw("expert_weights_norm") is not True:
-        raise GGUFError(f"{p}: GGUF metadata key '{m.key('expert_weights_norm')}' is false; DeepSeek-V4 always "
-                        f"renormalises the selected expert weights")
+    if m.has("expert_weights_norm"):
+        norm = m.raw("expert_weights_norm")
+        # ds4.c wants a BOOL; an integer 0 / 1 (a writer without add_bool) reads the same, anything else is named
+        if not (isinstance(norm, int) and norm in (0, 1)):  # bool is an int
+            raise GGUFError(f"{p}: GGUF metadata key '{m.key('expert_weights_norm')}' must be a boolean, got {norm!r}")
+        if not norm:
+            raise GGUFError(f"{p}: GGUF metadata key '{m.key('expert_weights_norm')}' is false; DeepSeek-V4 always "
+                            f"renormalises the selected expert weights")
     gating = m.get_int("expert_gating_func", default=4)
     if gating not in _GATING_FUNCS:
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('expert_gating_func')}' = {gating} is not one of "
@@ -445,6 +461,9 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
         vocab = len(meta["tokenizer.ggml.tokens"])
     else:
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('vocab_size')}' is missing (and there is no token list)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > vocab:  # the tokenizer would emit ids the embedding lacks
+        raise GGUFError(f"{p}: the token list has {len(tokens)} tokens but '{m.key('vocab_size')}' = {vocab}")
     bos = _token_id(meta, "tokenizer.ggml.bos_token_id", "<｜begin▁of▁sentence｜>")
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", "<｜end▁of▁sentence｜>")
     has_csa = CSA in kinds
@@ -499,6 +518,12 @@ def _torch_bytes(t: Any) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """torch.isfinite(t).all() without a bool copy of a whole embedding (0.5 GB for Flash's)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
 def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torch.dtype,
           device: torch.device | str, path: Path, n_experts: int) -> torch.Tensor | GGMLTensor:
     name = reader_tensor.name
@@ -517,8 +542,20 @@ def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torc
                         f"{', '.join(t.name for t in ok)}")
     if qt not in QUANT_SIZES:  # pragma: no cover - allowed_types is a subset
         raise GGUFError(f"{path}: tensor '{name}' has unsupported type {qt.name}")
-    return bind_raw(_torch_bytes(reader_tensor), qt, canonical, shape, dtype, device, n_experts,
-                    f"{path}: tensor '{name}'")
+    out = bind_raw(_torch_bytes(reader_tensor), qt, canonical, shape, dtype, device, n_experts,
+                   f"{path}: tensor '{name}'")
+    # a NaN / Inf in a plain weight (a norm, mHC, sink...) makes every logit NaN far from its cause; plain
+    # tensors were just copied, so one more pass is cheap (quantized blocks are not scanned: 80 GB)
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and not _all_finite(out):
+        bad = ~torch.isfinite(out)
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        n_src = int((~torch.isfinite(_torch_bytes(reader_tensor).view(
+            {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qt]))).sum())
+        why = (f"{n_src} NaN / Inf values in the file" if n_src else
+               f"values that overflow {out.dtype} (finite in the file's {qt.name})")
+        raise GGUFError(f"{path}: tensor '{name}' ({qt.name}, '{canonical}') holds {why}, first at torch index "
+                        f"{list(first)}: {float(out[first])}")
+    return out
 
 
 def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape: tuple[int, ...],
@@ -558,6 +595,35 @@ def _bind_all(reader: Any, want: dict[str, tuple[int, ...]], cfg: ModelConfig, d
     return out
 
 
+def _refuse_stray_tensors(extra: set[str], cfg: ModelConfig, meta: dict[str, Any], path: Path) -> None:
+    """A ds4 tensor the config does not use means the metadata contradicts the file (block_count, a
+    compress ratio, hash_layer_count): loading would silently drop those weights, so refuse, naming the key."""
+    stray = []
+    for n in sorted(extra):
+        canon = canonical_tensor_name(n)
+        if canon is None or not canon.startswith("layers."):
+            continue  # unknown names are only warned about; mtp.* binds separately
+        layer = int(canon.split(".")[1])
+        if layer < cfg.num_layers and canon.endswith(".ffn.gate.bias") and cfg.is_hash_layer(layer):
+            continue  # ds4.c binds a hash layer's routing bias, its routing ignores it
+        stray.append((n, layer, canon))
+    if not stray:
+        return
+    n, layer, canon = stray[0]
+    if layer >= cfg.num_layers:
+        why = f"layer {layer} is past '{ARCH}.block_count' = {cfg.num_layers}"
+    elif canon.endswith("tid2eid"):
+        why = (f"layer {layer} is not a hash layer ('{ARCH}.hash_layer_count' = "
+               f"{meta.get(f'{ARCH}.hash_layer_count', sum(cfg.mlp_hash))})")
+    elif ".compressor." in canon or ".indexer." in canon:
+        why = (f"layer {layer} has compress ratio {cfg.compress_ratios[layer]} ({cfg.attn_kinds[layer]}) in "
+               f"'{ARCH}.attention.compress_ratios'")
+    else:  # pragma: no cover - every other per-layer tensor is expected for every layer
+        why = f"layer {layer} ({cfg.attn_kinds[layer]}) does not use it"
+    more = f" (and {len(stray) - 1} more)" if len(stray) > 1 else ""
+    raise GGUFError(f"{path}: tensor '{n}'{more} does not fit the metadata: {why}")
+
+
 def _mtp_blocks(names: set[str]) -> list[int]:
     return sorted({int(n.split(".")[1]) for n in names if n.startswith("mtp.") and n.split(".")[1].isdigit()})
 
@@ -590,6 +656,7 @@ def load_gguf(
                  len(no_bias))
     # a hash layer may carry an (unused) routing bias; anything else unknown is reported
     known = {gguf_tensor_name(c) for c in want}
+    _refuse_stray_tensors(names - known, cfg, meta, p)
     unknown = [n for n in names - known if not n.startswith("mtp.")
                and not (n.endswith(".exp_probs_b.bias") and canonical_tensor_name(n) is not None)]
     if unknown:
