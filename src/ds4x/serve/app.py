@@ -20,8 +20,8 @@ Request fields: ``model`` (must be the served name), ``prompt`` (completions: te
 those) or ``messages`` (chat), ``max_tokens`` (``max_completion_tokens`` for chat), ``stop`` (string or list),
 ``temperature``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``presence_penalty`` and ``frequency_penalty`` ([-2, 2],
 over the tokens generated so far), ``logit_bias`` (an object of at most 300 token ids, as strings, to a bias in
-[-100, 100] added to their logits), ``n`` (1 only), ``echo`` (completions), ``stream``,
-``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
+[-100, 100] added to their logits), ``n`` (choices per prompt, at most 128 a request), ``echo`` (completions),
+``stream``, ``stream_options.include_usage``, ``logprobs`` and (chat) ``top_logprobs`` (below). Extensions:
 ``repetition_penalty`` ((0, 10], default 1 = off; vLLM's: over the prompt and generated tokens, a positive logit
 divided by it, a negative one multiplied), ``ignore_eos`` (keep generating past EOS) and ``return_token_ids``
 (``prompt_token_ids`` and per-choice ``token_ids`` in the response; ``token_ids`` in every streamed chunk: the ids
@@ -47,8 +47,10 @@ too, ``text_offset``: the characters of the choice's text completed before the t
 chunks, so that is where its text starts unless the token before left a character unfinished); ``null`` when
 not asked. A token's string is its own text, with U+FFFD where it holds part of a character (chat's ``bytes``
 are then its raw bytes); "" for a model without a tokenizer. Tokens cut off by a stop string keep their
-entries. A completion's ``echo`` puts the prompt before the completion's text (the text sent; token ids: their
-decoded text; streamed: in the first chunk); with ``logprobs`` the prompt's tokens' entries come first (the first
+entries, at the text's end (streamed with ``return_token_ids``, the entry of a token held back as a possible
+start of a stop string comes with the chunk that settles its offset, after its id). A completion's ``echo``
+puts the prompt before the completion's text (the text sent; token ids: their decoded text; streamed: in the
+first chunk); with ``logprobs`` the prompt's tokens' entries come first (the first
 token's logprob and alternatives null, a BOS the server added at offset 0) and the completion's offsets count
 the prompt's text, and ``max_tokens`` 0 scores the prompt alone (lm-eval-harness's loglikelihood requests). Such
 a prompt is evaluated whole, alone in its prefill calls, with no stored prefix reused.
@@ -80,9 +82,10 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ds4x.kernels.jit_watch import watch
 from ds4x.runtime.chat import ReplyParts, chat_text, uses_chat_encoding
@@ -200,6 +203,15 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any] | str] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_hold_text(cls, content: str | list[dict[str, Any] | str] | None) -> Any:
+        # a text part without a string text (missing, a number) was dropped: an answer to another question
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+        return content
 
 
 class TokenizeRequest(_Base):
@@ -727,15 +739,17 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
     def count(endpoint: str, status: int) -> None:
         server.metrics.requests[(endpoint, status)] += 1
 
-    def error(exc: APIError, endpoint: str) -> JSONResponse:
+    def error(exc: APIError, endpoint: str, headers: dict[str, str] | None = None) -> JSONResponse:
         count(endpoint, exc.status)
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        if exc.status in (429, 503):
+            headers = {**(headers or {}), "Retry-After": "1"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error(APIError(exc.status_code, str(exc.detail), type_), _endpoint(request))
+        # the exception's headers too: a 405 names the methods the route takes (Allow), as HTTP requires
+        return error(APIError(exc.status_code, str(exc.detail), type_), _endpoint(request), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -748,18 +762,21 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
             raise APIError(413, too_long)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_REQUEST_BYTES:
-                raise APIError(413, too_long)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_REQUEST_BYTES:
+                    raise APIError(413, too_long)
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before the whole body came: a bad request, not an application error
+            raise APIError(400, "the client disconnected before sending the whole request body") from None
         return b"".join(chunks)
 
     async def parse(request: Request, model: type[_Base]) -> Any:
         raw = await read_body(request)
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}") from None
         except RecursionError:
             raise APIError(400, "We could not parse the JSON body of your request: it is nested too deeply") from None

@@ -167,7 +167,8 @@ def _first_stop(text: str, stops: list[str]) -> int:
 class Output:
     """Token ids -> pieces of text: incomplete UTF-8 characters and possible stop-string prefixes are held back
     (with ``ids_every_token`` the token's piece then carries its id and no text); a stop string ends the output
-    before it. A piece carries the logprobs of exactly its ids."""
+    before it. A piece carries the logprobs of its ids, except entries a stop string may still move: those come
+    with a later piece."""
 
     def __init__(self, engine: Engine, job: Job):
         self.job = job
@@ -197,8 +198,12 @@ class Output:
             cut = len(self.pending)
         if not cut and job.text and not job.ids_every_token:
             return None
-        piece = Piece(self.pending[:cut], self.ids, logprobs=self.logprobs)
-        self.pending, self.ids, self.logprobs = self.pending[cut:], [], []
+        # a token whose text starts past the cut may yet be cut off by a stop string, which moves its offset back
+        # (`_last`): its entry waits for the piece that settles it, so a streamed offset is the non-streamed one
+        # (with ``ids_every_token`` its id goes now, its entry later)
+        settled = sum(lp.offset <= self.sent + cut for lp in self.logprobs)  # offsets only grow: a prefix
+        piece = Piece(self.pending[:cut], self.ids, logprobs=self.logprobs[:settled])
+        self.pending, self.ids, self.logprobs = self.pending[cut:], [], self.logprobs[settled:]
         self.sent += cut
         return piece
 
