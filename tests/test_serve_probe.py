@@ -125,3 +125,17 @@ def test_a_client_gone_before_its_whole_body_is_a_bad_request_not_an_application
     asyncio.run(client.app(scope, receive, send))  # raised before
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
     assert b"disconnected" in b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, None])
+def test_thinking_switches_of_chat_template_kwargs_are_booleans(client: TestClient, value: object) -> None:
+    """vLLM's ``chat_template_kwargs`` thinking switches were read for their truthiness, so the string "false"
+    turned thinking on; a value that is not a boolean is a 400 naming the field (null: not given)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template_kwargs": {"enable_thinking": value}}
+    r = client.post("/v1/chat/completions", json=body)
+    if value is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "chat_template_kwargs"

@@ -272,6 +272,11 @@ class ChatRequest(_SamplingRequest):
                            param="response_format")
         if self.audio is not None:
             raise APIError(400, "audio: this server generates text only", param="audio")
+        for key in ("thinking", "enable_thinking"):  # a string "false" would read as true
+            value = (self.chat_template_kwargs or {}).get(key)
+            if value is not None and not isinstance(value, bool):
+                raise APIError(400, f"chat_template_kwargs.{key} must be a boolean, got {value!r}",
+                               param="chat_template_kwargs")
 
     def offered_tools(self) -> list[Any]:
         """The tools the prompt offers (none with tool_choice 'none')."""
