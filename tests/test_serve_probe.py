@@ -90,7 +90,7 @@ def test_method_not_allowed_names_the_allowed_methods(client: TestClient) -> Non
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and r.headers.get("allow") == "POST"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert client.post("/health").headers.get("allow") == "GET"
+    assert set(client.post("/health").headers.get("allow", "").split(", ")) == {"GET", "HEAD"}
 
 
 @pytest.mark.parametrize("url", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
@@ -139,3 +139,13 @@ def test_thinking_switches_of_chat_template_kwargs_are_booleans(client: TestClie
     else:
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_health_answers_head_and_a_huge_logit_bias_key_names_its_field(client: TestClient) -> None:
+    """HEAD /health (load balancers probe with it) was a 405; a logit_bias token id of thousands of digits got a 400
+    naming no field (Python's integer-conversion limit), now the field's own check."""
+    assert client.head("/health").status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "logit_bias": {"9" * 5000: 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "logit_bias": {"99999999999": 1}})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"], r.text

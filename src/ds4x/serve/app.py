@@ -162,7 +162,9 @@ class _SamplingRequest(_Base):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     # token ids are object keys in JSON, hence strings; 300 entries is OpenAI's limit
-    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+    # (at most 20 digits: Python refuses to convert an integer of over 4,300, after the check)
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,20}$")],
+                               Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=300)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     stream: bool = False
@@ -826,7 +828,7 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         count("/tokenizer_info", 200)
         return JSONResponse(info)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probe
     async def health() -> dict[str, str]:
         count("/health", 200)
         return {"status": "ok"}
