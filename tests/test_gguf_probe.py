@@ -253,3 +253,24 @@ def test_token_list_longer_than_the_vocabulary_is_refused(f32_file, tmp_path):
     with pytest.raises(GGUFError, match=rf"token list has {len(tokens)} tokens but 'deepseek4.vocab_size' = "
                                         rf"{len(tokens) - 1}"):
         load_gguf(path)
+
+
+@pytest.mark.parametrize("qt,field", [(Q.Q8_0, 0), (Q.Q2_K, 82), (Q.Q4_K, 2), (Q.IQ2_XXS, 0)])
+def test_non_finite_block_scale_is_refused(tmp_path, qt, field):
+    """A quantized block whose fp16 scale (d, or dmin) is NaN / Inf decodes to NaN weights: refused at load, naming
+    the tensor, and counted by the block check itself."""
+    from ds4x.formats.ggml import nonfinite_scale_blocks
+
+    weights = tp.random_weights(DK, seed=0)
+    enc, _ = _encoded(weights, _mix(qt, qt, Q.F16, Q.Q8_0))
+    data, raw = enc[id(weights["blk.2.ffn_down_exps.weight"])]
+    blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[qt][1])
+    assert nonfinite_scale_blocks(torch.from_numpy(blocks.copy()), qt) == 0
+    blocks[3, field:field + 2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    blocks[9, field:field + 2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    assert nonfinite_scale_blocks(torch.from_numpy(blocks.copy()), qt) == 2
+    path = tmp_path / "bad.gguf"
+    _write_encoded(path, weights, enc, DK, tp.Style())
+    with pytest.raises(GGUFError, match=rf"'blk.2.ffn_down_exps.weight'.* \({qt.name}\) has 2 blocks whose fp16 "
+                                        r"scale is NaN or infinite"):
+        load_gguf(path)

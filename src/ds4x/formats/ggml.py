@@ -70,6 +70,7 @@ __all__ = [
     "SUPPORTED_TYPES",
     "GGMLQuantizationType",
     "dequantize",
+    "nonfinite_scale_blocks",
     "quantize_q8_0",
     "quantized_nbytes",
     "random_blocks",
@@ -97,6 +98,22 @@ QUANT_SIZES: dict[GGMLQuantizationType, tuple[int, int]] = {T(t): bs for t, bs i
 """``{type: (block_size, type_size)}``: weights per block and bytes per block."""
 
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(QUANT_SIZES)
+
+
+# byte offsets, within a block, of its fp16 scale fields (d, and dmin where the type has one)
+_SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.Q8_0: (0,), T.Q2_K: (80, 82), T.Q4_K: (0, 2), T.IQ2_XXS: (0,)}
+
+
+def nonfinite_scale_blocks(raw: torch.Tensor, qtype: GGMLQuantizationType | int) -> int:
+    """How many blocks of ``raw`` (uint8, whole blocks of ``qtype`` in the file's layout) have a NaN or infinite
+    fp16 scale: such a block decodes to NaN weights. Reads only the scales' high bytes (exponent all ones)."""
+    t = _qtype(qtype)
+    blocks = raw.reshape(-1, QUANT_SIZES[t][1])
+    bad = torch.zeros(blocks.shape[0], dtype=torch.bool, device=raw.device)
+    for off in _SCALE_FIELDS.get(t, ()):
+        bad |= (blocks[:, off + 1] & 0x7C) == 0x7C
+    return int(bad.sum())
 
 
 def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:

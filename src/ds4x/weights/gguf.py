@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ds4x.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, YarnScaling
-from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize
+from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize, nonfinite_scale_blocks
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.weights.checkpoint import CheckpointError
 from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
@@ -565,7 +565,12 @@ def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape:
     ``device``), plain ones become ``dtype`` tensors (float32 where the model keeps float32), I32
     expert tables int64 (checked against ``n_experts``)."""
     if qt in QUANTIZED_TYPES:
-        return GGMLTensor(raw, qt, shape).to(device)
+        out = GGMLTensor(raw, qt, shape).to(device)
+        # a NaN / Inf block scale decodes to NaN weights: checked on the device copy (a few percent of the bytes)
+        bad = nonfinite_scale_blocks(out.raw, qt)
+        if bad:
+            raise GGUFError(f"{what} ({qt.name}) has {bad} blocks whose fp16 scale is NaN or infinite")
+        return out
     if qt in PLAIN_TYPES:
         # one cast from the mapped bytes (ggml.dequantize's fp16 path also preserves NaN payloads
         # bit for bit, which is 50x slower and moot for weights); always a copy, never the map
