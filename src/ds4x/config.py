@@ -120,9 +120,12 @@ class ModelConfig:
                 f"config field 'qk_rope_head_dim' must be even and in (0, head_dim={self.head_dim}], "
                 f"got {self.rope_head_dim}"
             )
-        if self.num_heads % self.o_groups:
+        # the grouped output projection splits the flat heads * head_dim output, so a group may hold part of a
+        # head (transformers builds such models); only the flat width must divide
+        if (self.num_heads * self.head_dim) % self.o_groups:
             raise ConfigError(
-                f"config field 'o_groups' ({self.o_groups}) must divide num_attention_heads ({self.num_heads})"
+                f"config field 'o_groups' ({self.o_groups}) must divide num_attention_heads * head_dim "
+                f"({self.num_heads} * {self.head_dim})"
             )
         if self.n_experts_per_tok > self.n_routed_experts:
             raise ConfigError(
@@ -205,6 +208,7 @@ class ModelConfig:
             rope_scaling = {
                 "type": "yarn", "factor": y.factor, "original_max_position_embeddings":
                 y.original_max_position_embeddings, "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+                "attention_factor": y.attention_factor,
             }
         return {
             "architectures": ["DeepseekV4ForCausalLM"],
@@ -278,7 +282,15 @@ def _as_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def _parse_yarn(d: dict[str, Any] | None, name: str) -> YarnScaling | None:
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _parse_yarn(d: dict[str, Any] | None, name: str, infer_attention: bool = False) -> YarnScaling | None:
+    """YaRN from a rope dict. ``infer_attention``: an absent ``attention_factor`` is derived from the factor
+    (and ``mscale`` / ``mscale_all_dim``) as transformers' YaRN does; transformers pins it to 1.0 only when
+    it builds the nested dict itself from a flat ``rope_scaling``, so a config.json that already holds the
+    nested ``rope_parameters.compress`` without it gets the magnitude scaling."""
     if not d:
         return None
     if not isinstance(d, dict):
@@ -295,12 +307,19 @@ def _parse_yarn(d: dict[str, Any] | None, name: str) -> YarnScaling | None:
         raise ConfigError(f"config field '{name}' is missing '{exc.args[0]}'") from None
     if factor <= 0 or original <= 0:
         raise ConfigError(f"config field '{name}' needs factor > 0 and original_max_position_embeddings > 0")
+    attention = d.get("attention_factor")
+    if attention is None:
+        attention = 1.0
+        if infer_attention:
+            mscale, mscale_all = d.get("mscale"), d.get("mscale_all_dim")
+            attention = (_yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+                         if mscale and mscale_all else _yarn_mscale(factor))
     return YarnScaling(
         factor=factor,
         original_max_position_embeddings=original,
         beta_fast=float(d.get("beta_fast") or 32),
         beta_slow=float(d.get("beta_slow") or 1),
-        attention_factor=float(d.get("attention_factor", 1.0)),
+        attention_factor=float(attention),
     )
 
 
@@ -311,8 +330,13 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     model_type = d.get("model_type")
     if model_type not in (None, "deepseek_v4"):
         raise ConfigError(f"config field 'model_type' is {model_type!r}; ds4x runs 'deepseek_v4' models")
-    if d.get("tie_word_embeddings"):
-        raise ConfigError("config field 'tie_word_embeddings' must be false for DeepSeek-V4")
+    # the experts here are bias-free SwiGLU (the official model); transformers builds other activations and
+    # biased shared experts from these fields, which would otherwise run as SwiGLU with silently wrong logits
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"config field 'hidden_act' must be 'silu' (SwiGLU experts), got {act!r}")
+    if d.get("mlp_bias"):
+        raise ConfigError("config field 'mlp_bias' must be false (the shared expert has no biases)")
     kv_heads = d.get("num_key_value_heads", 1)
     if kv_heads != 1:
         raise ConfigError(f"config field 'num_key_value_heads' must be 1 (shared-KV MQA), got {kv_heads!r}")
@@ -322,7 +346,16 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     nested = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
     nested_factor = (nested.get("main") or {}).get("partial_rotary_factor") if isinstance(nested.get("main"),
                                                                                         dict) else None
-    if "qk_rope_head_dim" in d:
+    # transformers rotates int(head_dim * rope_parameters[kind].partial_rotary_factor) dims whatever the
+    # top-level qk_rope_head_dim says: the nested factors, where given, are the ones the model runs
+    nested_dims = {int(head_dim * float(sub["partial_rotary_factor"])) for key in ("main", "compress")
+                   if isinstance(sub := nested.get(key), dict) and sub.get("partial_rotary_factor") is not None}
+    if len(nested_dims) > 1:
+        raise ConfigError(f"config field 'rope_parameters' gives main and compress RoPE different widths "
+                          f"{sorted(nested_dims)}; ds4x rotates one width")
+    if nested_dims:
+        rope_dim = nested_dims.pop()
+    elif "qk_rope_head_dim" in d:
         rope_dim = _as_int(d["qk_rope_head_dim"], "qk_rope_head_dim")
     elif d.get("partial_rotary_factor") is not None or nested_factor is not None:
         factor = d.get("partial_rotary_factor")
@@ -392,7 +425,11 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     if isinstance(rp, dict) and isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         rope_theta = float(rp["main"].get("rope_theta", d.get("rope_theta", 10000.0)))
         compress_theta = float(rp["compress"].get("rope_theta", d.get("compress_rope_theta", 160000.0)))
-        compress_scaling = _parse_yarn(rp["compress"], "rope_parameters.compress")
+        compress_scaling = _parse_yarn(rp["compress"], "rope_parameters.compress", infer_attention=True)
+        # sliding layers run plain RoPE here (and in the GGUF layout); transformers would scale them too
+        main_kind = rp["main"].get("rope_type", rp["main"].get("type", "default"))
+        if main_kind not in ("default", None):
+            raise ConfigError(f"config field 'rope_parameters.main.rope_type' must be 'default', got {main_kind!r}")
     else:
         rope_theta = float(d.get("rope_theta", 10000.0))
         compress_theta = float(d.get("compress_rope_theta", 160000.0))
@@ -441,6 +478,9 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
             bos_token_id=d.get("bos_token_id", 0),
             eos_token_ids=tuple(int(t) for t in eos_ids),
             num_mtp_layers=_as_int(d.get("num_nextn_predict_layers", 0), "num_nextn_predict_layers"),
+            # transformers accepts tied embeddings (save_pretrained then writes no lm_head): the checkpoint
+            # loader reads the head from the embedding
+            extra={"tie_word_embeddings": True} if d.get("tie_word_embeddings") else {},
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

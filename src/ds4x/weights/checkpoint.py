@@ -301,6 +301,9 @@ def open_checkpoint(path: str | Path) -> LazyCheckpoint:
     if unexpected:
         log.warning("ignoring %d tensors not used by DeepSeek-V4: %s", len(unexpected), ", ".join(unexpected[:5]))
 
+    if cfg.extra.get("tie_word_embeddings") and "embed.weight" in parts:
+        # tied as transformers ties them: the embedding is the head, whatever lm_head.weight the files hold
+        parts["head.weight"] = parts["embed.weight"]
     missing = [n for n in want if n not in parts]
     if missing:
         raise CheckpointError(

@@ -467,6 +467,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
     bos = _token_id(meta, "tokenizer.ggml.bos_token_id", "<｜begin▁of▁sentence｜>")
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", "<｜end▁of▁sentence｜>")
     has_csa = CSA in kinds
+    heads, groups = m.get_int("attention.head_count"), m.get_int("attention.output_group_count")
+    if groups > 0 and heads % groups:  # ds4 splits the output projection by whole heads (head_dim * heads / groups)
+        raise GGUFError(f"{p}: GGUF metadata key '{m.key('attention.output_group_count')}' (o_groups = {groups}) "
+                        f"must divide '{m.key('attention.head_count')}' ({heads})")
     try:
         return ModelConfig(
             vocab_size=vocab,

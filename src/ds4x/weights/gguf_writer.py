@@ -401,6 +401,12 @@ def _check_representable(cfg: ModelConfig) -> None:
             raise GGUFError(f"layer {i} is CSA with compress ratio {r}; the ds4 GGUF layout marks CSA as ratio 4")
     if cfg.n_shared_experts != 1:
         raise GGUFError("the ds4 GGUF layout has exactly one shared expert")
+    if cfg.num_heads % cfg.o_groups:
+        raise GGUFError(f"the ds4 GGUF layout groups the output projection by whole heads; o_groups "
+                        f"{cfg.o_groups} does not divide {cfg.num_heads} heads")
+    y = cfg.compress_rope_scaling
+    if y is not None and y.attention_factor != 1.0:  # no key holds it: the converted model would differ
+        raise GGUFError(f"the ds4 GGUF layout has no YaRN attention factor; this model's is {y.attention_factor}")
 
 
 def write_metadata(w: Any, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dict[str, Any] | None) -> None:
