@@ -62,9 +62,15 @@ def run(args: argparse.Namespace) -> int:
     if args.synthetic is not None:
         if out is None:
             raise ValueError("convert --synthetic needs --out X.gguf")
+        from ds4x.runtime.engine import resolve_device
+
+        # resolved here: without CUDA, torch's own error was a paragraph on ATen_cuda (and 'auto' was refused)
+        device = resolve_device(args.device or "cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"convert --device takes cpu or cuda, got {args.device!r}")
         cfg = PRESETS[args.synthetic]()
         write_synthetic_gguf(out, cfg, policy, seed=args.seed, progress=progress, name=args.name,
-                             device=args.device or "cpu")
+                             device=str(device))
     else:
         if args.src is None or out is None:
             raise ValueError("convert needs SRC_DIR and OUT.gguf (or --synthetic PRESET --out X.gguf)")

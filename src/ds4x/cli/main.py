@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -42,10 +43,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="attention history: packed (official FP8/MXFP4 semantics stored in the DS4X rows, "
                         "default), native (same values unpacked, float32) or float (matches transformers); "
                         "with --load-session, the file's")
-    p.add_argument("--prefill-mode", default="default", choices=["default", "exact", "reference"],
+    # default None: a loaded session keeps the mode it was saved with (its continuation must match the
+    # uninterrupted session's), like --cache and --prefill-chunk
+    p.add_argument("--prefill-mode", default=None, choices=["default", "exact", "reference"],
                    help="default: chunks, Triton attention and indexer on a packed CUDA cache; exact: bit-identical "
                         "to token-by-token decode; reference: chunks on the torch attention path (quantized products "
-                        "keep their kernels unless DS4X_QUANT_KERNEL=torch)")
+                        "keep their kernels unless DS4X_QUANT_KERNEL=torch); default default, with --load-session "
+                        "the file's")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to a text prompt")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--dump-logits", metavar="FILE.json", default=None,
@@ -117,7 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         apply_cpu_threads(engine, args.threads)
         g = torch.Generator().manual_seed(args.seed)
         prompt = torch.randint(0, engine.cfg.vocab_size, (args.prompt_len,), generator=g).tolist()
-        print(json.dumps(compare_caches(engine, prompt, gen=args.gen), indent=2))
+        report = compare_caches(engine, prompt, gen=args.gen)
+        # an overlap with no full top-k to compare is NaN, which json.dumps writes as the invalid token NaN
+        report = {pair: {k: None if v != v else v for k, v in row.items()} for pair, row in report.items()}
+        print(json.dumps(report, indent=2, allow_nan=False))
         return 0
     if args.bench == "prefill":
         return bench_prefill.run(args)
@@ -262,6 +269,20 @@ def _parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def _check_output_path(option: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written before any work: an empty path was skipped silently (exit 0,
+    nothing written) and a directory or a missing folder failed only after the whole generation."""
+    if path is None:
+        return
+    if not path:
+        raise ValueError(f"{option} needs a file name, got an empty string")
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a directory, not a file")
+    if not target.parent.is_dir():
+        raise ValueError(f"{option} {path}: folder {target.parent} does not exist")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ds4x.runtime.engine import Engine, GenerationStats
     from ds4x.runtime.tokenizer import TextStream
@@ -271,6 +292,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.ctx is not None and args.ctx <= 0:
         raise ValueError(f"--ctx must be positive, got {args.ctx}")
     params = sampling_params(args)
+    for option, path in (("--save-session", args.save_session), ("--dump-logits", args.dump_logits)):
+        _check_output_path(option, path)
     engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
     apply_cpu_threads(engine, args.threads)
     tok = engine.tokenizer
@@ -293,7 +316,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         session = engine.new_session(ctx=args.ctx, cache=args.cache or "packed",
                                      prefill_chunk=512 if args.prefill_chunk is None else args.prefill_chunk,
-                                     prefill_mode=args.prefill_mode)
+                                     prefill_mode=args.prefill_mode or "default")
     stats = GenerationStats()
     stream = TextStream(tok) if tok is not None and args.prompt_ids is None else None
     generated: list[int] = []
@@ -342,6 +365,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ds4x.runtime.inspect import describe_model
 
     report = describe_model(args.model, ctx=args.ctx, chunk=args.prefill_chunk)
+    # a plan for a context no session of this model can have (generate and serve refuse it) is no plan
+    limit = report["config"]["max_position_embeddings"]
+    if args.ctx is not None and args.ctx > limit:
+        raise ValueError(f"context {args.ctx} exceeds the model's max_position_embeddings {limit}")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -369,6 +396,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): every write was an AttributeError traceback
+        print(f"ds4x {args.command}: error: standard output is closed", file=sys.stderr)
+        return 2
     # the startup lines (model, cache plan, which kernel runs each hot op) go to stderr unless -q
     quiet = getattr(args, "quiet", False) and not args.verbose
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="[ds4x] %(message)s",
@@ -377,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": cmd_generate, "inspect": cmd_inspect, "bench": cmd_bench, "quality": cmd_quality,
                     "convert": convert_cmd.run, "serve": serve_cmd.run, "chat": chat_cmd.run}
         return commands[args.command](args)
+    except BrokenPipeError:
+        # the reader went away (`| head -c 10`): stop quietly, as a command killed by SIGPIPE would (exit 141),
+        # not with an error line; stdout goes to /dev/null so the interpreter's last flush cannot complain
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
     except (ValueError, FileNotFoundError, ConfigError, OSError, MemoryError, RuntimeError) as exc:
         print(f"ds4x {args.command}: error: {exc}", file=sys.stderr)
         return 2

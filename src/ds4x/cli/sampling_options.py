@@ -39,6 +39,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The options above as SamplingParams (which checks their ranges)."""
     from ds4x.runtime.sampling import SamplingParams
 
+    # torch's generators take 64-bit seeds: a larger --seed failed after the model loaded and the prompt ran, with
+    # torch's "Overflow when unpacking long long"
+    if args.seed is not None and not -(2**63) <= args.seed < 2**64:
+        raise ValueError(f"--seed must be a 64-bit integer, got {args.seed}")
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           seed=args.seed, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
