@@ -106,3 +106,22 @@ def test_bench_caches_prints_valid_json(capsys):
 
     report = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert report["float_vs_native"]["topk_overlap"] is None
+
+
+def test_a_gguf_without_the_gguf_suffix_is_recognised(tmp_path, capsys) -> None:
+    """A GGUF saved under another name (model.bin, MODEL.GGUF) was taken for a checkpoint directory ("is not a
+    directory"); the file's magic says what it is."""
+    from ds4x.cli.main import main
+    from ds4x.weights.gguf import is_gguf_file
+    from tests.test_gguf_third_party import D, random_weights, write_third_party
+
+    src = tmp_path / "m.gguf"
+    write_third_party(src, random_weights(D, seed=0))
+    for name in ("model.bin", "MODEL.GGUF"):
+        other = tmp_path / name
+        other.write_bytes(src.read_bytes())
+        assert is_gguf_file(other)
+        assert main(["inspect", str(other), "--json"]) == 0
+        assert main(["generate", "-m", str(other), "--prompt-ids", "1,2,3", "-n", "2", "--cache", "float",
+                     "--temp", "0"]) == 0
+    assert not is_gguf_file(tmp_path) and not is_gguf_file(tmp_path / "missing.bin")

@@ -96,7 +96,9 @@ class Engine:
                     f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing path"
                 )
             tokenizer = None
-            if path.suffix == ".gguf":
+            from ds4x.weights.gguf import is_gguf_file
+
+            if is_gguf_file(path):
                 from ds4x.runtime.gguf_tokenizer import GGUFTokenizer
                 from ds4x.weights.gguf import load_gguf
 

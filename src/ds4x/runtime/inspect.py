@@ -12,6 +12,7 @@ from typing import Any
 from ds4x.config import PRESETS, ModelConfig, load_config
 from ds4x.model.cache import plan_cache
 from ds4x.weights.checkpoint import CheckpointError
+from ds4x.weights.gguf import is_gguf_file
 from ds4x.weights.names import expected_shapes, is_integer_tensor
 
 _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -75,7 +76,7 @@ def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[
         cfg = PRESETS[model]()
         tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
         by_dtype, total, active = _count(cfg, tensors)
-    elif model.endswith(".gguf"):
+    elif is_gguf_file(model):
         from ds4x.weights.gguf import describe_gguf
 
         if not Path(model).is_file():

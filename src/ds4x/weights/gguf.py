@@ -238,6 +238,18 @@ def _reader_class() -> type:
     return _Reader
 
 
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file: a ``.gguf`` suffix in any case, or a file that starts with the format's
+    magic (a model saved as ``model.bin``)."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return True
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def open_gguf(path: str | Path) -> Any:
     """A ``gguf.GGUFReader`` (copy-on-write memory map) over ``path``, with errors as GGUFError."""
     p = Path(path)
