@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,16 @@ from ds4x.serve import create_app  # noqa: E402
 CTX = 256
 
 
-@pytest.fixture(scope="module")
-def client() -> TestClient:
+def tiny_client() -> Iterator[TestClient]:
+    """The server on the tiny preset, in process (also the fixture of tests/test_serve_probe.py)."""
     engine = Engine.load("tiny", device="cpu")
     with TestClient(create_app(engine, "tiny", CTX, "packed")) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    yield from tiny_client()
 
 
 def _events(text: str) -> list[str]:

@@ -3,7 +3,7 @@ through TestClient on the synthetic ``tiny`` preset (a byte tokenizer: one chara
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,23 +12,14 @@ httpx = pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from ds4x.runtime.engine import Engine  # noqa: E402
-from ds4x.serve import create_app  # noqa: E402
+from tests import test_serve  # noqa: E402
 
-CTX = 256
+_chunks = test_serve._chunks
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
-    engine = Engine.load("tiny", device="cpu")
-    with TestClient(create_app(engine, "tiny", CTX, "packed")) as c:
-        yield c
-
-
-def _chunks(text: str) -> list[dict]:
-    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+def client() -> Iterator[TestClient]:
+    yield from test_serve.tiny_client()
 
 
 def _merged_completion(chunks: list[dict]) -> dict:
