@@ -125,3 +125,73 @@ def test_a_gguf_without_the_gguf_suffix_is_recognised(tmp_path, capsys) -> None:
         assert main(["generate", "-m", str(other), "--prompt-ids", "1,2,3", "-n", "2", "--cache", "float",
                      "--temp", "0"]) == 0
     assert not is_gguf_file(tmp_path) and not is_gguf_file(tmp_path / "missing.bin")
+
+
+def test_an_interrupted_chat_reply_reports_its_rate(capsys):
+    # Ctrl-C in a reply printed "0.0 tok/s": the decode time was only recorded when the generator ran to its end
+    import io
+
+    from ds4x.cli import chat as chat_cmd
+    from ds4x.cli.main import build_parser
+
+    class CtrlC(io.StringIO):
+        writes = 0
+
+        def write(self, s: str) -> int:
+            self.writes += 1
+            if self.writes == 5:
+                raise KeyboardInterrupt
+            return super().write(s)
+
+    args = build_parser().parse_args(["chat", "-m", "tiny", "-p", "hi", "-n", "20", "--cache", "float"])
+    assert chat_cmd.run(args, out=CtrlC()) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("[ds4x] prompt"))
+    assert "stop: interrupted" in line
+    n, rate = line.split("generated ")[1].split(" tok (")
+    assert int(n) == 5 and float(rate.split()[0]) > 0  # the token being shown when Ctrl-C came counts
+
+
+def test_quality_recall_beyond_the_context_fails_before_any_work(monkeypatch, capsys):
+    # --recall 20000 ran the perplexity part, then failed with "context 19803 exceeds ... 16384"
+    from ds4x.runtime import quality
+
+    def no_work(*_a, **_k):
+        raise AssertionError("the perplexity ran before --recall was checked")
+
+    monkeypatch.setattr(quality, "perplexity", no_work)
+    assert main(["quality", "-m", "tiny", "--device", "cpu", "--samples", "0", "--recall", "2048,8193"]) == 2
+    err = capsys.readouterr().err
+    assert "--recall" in err and "context of 8192 tokens" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="context of 1..8192"):
+        quality.recall(Engine.load("tiny", device="cpu"), "x = 1\n", 8193)
+
+
+def test_convert_names_a_mix_that_fits(tmp_path, capsys):
+    # the default --mix q2 on the tiny preset failed with only "rows of 128 values, not a multiple of the IQ2_XXS
+    # block size 256"
+    out = tmp_path / "t.gguf"
+    assert main(["convert", "--synthetic", "tiny", "--out", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--mix q2 does not fit" in err and "IQ2_XXS block size 256" in err and "use --mix q8" in err
+    assert not out.exists()
+    assert main(["convert", "--synthetic", "tiny", "--mix", "q8", "--type-experts", "IQ2_XXS", "--out", str(out)]) == 2
+    assert "--type-experts IQ2_XXS does not fit" in capsys.readouterr().err
+
+
+def test_a_chat_reply_fills_the_context_like_generate():
+    # a reply stopped one token short of a full context with stop "length"; generate takes ctx - prompt + 1 tokens
+    from ds4x.runtime.conversation import Conversation
+    from ds4x.runtime.engine import GenerationStats
+
+    engine = Engine.load("tiny", device="cpu")
+    chat, stats = Conversation(engine.new_session(ctx=16, cache="float")), GenerationStats()
+    chat.messages.append({"role": "user", "content": "hi"})
+    prompt = chat.prompt_ids()
+    chat.reset()
+    reply = list(chat.reply("hi", 100, stats=stats))
+    plain = [t for t, _ in engine.new_session(ctx=16, cache="float").generate(prompt, 100, stop_ids=())]
+    assert reply == plain and len(reply) == 16 - len(prompt) + 1 and stats.stop_reason == "context"
+    with pytest.raises(ValueError, match="no longer fits"):  # the next turn is refused as before; /reset goes on
+        list(chat.reply("x", 4))
+    chat.reset()
+    assert len(list(chat.reply("x", 4))) == 4

@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ds4x.weights.gguf_writer import ProgressFn, WriteProgress
+    from ds4x.config import ModelConfig
+    from ds4x.weights.gguf_writer import ProgressFn, TypePolicy, WriteProgress
+
+_MIXES = ["q2", "q4", "q8", "f16", "f32"]
 
 _TYPE_FLAGS = {
     "embed": "token embedding", "output": "LM head", "attn": "attention projections (q_a, q_b, kv, o_a, o_b)",
@@ -35,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--synthetic", choices=["flash", "tiny"], default=None,
                    help="write a SYNTHETIC model of this preset instead (random weights, streamed tensor by "
                         "tensor; for benchmarks only)")
-    p.add_argument("--mix", default="q2", choices=["q2", "q4", "q8", "f16", "f32"],
+    p.add_argument("--mix", default="q2", choices=_MIXES,
                    help="type preset: q2 = ds4's 2-bit file (IQ2_XXS gate/up, Q2_K down, Q8_0 attention/"
                         "shared/output, F16 small tensors); q4 = Q4_K experts; q8; f16; f32 (lossless)")
     for key, what in _TYPE_FLAGS.items():
@@ -52,10 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ds4x.config import PRESETS
-    from ds4x.weights.gguf_writer import TypePolicy, write_gguf, write_synthetic_gguf
+    from ds4x.weights.gguf_writer import write_gguf, write_synthetic_gguf
 
     out = args.out_flag or (args.out if args.synthetic is None else (args.out or args.src))
-    policy = TypePolicy.preset(args.mix).with_overrides(**{f: getattr(args, f"type_{f}") for f in _TYPE_FLAGS})
+    policy = _policy(args.mix, args)
     t0 = time.perf_counter()
     progress = None if args.quiet else _progress_printer(t0)
 
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"convert --device takes cpu or cuda, got {args.device!r}")
         cfg = PRESETS[args.synthetic]()
+        _check_mix(cfg, args)
         write_synthetic_gguf(out, cfg, policy, seed=args.seed, progress=progress, name=args.name,
                              device=str(device))
     else:
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         src = Path(args.src)
         ckpt = open_checkpoint(src)  # headers only: each tensor is read while it is written
         cfg = ckpt.cfg
+        _check_mix(cfg, args)
         tok = src / "tokenizer.json"
         eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
         vocab = (vocab_from_tokenizer_json(tok, cfg.vocab_size, cfg.bos_token_id, eos) if tok.is_file()
@@ -93,6 +98,43 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {out}: {size:,} bytes ({size / 2**30:.2f} GiB) in {dt:.1f} s "
               f"({size / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
     return 0
+
+
+def _policy(mix: str, args: argparse.Namespace) -> TypePolicy:
+    """The type preset ``mix`` with the --type-* overrides."""
+    from ds4x.weights.gguf_writer import TypePolicy
+
+    return TypePolicy.preset(mix).with_overrides(**{f: getattr(args, f"type_{f}") for f in _TYPE_FLAGS})
+
+
+def _mix_error(cfg: ModelConfig, mix: str, args: argparse.Namespace) -> str | None:
+    """Why ``mix`` (with the --type-* overrides) cannot hold ``cfg``'s tensors, or None when it can."""
+    from ds4x.weights.gguf_writer import GGUFError, tensor_type
+    from ds4x.weights.names import expected_shapes
+
+    policy = _policy(mix, args)
+    try:
+        for name, shape in expected_shapes(cfg).items():
+            tensor_type(name, shape, policy)
+    except GGUFError as exc:
+        return str(exc)
+    return None
+
+
+def _check_mix(cfg: ModelConfig, args: argparse.Namespace) -> None:
+    """Refuse a type mix whose blocks do not divide the model's rows before anything is written, naming the mixes
+    that fit (the default q2 cannot hold the tiny preset: its 128-value expert rows are half an IQ2_XXS block)."""
+    from ds4x.weights.gguf import GGUFError
+
+    error = _mix_error(cfg, args.mix, args)
+    if error is None:
+        return
+    fits = [m for m in _MIXES if m != args.mix and _mix_error(cfg, m, args) is None]
+    given = [f"--type-{f.replace('_', '-')} {t}" for f in _TYPE_FLAGS if (t := getattr(args, f"type_{f}"))]
+    what = " with ".join([f"--mix {args.mix}", *([" ".join(given)] if given else [])])
+    hint = (f"use --mix {fits[0]} (fits: {', '.join(fits)})" if fits
+            else "choose another type for that tensor's --type-* option")
+    raise GGUFError(f"{what} does not fit this model: {error}; {hint}")
 
 
 def _progress_printer(t0: float) -> ProgressFn:

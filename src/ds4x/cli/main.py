@@ -221,6 +221,11 @@ def cmd_quality(args: argparse.Namespace) -> int:
     apply_cpu_threads(engine, args.threads)
     if engine.tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer; the quality report needs text")
+    # checked before the perplexity runs: a too long --recall failed only after it, naming the recall's session size
+    limit = engine.cfg.max_position_embeddings
+    if any(ctx > limit for ctx in recall):
+        raise ValueError(f"--recall contexts must be at most the model's context of {limit} tokens, "
+                         f"got {args.recall!r}")
     text = quality.heldout_text()
     rows = []
     ppl = {}

@@ -69,8 +69,10 @@ class Conversation:
             session.rewind(keep)
         self.reused = keep
         generated: list[int] = []
+        # the last sampled token is never evaluated, so a full context takes ctx - len(ids) + 1 of them, as in
+        # ds4x generate (and the stop says "context", not "length"); a next turn then needs /reset either way
         try:
-            for token, _ in session.generate(ids[keep:], min(max_new, session.ctx - len(ids)), params,
+            for token, _ in session.generate(ids[keep:], min(max_new, session.ctx - len(ids) + 1), params,
                                              stats=stats):
                 generated.append(token)
                 yield token

@@ -258,16 +258,20 @@ class Session:
                    else None)
         t0 = time.perf_counter()
         stats.stop_reason = "length"
-        for i in range(max_new):
-            token = sample(logits, params, gen, history)
-            yield token, logits
-            stats.generated = i + 1
-            if token in stop:
-                stats.stop_reason = "eos"
-                break
-            if len(self.tokens) >= self.ctx:
-                stats.stop_reason = "context"
-                break
-            if i + 1 < max_new:
-                logits = self.step(token)
-        stats.decode_s = time.perf_counter() - t0
+        # counted before the yield and timed in `finally`: a consumer that stops early (Ctrl-C in ds4x chat closes
+        # the generator at the yield) still gets the tokens produced and the time they took, not 0 tok/s
+        try:
+            for i in range(max_new):
+                token = sample(logits, params, gen, history)
+                stats.generated = i + 1
+                yield token, logits
+                if token in stop:
+                    stats.stop_reason = "eos"
+                    break
+                if len(self.tokens) >= self.ctx:
+                    stats.stop_reason = "context"
+                    break
+                if i + 1 < max_new:
+                    logits = self.step(token)
+        finally:
+            stats.decode_s = time.perf_counter() - t0

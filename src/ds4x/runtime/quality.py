@@ -307,6 +307,9 @@ def recall(engine: Engine, filler: str, n_ctx: int, n_prompts: int = 2, n_facts:
     rewound between questions). An answer counts when the greedy continuation up to the newline equals
     the planted value.
     """
+    limit = engine.cfg.max_position_embeddings
+    if not 0 < n_ctx <= limit:
+        raise ValueError(f"recall context {n_ctx} is outside the model's context of 1..{limit} tokens")
     tok = _tokenizer(engine)
     rng = random.Random(seed)
     res = RecallResult(ctx=n_ctx, correct=0, asked=0)
@@ -316,7 +319,9 @@ def recall(engine: Engine, filler: str, n_ctx: int, n_prompts: int = 2, n_facts:
         text = recall_prompt(tok, filler, n_ctx - q_room - 1, facts, rng)
         prompt = _bos(engine) + tok.encode(text)
         res.prompt_tokens.append(len(prompt))
-        session = engine.new_session(ctx=len(prompt) + q_room + 2, cache=cache, prefill_chunk=prefill_chunk)
+        # at most n_ctx (the prompt leaves q_room free): the +2 slack overran a context of exactly the model's maximum
+        session = engine.new_session(ctx=min(len(prompt) + q_room + 2, n_ctx), cache=cache,
+                                     prefill_chunk=prefill_chunk)
         session.prefill(prompt)
         order = list(facts)
         rng.shuffle(order)
