@@ -558,20 +558,8 @@ def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torc
                         f"{', '.join(t.name for t in ok)}")
     if qt not in QUANT_SIZES:  # pragma: no cover - allowed_types is a subset
         raise GGUFError(f"{path}: tensor '{name}' has unsupported type {qt.name}")
-    out = bind_raw(_torch_bytes(reader_tensor), qt, canonical, shape, dtype, device, n_experts,
-                   f"{path}: tensor '{name}'")
-    # a NaN / Inf in a plain weight (a norm, mHC, sink...) makes every logit NaN far from its cause; plain
-    # tensors were just copied, so one more pass is cheap (quantized blocks are not scanned: 80 GB)
-    if isinstance(out, torch.Tensor) and out.is_floating_point() and not _all_finite(out):
-        bad = ~torch.isfinite(out)
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        n_src = int((~torch.isfinite(_torch_bytes(reader_tensor).view(
-            {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qt]))).sum())
-        why = (f"{n_src} NaN / Inf values in the file" if n_src else
-               f"values that overflow {out.dtype} (finite in the file's {qt.name})")
-        raise GGUFError(f"{path}: tensor '{name}' ({qt.name}, '{canonical}') holds {why}, first at torch index "
-                        f"{list(first)}: {float(out[first])}")
-    return out
+    return bind_raw(_torch_bytes(reader_tensor), qt, canonical, shape, dtype, device, n_experts,
+                    f"{path}: tensor '{name}'")
 
 
 def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape: tuple[int, ...],
@@ -593,7 +581,17 @@ def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape:
         plain = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}[qt]
         target = torch.float32 if keeps_fp32(canonical) else dtype
         src = raw.view(plain).reshape(shape)
-        return src.to(device=device, dtype=target, copy=True)
+        out = src.to(device=device, dtype=target, copy=True)
+        # a NaN / Inf in a plain weight (a norm, mHC, sink...) makes every logit NaN far from its cause: one
+        # more pass over the copy just made
+        if not _all_finite(out):
+            first = tuple(int(i) for i in (~torch.isfinite(out)).nonzero()[0])
+            n_src = int((~torch.isfinite(src)).sum())
+            why = (f"{n_src} NaN / Inf values in the file" if n_src else
+                   f"values that overflow {out.dtype} (finite in the file's {qt.name})")
+            raise GGUFError(f"{what} ({qt.name}, '{canonical}') holds {why}, first at torch index {list(first)}: "
+                            f"{float(out[first])}")
+        return out
     out = dequantize(raw, qt, shape)
     if qt == T.I32:
         if out.numel() and (int(out.min()) < 0 or int(out.max()) >= n_experts):
