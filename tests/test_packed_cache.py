@@ -94,3 +94,19 @@ def test_ring_writes_through_the_triton_pack_match_the_torch_path(monkeypatch):
                 store.write_at(torch.arange(start, start + 20), rows)
             stores[path] = store.data
         assert torch.equal(stores["torch"], stores["triton"])
+
+
+def test_a_second_rewind_sees_the_rows_the_first_one_left_written(engine):
+    """Rewinding lowers the length, not the rows written past it: a ring slot a later position overwrote stays
+    overwritten, so a second rewind that needs that slot's older row must be refused (it was accepted and
+    continued from wrong rows: the server's prefix reuse rewound a stored session twice)."""
+    ids = _ids(400, seed=3)
+    s = engine.new_session(ctx=512, cache="packed", prefill_chunk=32, prefill_mode="exact")
+    s.prefill(ids)
+    floor = s.cache.rewind_floor()
+    assert floor > 0
+    s.rewind(floor + 10)
+    assert s.cache.rewind_floor() == floor and not s.cache.can_rewind(floor - 1)
+    s.rewind(floor)  # still exact
+    fresh = engine.new_session(ctx=512, cache="packed", prefill_chunk=32, prefill_mode="exact")
+    assert torch.equal(s.logits, fresh.prefill(ids[:floor]))

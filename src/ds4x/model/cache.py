@@ -305,6 +305,8 @@ class ModelCache:
         self.cfg, self.ctx, self.mode, self.chunk = cfg, ctx, mode, chunk
         self.device = torch.device(device)
         self.length = 0
+        # the furthest length the stores may hold rows up to: a rewind lowers ``length``, not the rows written past it
+        self.written = 0
         # when a list, CSA layers append (layer, positions, selected row indices, valid) here (quality reports)
         self.selections: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.plan = plan_cache(cfg, ctx, chunk, mode)
@@ -361,24 +363,26 @@ class ModelCache:
         is not stepping, or one whose token the session did not keep: `ds4x.runtime.batch.DecodeSlots`)."""
         if not 0 <= length <= self.length:
             return False
+        top = max(self.length, self.written)  # after a rewind, the rows of the positions past it still overwrote
         oldest_raw = max(0, length - self.cfg.sliding_window + 1)
         for st, ratio in zip(self.layers, self.cfg.compress_ratios, strict=True):
-            if oldest_raw <= self.length - st.raw.capacity:
+            if oldest_raw <= top - st.raw.capacity:
                 return False
             if st.comp_proj is not None:
                 oldest_proj = max(0, (length // ratio - 1) * ratio)
-                if oldest_proj <= self.length - st.comp_proj.capacity:
+                if oldest_proj <= top - st.comp_proj.capacity:
                     return False
         return True
 
     def reset(self) -> None:
         """Forget everything (rows are overwritten as the new sequence arrives)."""
-        self.length = 0
+        self.length = self.written = 0
 
     def rewind(self, length: int) -> None:
         if not self.can_rewind(length):
             raise ValueError(f"cannot rewind to {length}: the cache holds {self.length} tokens and keeps "
                              f"{'all' if self.mode != 'packed' else 'only the recent'} rows")
+        self.written = max(self.written, self.length)
         self.length = length
 
     def rewind_floor(self) -> int:
@@ -435,7 +439,7 @@ class ModelCache:
                                  f"got {rows.dtype} {list(rows.shape)}")
         for name, s, end in extents:
             s.put_stored(end - state[name].shape[0], state[name])
-        self.length = length
+        self.length, self.written = length, 0  # how far back the rows hold is the snapshot's rewind floor
 
     def indexer_query(self, q: torch.Tensor) -> torch.Tensor:
         """An indexer query as the cache's semantics score it (rotated and MXFP4 unless float)."""

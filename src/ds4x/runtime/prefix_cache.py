@@ -99,17 +99,25 @@ class PrefixCache:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], into: ModelCache | None = None) -> tuple[Session | None, int]:
+    def lookup(self, tokens: list[int], into: ModelCache | None = None, align: int = 1,
+               layout: tuple[int, str, int] | None = None) -> tuple[Session | None, int]:
         """(a private session holding the longest reusable prefix of ``tokens``, its length n), or
         (None, 0). n <= len(tokens) - 1: the caller evaluates ``tokens[n:]``, never empty. ``into``: the cache
-        the session gets (see :func:`ds4x.runtime.session_file.restore`)."""
+        the session gets (see :func:`ds4x.runtime.session_file.restore`). ``align``: n is a multiple of it (the
+        session is rewound once, straight to n, which the entry's rewind floor admits). ``layout``: only entries
+        of this (context, cache mode, prefill chunk) (default: ``into``'s)."""
         query = np.asarray(tokens, dtype=np.int64)
+        if into is not None:
+            layout = (into.ctx, into.mode, into.chunk)
         with self._lock:
             best, best_n = None, 0
             for key, e in self._entries.items():
-                if into is not None and e.layout != (into.ctx, into.mode, into.chunk):
+                if layout is not None and e.layout != layout:
                     continue
                 n = min(_shared_prefix(e.tokens, query), len(query) - 1)
+                n -= n % align
+                if n == 0:
+                    continue
                 usable = n == len(e.tokens) or n >= e.rewind_floor
                 in_memory = e.snap is not None or e.writing is not None
                 if usable and (n > best_n or (n == best_n and best is not None and not best[2] and in_memory)):

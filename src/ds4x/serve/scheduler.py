@@ -565,20 +565,19 @@ class Scheduler:
         if self.prefix_cache is None or len(prompt) <= self.chunk:  # a usable prefix is a whole chunk or more
             return None, 0
         try:
-            session, n = self.prefix_cache.lookup(prompt, into=into)
+            # continue at a chunk boundary: the rest is evaluated as a fresh session would. The lookup picks and
+            # rewinds to that boundary itself, checked against the entry's rewind floor (a second rewind here
+            # could need ring rows the stored session's later tokens overwrote, and be refused)
+            session, n = self.prefix_cache.lookup(prompt, into=into, align=self.chunk,
+                                                  layout=(self.ctx, self.cache, self.chunk))
         except Exception:  # a broken store costs the reuse, not the request
             log.exception("prefix cache: lookup failed")
             return None, 0
         if session is None:
             return None, 0
         c = session.cache
-        if (c.ctx, c.mode, c.chunk) != (self.ctx, self.cache, self.chunk):
+        if (c.ctx, c.mode, c.chunk) != (self.ctx, self.cache, self.chunk) or n % self.chunk:
             return None, 0  # stored by a server with other settings (a shared directory)
-        n -= n % self.chunk  # continue at a chunk boundary: the rest is evaluated as a fresh session would
-        if n == 0 or not c.can_rewind(n):
-            return None, 0
-        c.rewind(n)
-        session.tokens, session.logits = session.tokens[:n], None
         return session, n
 
     def _prefill(self, running: list[Generation], finished: list[Generation]) -> None:
