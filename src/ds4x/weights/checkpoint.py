@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ds4x.config import ModelConfig, load_config
 from ds4x.formats import dequantize_fp4_expert_weight, dequantize_fp8_block_weight
+from ds4x.formats.e4m3 import scale_to_float32
 from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class _SafetensorsDir:
 
     def __init__(self, path: Path):
         index = path / "model.safetensors.index.json"
-        if index.is_file():
+        has_index = index.is_file()
+        if has_index:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -112,7 +114,20 @@ class _SafetensorsDir:
                 raise CheckpointError(f"cannot read {f}: {exc}") from None
             self._handles.append(h)
             for k in h.keys():
-                self.where[k] = h
+                if has_index:
+                    # the index decides which shard holds a tensor (as transformers reads it): a stale copy
+                    # in another shard must not replace it, whatever the file order
+                    if path / weight_map.get(k, "") == f:
+                        self.where[k] = h
+                elif k in self.where:
+                    raise CheckpointError(f"tensor '{k}' is stored in more than one file of {path}")
+                else:
+                    self.where[k] = h
+        if has_index:
+            absent = [k for k in weight_map if k not in self.where]
+            if absent:
+                raise CheckpointError(f"{index} lists tensor '{absent[0]}' in {weight_map[absent[0]]}, "
+                                      f"which does not hold it ({len(absent)} such tensors)")
 
     def names(self) -> list[str]:
         return list(self.where)
@@ -173,10 +188,12 @@ class _Part:
     kind: str = "plain"  # plain, fp8 (128x128 UE8M0 blocks) or fp4 (E2M1 pairs, UE8M0 per 32)
     scale: str | None = None
     rows: slice | None = None  # the gate or up half of transformers' fused gate_up_proj (dim 1)
+    scale_shape: tuple[int, ...] | None = None  # from the scale's header
 
 
 _FP8_DTYPES = ("F8_E4M3",)
 _FP4_DTYPES = ("I8", "U8", "F4")  # official experts are int8 on disk; F4 is float4_e2m1fn_x2
+_SCALE_DTYPES = ("F8_E8M0", "U8", "F32", "BF16", "F16", "F64")  # UE8M0 (official), raw E8M0 bytes, or floats
 
 
 def _stored_part(st: _SafetensorsDir, names: set[str], n: str) -> _Part:
@@ -188,10 +205,28 @@ def _stored_part(st: _SafetensorsDir, names: set[str], n: str) -> _Part:
             raise CheckpointError(f"FP8 tensor '{n}' has no scale tensor")
         return _Part(n, shape)
     if dtype in _FP8_DTYPES:
-        return _Part(n, shape, "fp8", scale)
-    if dtype in _FP4_DTYPES:
-        return _Part(n, (*shape[:-1], 2 * shape[-1]), "fp4", scale)
-    raise CheckpointError(f"tensor '{n}' has a scale '{scale}' but dtype {dtype}")
+        part = _Part(n, shape, "fp8", scale)
+    elif dtype in _FP4_DTYPES:
+        part = _Part(n, (*shape[:-1], 2 * shape[-1]), "fp4", scale)
+    else:
+        raise CheckpointError(f"tensor '{n}' has a scale '{scale}' but dtype {dtype}")
+    # checked from the headers, so a bad scale fails at open, not halfway through writing a GGUF
+    s_dtype, s_shape = st.header(scale)
+    if s_dtype not in _SCALE_DTYPES:
+        raise CheckpointError(f"scale '{scale}' has dtype {s_dtype}, expected one of {', '.join(_SCALE_DTYPES)}")
+    return replace(part, scale_shape=s_shape)
+
+
+def _check_scale(p: _Part) -> None:
+    """The scale's header shape against its (already shape-checked) weight: 128x128 blocks for FP8, 32 values
+    per scale for FP4; checked at open, so a bad scale fails before ``ds4x convert`` writes anything."""
+    if p.kind == "plain":
+        return
+    out_dim, in_dim = p.shape[-2:] if len(p.shape) >= 2 else (0, 0)
+    want = (-(-out_dim // 128), -(-in_dim // 128)) if p.kind == "fp8" else (out_dim, -(-in_dim // 32))
+    if len(p.shape) != 2 or p.scale_shape != want:
+        raise CheckpointError(f"scale '{p.scale}' has shape {list(p.scale_shape or ())}, expected {list(want)} "
+                              f"for {p.kind.upper()} weight '{p.name}' of shape {list(p.shape)}")
 
 
 class LazyCheckpoint(Mapping[str, torch.Tensor]):
@@ -223,11 +258,14 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
 
     def _read(self, p: _Part) -> torch.Tensor:
         t = self._st.get(p.name, None if p.rows is None else (slice(None), p.rows))
-        if p.kind == "fp8":
-            return dequantize_fp8_block_weight(t, self._st.get(p.scale))  # type: ignore[arg-type]
-        if p.kind == "fp4":
-            return dequantize_fp4_expert_weight(t, self._st.get(p.scale))  # type: ignore[arg-type]
-        return t
+        if p.kind == "plain":
+            return t
+        scale = self._st.get(p.scale)  # type: ignore[arg-type]
+        # a NaN/inf scale (E8M0 0xFF) would silently make the whole block NaN; the GGUF loader refuses those too
+        if not bool(torch.isfinite(scale_to_float32(scale)).all()):
+            raise CheckpointError(f"scale '{p.scale}' of tensor '{p.name}' holds NaN or infinite values")
+        dequant = dequantize_fp8_block_weight if p.kind == "fp8" else dequantize_fp4_expert_weight
+        return dequant(t, scale)
 
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Tensor ``name`` on the CPU in ``dtype`` (float32-by-contract tensors float32, expert ids int64)."""
@@ -316,6 +354,7 @@ def open_checkpoint(path: str | Path) -> LazyCheckpoint:
             if p.shape != expect:
                 shown = name if isinstance(part, _Part) else p.name
                 raise CheckpointError(f"tensor '{shown}' has shape {list(p.shape)}, expected {list(expect)}")
+            _check_scale(p)
     return LazyCheckpoint(cfg, st, parts)
 
 

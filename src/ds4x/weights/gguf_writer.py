@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -516,6 +517,9 @@ def _write(path: Path, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dic
 
     plan = list(plan)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # written beside the target and renamed at the end: a failure halfway (a bad tensor, a full disk) leaves
+    # neither a truncated GGUF nor a clobbered earlier file at ``path``
+    final, path = path, path.with_name(f".{path.name}.{os.getpid()}.partial")
     w = GGUFWriter(str(path), ARCH)
     write_metadata(w, cfg, vocab, name, extra)
     if metadata_hook is not None:
@@ -541,8 +545,12 @@ def _write(path: Path, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dic
             done += want
             if progress:
                 progress(WriteProgress(gname, i + 1, len(plan), done, total))
-    finally:
         w.close()
+        os.replace(path, final)
+    except BaseException:
+        w.close()
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _canonical_plan(cfg: ModelConfig, weights: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
