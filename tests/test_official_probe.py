@@ -96,3 +96,14 @@ def test_failed_convert_leaves_the_previous_output_untouched(tmp_path, weights):
         write_gguf(out, CFG, open_checkpoint(tmp_path / "ck"), "f32")
     assert out.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "out.gguf"]  # no partial file left
+
+
+def test_non_finite_plain_weight_is_refused(tmp_path, weights):
+    """A NaN in a norm weight loaded and made every logit NaN; refused by name, as the GGUF loader does."""
+    bad = dict(weights)
+    name = next(k for k in sorted(bad) if k.endswith("attn_norm.weight") or k.endswith("attn.q_norm.weight"))
+    bad[name] = bad[name].clone()
+    bad[name][3] = float("nan")
+    save_checkpoint(CFG, bad, tmp_path)
+    with pytest.raises(CheckpointError, match=r"holds 1 NaN or infinite values"):
+        load_checkpoint(tmp_path)

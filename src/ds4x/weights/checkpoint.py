@@ -87,6 +87,12 @@ _EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _IGNORED = re.compile(r"(^|\.)mtp\.|rotary_emb|inv_freq")
 
 
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """torch.isfinite(t).all() without a bool copy of a whole embedding (0.5 GB for Flash's)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
 class _SafetensorsDir:
     """Memory-mapped view of every tensor in a checkpoint directory (sharded or not)."""
 
@@ -259,6 +265,11 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
     def _read(self, p: _Part) -> torch.Tensor:
         t = self._st.get(p.name, None if p.rows is None else (slice(None), p.rows))
         if p.kind == "plain":
+            # a NaN / Inf in a weight (a norm, a sink...) makes every logit NaN far from its cause, as the GGUF
+            # loader says too
+            if t.is_floating_point() and not all_finite(t):
+                raise CheckpointError(f"tensor '{p.name}' holds {int((~torch.isfinite(t)).sum())} NaN or infinite "
+                                      f"values")
             return t
         scale = self._st.get(p.scale)  # type: ignore[arg-type]
         # a NaN/inf scale (E8M0 0xFF) would silently make the whole block NaN; the GGUF loader refuses those too

@@ -29,7 +29,7 @@ import torch
 from ds4x.config import CSA, HCA, SLIDING, ConfigError, ModelConfig, YarnScaling
 from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize, nonfinite_scale_blocks
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.weights.checkpoint import CheckpointError
+from ds4x.weights.checkpoint import CheckpointError, all_finite
 from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
 
 log = logging.getLogger(__name__)
@@ -534,12 +534,6 @@ def _torch_bytes(t: Any) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """torch.isfinite(t).all() without a bool copy of a whole embedding (0.5 GB for Flash's)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
-
-
 def _bind(reader_tensor: Any, canonical: str, want: tuple[int, ...], dtype: torch.dtype,
           device: torch.device | str, path: Path, n_experts: int) -> torch.Tensor | GGMLTensor:
     name = reader_tensor.name
@@ -584,7 +578,7 @@ def bind_raw(raw: torch.Tensor, qt: GGMLQuantizationType, canonical: str, shape:
         out = src.to(device=device, dtype=target, copy=True)
         # a NaN / Inf in a plain weight (a norm, mHC, sink...) makes every logit NaN far from its cause: one
         # more pass over the copy just made
-        if not _all_finite(out):
+        if not all_finite(out):
             first = tuple(int(i) for i in (~torch.isfinite(out)).nonzero()[0])
             n_src = int((~torch.isfinite(src)).sum())
             why = (f"{n_src} NaN / Inf values in the file" if n_src else
