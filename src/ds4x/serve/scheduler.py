@@ -573,11 +573,8 @@ class Scheduler:
         except Exception:  # a broken store costs the reuse, not the request
             log.exception("prefix cache: lookup failed")
             return None, 0
-        if session is None:
+        if session is None:  # (entries a server with other settings stored in a shared directory are skipped)
             return None, 0
-        c = session.cache
-        if (c.ctx, c.mode, c.chunk) != (self.ctx, self.cache, self.chunk) or n % self.chunk:
-            return None, 0  # stored by a server with other settings (a shared directory)
         return session, n
 
     def _prefill(self, running: list[Generation], finished: list[Generation]) -> None:
