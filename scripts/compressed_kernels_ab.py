@@ -143,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         # pipelined)
         from ds4x.kernels import indexer_wgmma as IW
 
-        switches = ("REGISTER_KEYS", "REGS_BLOCK_N", "REGS_PROGRAMS_PER_SM", "REGS_PIPELINE")
+        switches = ("REGISTER_KEYS", "REGS_BLOCK_N", "REGS_PROGRAMS_PER_SM", "REGS_PIPELINE", "REGS_WARPS")
         saved = I.PROGRAMS_PER_SM, *(getattr(IW, a) for a in switches)
-        configs = {f"shared-memory keys, {p} programs a SM": (p, False, 64, 0, False) for p in (2, 3)}
-        configs |= {f"register keys, {bn} rows, {p} a SM{', pipelined' if pipe else ''}": (3, True, bn, p, pipe)
+        configs = {f"shared-memory keys, {p} programs a SM": (p, False, 64, 0, False, 4) for p in (2, 3)}
+        configs |= {f"register keys, {bn} rows, {p} a SM{', pipelined' if pipe else ''}":
+                    (3, True, bn, p, pipe, 16 if bn == 256 else 4)
                     for bn, p, pipe in ((64, 3, False), (64, 4, False), (64, 5, False), (64, 6, False),
-                                        (64, 2, True), (64, 3, True), (64, 4, True), (128, 2, False))}
+                                        (64, 2, True), (64, 3, True), (64, 4, True), (128, 2, False),
+                                        (256, 1, False), (256, 1, True))}
         times_i: dict[str, list[float]] = {c: [] for c in configs}
         same, diffs = {}, {}
         for _ in range(2):

@@ -92,14 +92,15 @@ def compile_indexer(maxnreg: int | None = None, regs: tuple[int, bool] | None = 
     register ceiling if given; or ``score_regs_kernel`` at ``regs`` = (rows per tile, pipelined)."""
     from ds4x.kernels import indexer_wgmma
 
-    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True}
-    fn = indexer_wgmma.score_kernel
+    warps, fn = indexer_wgmma.WARPS, indexer_wgmma.score_kernel
+    consts = {"H": 64, "DEVICE_COUNT": True, "PDL": True}
     if regs:
-        fn = indexer_wgmma.score_regs_kernel
-        consts |= {"BN": regs[0], "LW": indexer_wgmma.word_layout(regs[0]), "PIPE": regs[1]}
+        # 64 or 128 rows a tile on one warpgroup, 256 on four (REGS_WARPS 16)
+        warps, fn = 16 if regs[0] == 256 else 4, indexer_wgmma.score_regs_kernel
+        consts |= {"BN": regs[0], "LW": indexer_wgmma.word_layout(regs[0], warps), "PIPE": regs[1]}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
-    return compile_gluon(fn, consts, pointers,
-                         {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
+    return compile_gluon(fn, consts | {"num_warps": warps}, pointers,
+                         {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def sass_of(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str) -> list[tuple[int, str, str]]:
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--regs", nargs="*", default=[],
-                     help="also score_regs_kernel at these rows per tile (a trailing p: pipelined), e.g. 64 64p 128")
+                     help="also score_regs_kernel at these rows per tile (a trailing p: pipelined; 256: on 16 warps), "
+                     "e.g. 64 64p 128 256")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
     run = {"qmv": main_qmv, "attention": main_attention, "indexer": main_indexer}[args.kernel]

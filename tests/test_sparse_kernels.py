@@ -66,7 +66,7 @@ def test_indexer_scores_packed_and_unpacked_rows(n, heads, spread):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block, pipelined", [(64, False), (64, True), (128, False)])
+@pytest.mark.parametrize("block, pipelined", [(64, False), (64, True), (128, False), (256, False), (256, True)])
 def test_register_key_indexer_on_gpu(monkeypatch, block, pipelined):
     """The Hopper indexer with the key tile in the product's registers (indexer_wgmma.REGISTER_KEYS): the reference's
     scores to rounding with block scales far apart, per-query bits in a chunk of queries with device counts, and
@@ -83,7 +83,8 @@ def test_register_key_indexer_on_gpu(monkeypatch, block, pipelined):
     x[2::7] = 0.0
     rows = pack_indexer_rows(x).cuda()
     shared = indexer_scores_triton(q, w, rows, 4099, packed=True)
-    for name, value in (("REGISTER_KEYS", True), ("REGS_BLOCK_N", block), ("REGS_PIPELINE", pipelined)):
+    for name, value in (("REGISTER_KEYS", True), ("REGS_BLOCK_N", block), ("REGS_PIPELINE", pipelined),
+                        ("REGS_WARPS", 16 if block == 256 else 4), ("REGS_PROGRAMS_PER_SM", 1 if block == 256 else 4)):
         monkeypatch.setattr(indexer_wgmma, name, value)
     ref = _reference_scores(q, w, rows, 4099)
     scores = indexer_scores_triton(q, w, rows, 4099, packed=True)

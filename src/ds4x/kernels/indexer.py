@@ -107,10 +107,11 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             pdl = launch_options(q.device)
             if regs:
                 bn = indexer_wgmma.REGS_BLOCK_N
+                warps = indexer_wgmma.REGS_WARPS
                 indexer_wgmma.score_regs_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, BN=bn,
-                                                             LW=indexer_wgmma.word_layout(bn),
+                                                             LW=indexer_wgmma.word_layout(bn, warps),
                                                              PIPE=indexer_wgmma.REGS_PIPELINE, **pdl,
-                                                             num_warps=indexer_wgmma.WARPS)
+                                                             num_warps=warps)
             else:
                 indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
                                                         num_warps=indexer_wgmma.WARPS)

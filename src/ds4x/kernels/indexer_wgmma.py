@@ -45,11 +45,13 @@ WARPS = 4
 # score_regs_kernel (keys decoded into the product's registers) instead of score_kernel; its rows per tile,
 # persistent programs per SM, and whether the product overlaps the next tile's decode. Off until timed on the GPU
 # (`scripts/compressed_kernels_ab.py --parts indexer` A/Bs both kernels); the defaults here are a first guess
-# from the register counts (sm_90, offline: 105 registers at 64 rows, 185 at 128, 122 pipelined at 64)
+# from the register counts (sm_90, offline: 105 registers at 64 rows, 185 at 128, 122 pipelined at 64; 108 at
+# 256 rows on 16 warps)
 REGISTER_KEYS = False
 REGS_BLOCK_N = 64
 REGS_PROGRAMS_PER_SM = 4
 REGS_PIPELINE = False
+REGS_WARPS = 4  # 16: one program an SM (4 warpgroups, 64 rows each per tile) loads the query once
 
 
 if HAVE_GLUON:
@@ -289,13 +291,16 @@ if HAVE_GLUON:
                 sw = next_sw
 
 @functools.cache
-def word_layout(bn: int):
+def word_layout(bn: int, warps: int = WARPS):
     """The layout of score_regs_kernel's code words [bn rows, 4 blocks, 4 words]: each (row, block) where the wgmma
-    A operand (4 warps, M = bn) holds that row's pairs of the block's permuted columns."""
-    regs = [[0, 0, 1], [0, 0, 2], [8, 0, 0]] + ([[64, 0, 0]] if bn == 128 else [])
+    A operand (``warps`` warps, 16 rows each per 64-row product, M = bn) holds that row's pairs of the block's
+    permuted columns."""
+    warp_rows = [[16 << i, 0, 0] for i in range(warps.bit_length() - 1)]
+    repeats = [[16 * warps << i, 0, 0] for i in range((bn // (16 * warps)).bit_length() - 1)]
     lanes = [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes,
-                                      warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[bn, 4, 4])
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]] + repeats, lane_bases=lanes,
+                                      warp_bases=warp_rows, block_bases=[], shape=[bn, 4, 4])
+
 
 def available(q: torch.Tensor, heads: int) -> bool:
     """Whether the kernel serves this query: CUDA on an sm_90 GPU with Gluon (not the interpreter), at most 64
