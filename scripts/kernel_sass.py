@@ -8,13 +8,12 @@ and inside its K loop (the range closed by the first backward branch around the 
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 ``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
 launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
-``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it, and its register
-key-tile variant.
+``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it.
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query f32,bf16] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--regs 64 64p 128] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -87,20 +86,15 @@ def compile_attention(block: int, query: str) -> triton.compiler.CompiledKernel:
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None, regs: tuple[int, bool] | None = None) -> triton.compiler.CompiledKernel:
+def compile_indexer(maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with a
-    register ceiling if given; or ``score_regs_kernel`` at ``regs`` = (rows per tile, pipelined)."""
+    register ceiling if given."""
     from ds4x.kernels import indexer_wgmma
 
-    warps, fn = indexer_wgmma.WARPS, indexer_wgmma.score_kernel
-    consts = {"H": 64, "DEVICE_COUNT": True, "PDL": True}
-    if regs:
-        # 64 or 128 rows a tile on one warpgroup, 256 on four (REGS_WARPS 16)
-        warps, fn = 16 if regs[0] == 256 else 4, indexer_wgmma.score_regs_kernel
-        consts |= {"BN": regs[0], "LW": indexer_wgmma.word_layout(regs[0], warps), "PIPE": regs[1]}
+    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
-    return compile_gluon(fn, consts | {"num_warps": warps}, pointers,
-                         {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
+                         {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def sass_of(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str) -> list[tuple[int, str, str]]:
@@ -188,16 +182,11 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
-    ok = True
-    variants = [None] + [(int(v.rstrip("p")), v.endswith("p")) for v in args.regs]
-    for regs in variants:
-        tag = "indexer" + (f"_regs{regs[0]}{'p' if regs[1] else ''}" if regs else "") + (
-            f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-        _, spill = report(compile_indexer(args.maxnreg, regs), args.dump, tag, "HGMMA")
-        if spill:
-            print("   !! local memory in use (spills)")
-            ok = False
-    return ok
+    tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
+    _, spill = report(compile_indexer(args.maxnreg), args.dump, tag, "HGMMA")
+    if spill:
+        print("   !! local memory in use (spills)")
+    return not spill
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,9 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
-    idx.add_argument("--regs", nargs="*", default=[],
-                     help="also score_regs_kernel at these rows per tile (a trailing p: pipelined; 256: on 16 warps), "
-                     "e.g. 64 64p 128 256")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
     run = {"qmv": main_qmv, "attention": main_attention, "indexer": main_indexer}[args.kernel]

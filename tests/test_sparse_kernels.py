@@ -65,43 +65,6 @@ def test_indexer_scores_packed_and_unpacked_rows(n, heads, spread):
     assert float((packed - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("block, pipelined", [(64, False), (64, True), (128, False), (256, False), (256, True)])
-def test_register_key_indexer_on_gpu(monkeypatch, block, pipelined):
-    """The Hopper indexer with the key tile in the product's registers (indexer_wgmma.REGISTER_KEYS): the reference's
-    scores to rounding with block scales far apart, per-query bits in a chunk of queries with device counts, and
-    the shared-memory kernel's scores to rounding at 1M."""
-    from ds4x.kernels import indexer_wgmma
-    from ds4x.kernels.indexer import indexer_scores_triton
-
-    rows, q, w = _indexer_case(4099, 64, 11, "cuda")
-    if not indexer_wgmma.available(q, 64):
-        pytest.skip("needs an sm_90 GPU with Gluon")
-    x = unpack_indexer_rows(rows.cpu())
-    x[::3, 32:64] *= 2.0**-20
-    x[1::3, 96:] *= 2.0**12
-    x[2::7] = 0.0
-    rows = pack_indexer_rows(x).cuda()
-    shared = indexer_scores_triton(q, w, rows, 4099, packed=True)
-    for name, value in (("REGISTER_KEYS", True), ("REGS_BLOCK_N", block), ("REGS_PIPELINE", pipelined),
-                        ("REGS_WARPS", 16 if block == 256 else 4), ("REGS_PROGRAMS_PER_SM", 1 if block == 256 else 4)):
-        monkeypatch.setattr(indexer_wgmma, name, value)
-    ref = _reference_scores(q, w, rows, 4099)
-    scores = indexer_scores_triton(q, w, rows, 4099, packed=True)
-    assert float((scores - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
-    assert float((scores - shared).abs().max()) <= 2e-6 * float(shared.abs().max())
-    qs, ws = torch.stack([q, q.flip(0), q * 0.5]), torch.stack([w, w.flip(0), -w])
-    counts = torch.tensor([4099, 0, 129], device="cuda")
-    chunk = indexer_scores_triton(qs, ws, rows, counts, packed=True)
-    for t, n in enumerate(counts.tolist()):
-        if n:
-            assert torch.equal(chunk[t, :n], indexer_scores_triton(qs[t], ws[t], rows, n, packed=True))
-    rows, q, w = _indexer_case(262_144, 64, 5, "cuda")
-    scores = indexer_scores_triton(q, w, rows, 262_144, packed=True)
-    monkeypatch.setattr(indexer_wgmma, "REGISTER_KEYS", False)
-    shared = indexer_scores_triton(q, w, rows, 262_144, packed=True)
-    assert float((scores - shared).abs().max()) <= 2e-6 * float(shared.abs().max())
-
 def test_indexer_and_radix_take_the_row_count_from_the_device():
     """CUDA graphs pass the row count as a device tensor: same scores on the counted rows, same selection."""
     from ds4x.kernels.indexer import indexer_scores_triton

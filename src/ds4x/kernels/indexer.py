@@ -92,12 +92,10 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         from ds4x.kernels import indexer_wgmma
 
         wide = WGMMA and ptx is None and indexer_wgmma.available(q, H)
-        regs = wide and indexer_wgmma.REGISTER_KEYS
-        n_tiles = -(-n_rows // (indexer_wgmma.REGS_BLOCK_N if regs else indexer_wgmma.BLOCK_N if wide else block_n))
+        n_tiles = -(-n_rows // (indexer_wgmma.BLOCK_N if wide else block_n))
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once (PROGRAMS_PER_SM)
-        per_sm = indexer_wgmma.REGS_PROGRAMS_PER_SM if regs else PROGRAMS_PER_SM
-        n_prog = min(n_tiles, max(1, per_sm * num_sms(q.device) // T)) if persistent else n_tiles
+        n_prog = min(n_tiles, max(1, PROGRAMS_PER_SM * num_sms(q.device) // T)) if persistent else n_tiles
         args = (qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
                 n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
                 -(-n_tiles // n_prog), n_prog, D**-0.5)
@@ -105,16 +103,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             from ds4x.formats.pdl import launch_options
 
             pdl = launch_options(q.device)
-            if regs:
-                bn = indexer_wgmma.REGS_BLOCK_N
-                warps = indexer_wgmma.REGS_WARPS
-                indexer_wgmma.score_regs_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, BN=bn,
-                                                             LW=indexer_wgmma.word_layout(bn, warps),
-                                                             PIPE=indexer_wgmma.REGS_PIPELINE, **pdl,
-                                                             num_warps=warps)
-            else:
-                indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
-                                                        num_warps=indexer_wgmma.WARPS)
+            indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
+                                                    num_warps=indexer_wgmma.WARPS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,
