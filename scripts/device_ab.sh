@@ -12,6 +12,7 @@
 #                                       # the kernels compiled after the warm-up as compiles.txt, and
 #                                       # TRITON_CACHE_DIR=$(mktemp -d) makes a warm machine compile as a fresh one)
 #   bash scripts/device_ab.sh step32    # batched decode, 32 sessions: expert-pairs kernel off (<10 min)
+#   bash scripts/device_ab.sh routed    # GPU tests and timings of the routed tensor-core kernel's variants (~6 min)
 #   bash scripts/device_ab.sh prefill   # the server's prompt calls of 1-8 sessions of 130 tokens, timed and profiled
 #   bash scripts/device_ab.sh loop      # GPU tests of the decode slots and the scheduler, then the server's decode loop
 #                                       # without HTTP at 1, 8 and 32 streams, a step's tokens read after / before the
@@ -36,7 +37,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -94,6 +95,12 @@ compressed)
     piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
+    ;;
+routed)
+    # the tensor-core routed kernel's variants (the activations by cp.async, the weights in the wgmma's registers):
+    # bits against the dequantized experts, then us per tile and variant at 130 / 1,024 / 4,096 tokens
+    piece routed_tests.log 250 python -m pytest -q -m gpu tests/test_routed_wgmma.py
+    piece routed_ab.log 300 python scripts/routed_wgmma_ab.py --ledger "$out/ledger.jsonl"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
@@ -156,7 +163,7 @@ PY
         && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed or all)" >&2
     exit 2
     ;;
 esac

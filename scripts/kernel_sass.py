@@ -8,12 +8,14 @@ and inside its K loop (the range closed by the first backward branch around the 
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 ``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
 launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
+``routed``: the routed experts' tensor-core kernel (ds4x.kernels.routed_wgmma) per tile and variant.
 ``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it.
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query f32,bf16] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
 
 from __future__ import annotations
@@ -95,6 +97,29 @@ def compile_indexer(maxnreg: int | None = None) -> triton.compiler.CompiledKerne
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
                          {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
+
+
+def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> triton.compiler.CompiledKernel:
+    """``routed_wgmma._routed_wgmma_kernel`` for IQ2_XXS split rows (17) / Q2_K (10) at (BT, BN, warps), as
+    ``routed_wgmma`` launches it (int arguments and pointers 16-divisible, as Triton specializes them): the
+    variant ``shared`` (default), ``x async`` (ASYNC_ACTIVATIONS) or ``regs`` (REGISTER_WEIGHTS too)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ds4x.kernels import routed_wgmma
+
+    bt, bn, warps = tile
+    reg, xa = {"shared": (False, False), "x async": (False, True), "regs": (True, True)}[variant]
+    fn = routed_wgmma._routed_wgmma_kernel
+    consts = {"X_DIV": 1, "QTYPE": qtype, "BT": bt, "BN": bn, "num_warps": warps, "REG_W": reg, "X_ASYNC": xa,
+              "L4": routed_wgmma.register_words_layout(bn, warps) if reg else routed_wgmma.words_layout(warps)}
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i16", "c_expert": "*i32", "c_start": "*i32",
+                "c_len": "*i32", "order_ptr": "*i32", "y_ptr": "*bf16"}
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in names}
+    divisible = set(pointers) | {"N", "K", "row_bytes", "expert_bytes", "stride_x", "stride_y"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in divisible}
+    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
 def sass_of(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str) -> list[tuple[int, str, str]]:
@@ -189,6 +214,22 @@ def main_indexer(args: argparse.Namespace) -> bool:
     return not spill
 
 
+def main_routed(args: argparse.Namespace) -> bool:
+    ok = True
+    code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
+    for spec in args.tile:
+        tile = tuple(int(v) for v in spec.split(","))
+        for variant in args.variant.split(","):
+            if variant == "regs" and tile[1] % (16 * tile[2]):
+                continue
+            tag = f"routed_{args.qtype}_bt{tile[0]}_bn{tile[1]}_w{tile[2]}_{variant.replace(' ', '_')}"
+            _, spill = report(compile_routed(code, tile, variant), args.dump, tag, "HGMMA")  # type: ignore[arg-type]
+            if spill:
+                print("   !! local memory in use (spills)")
+                ok = False
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
@@ -204,8 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
+    rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
+    rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
+    rt.add_argument("--tile", nargs="+", default=["16,128,4", "128,64,4", "64,64,4"], help="BT,BN,warps tiles")
+    rt.add_argument("--variant", default="shared,x async,regs", help="comma-separated: shared, x async, regs")
+    rt.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
-    run = {"qmv": main_qmv, "attention": main_attention, "indexer": main_indexer}[args.kernel]
+    run = {"qmv": main_qmv, "attention": main_attention, "indexer": main_indexer, "routed": main_routed}[args.kernel]
     return 0 if run(args) else 1
 
 

@@ -83,21 +83,32 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, "IQ2_XXS split"])
 @pytest.mark.parametrize("tokens,k,config", [(1, 6, None), (7, 6, (16, 64, 4)), (40, 2, (16, 128, 8)),
-                                             (300, 6, None), (64, 6, (64, 128, 4))])
-def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T, tokens: int, k: int,
-                                                      config: tuple[int, int, int] | None) -> None:
-    from ds4x.kernels.quant_matmul import dequantize_gpu
+                                             (300, 6, None), (64, 6, (64, 128, 4)), (300, 6, (128, 64, 4))])
+@pytest.mark.parametrize("variant", ["shared", "x async", "regs"])
+def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T | str, tokens: int, k: int,
+                                                      config: tuple[int, int, int] | None, variant: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variant (the weights through shared memory or in the wgmma's registers, the activations through
+    registers or by cp.async) against the dequantized experts."""
+    from ds4x.kernels.quant_matmul import dequantize_gpu, kernel_layout
 
+    monkeypatch.setattr(rw, "REGISTER_WEIGHTS", variant == "regs")
+    monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", variant != "shared")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
-    n_exp, n, kdim = 16, 200, 512  # 200 rows: the last row tile is partial
+    split = qtype == "IQ2_XXS split"
+    qtype = T.IQ2_XXS if split else qtype
+    n_exp, n, kdim = 16, 200, 1024 if split else 512  # 200 rows: the last row tile is partial; split rows: K % 1024
     w = GGMLTensor(random_blocks(qtype, (n_exp, n, kdim), g, device=dev), qtype, (n_exp, n, kdim))
+    dense = dequantize_gpu(w, torch.bfloat16).double()
+    if split:
+        w = kernel_layout(w)
+        assert w.layout == "split"
     x = torch.randn(tokens, kdim, device=dev, generator=g).to(torch.bfloat16)
     ids = torch.randint(0, n_exp // 2, (tokens, k), device=dev, generator=g, dtype=torch.int32)  # half unused
     y = rw.routed_wgmma(x, w, ids, k, config).view(tokens, k, n)
-    dense = dequantize_gpu(w, torch.bfloat16).double()
     ref = torch.einsum("ti,tkoi->tko", x.double(), dense[ids.long()])
     # float32 sums of exact bf16 products, then one rounding of the result to bf16
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-6 * ref.abs().max()).all()
@@ -105,8 +116,11 @@ def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T, tokens: int, k: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
-def test_routed_wgmma_rows_do_not_depend_on_their_chunk_on_gpu() -> None:
+@pytest.mark.parametrize("variant", ["shared", "x async", "regs"])
+def test_routed_wgmma_rows_do_not_depend_on_their_chunk_on_gpu(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pair gets the same bits alone as in a call where other pairs share its expert's chunk."""
+    monkeypatch.setattr(rw, "REGISTER_WEIGHTS", variant == "regs")
+    monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", variant != "shared")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
     n_exp, n, kdim = 8, 128, 1024

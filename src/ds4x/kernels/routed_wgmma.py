@@ -34,6 +34,19 @@ Row results depend only on the row's own pair, not on which other pairs share it
 output element over K in a fixed order), so a session's bits do not depend on the batch it is decoded in as long as
 this kernel serves it. They differ from the matvec's (which multiplies exact float32 weights).
 
+Two variants wait for a GPU to time them (`scripts/routed_wgmma_ab.py`, `bash scripts/device_ab.sh routed`), both
+off; the default path compiles to the same sm_90 SASS as before them (`scripts/kernel_sass.py routed`):
+
+* ``ASYNC_ACTIVATIONS``: the activations come by cp.async into three shared buffers instead of through registers
+  one step ahead. At 64-128 pairs a chunk those registers (BT of them a thread, twice) are what the tile lacks:
+  IQ2_XXS (128, 64, 4), the prompts' tile, compiles to 255 registers and 144 bytes of spills with them, 202
+  registers and none without (but 128 KB of shared memory, one CTA an SM).
+* ``REGISTER_WEIGHTS`` (with ``ASYNC_ACTIVATIONS``): the decoded words go straight into the registers of the
+  wgmma's A operand, so the weight tile never passes through shared memory. A lane already decodes one 32-weight
+  group (IQ2_XXS) or one unit (Q2_K) of a row per step, which is what the A layout gives a lane once the step's
+  columns are permuted; the activations are copied to shared memory in the same permuted order, in 4-byte pieces.
+  (64, 64, 4): 128 registers, 48 KB of shared memory (four CTAs an SM) against 197 and 64 KB.
+
 Needs CUDA capability 9.x and Triton's Gluon (``triton.experimental.gluon``); there is no interpreter path, so
 ``available`` is False on CPU and the callers keep their other kernels.
 """
@@ -54,6 +67,7 @@ _CODES = {T.IQ2_XXS: 16, T.Q2_K: 10}  # the kernel's QTYPE
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the other kernels
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
@@ -148,16 +162,31 @@ if HAVE_GLUON:
         return _prmt(va + 0 * sel, vb + 0 * sel, sel)
 
     @gluon.jit
+    def _register_operand(words, BN: gl.constexpr, DOT_A: gl.constexpr):
+        # words [BN, t, a, b] (pairs of two bf16 in `register_words_layout`) -> the A operand [BN, 128] bf16 whose
+        # column 32 a + 8 b + 2 t + e is half e of pair (t, a, b): the place the operand's layout gives that pair
+        halves = gl.join((words & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True),
+                         (words >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+        return gl.convert_layout(gl.reshape(gl.permute(halves, (0, 2, 3, 1, 4)), [BN, 128]), DOT_A)
+
+    @gluon.jit
     def _routed_wgmma_kernel(x_ptr, w_ptr, tab_ptr, c_expert, c_start, c_len, order_ptr, y_ptr, N, K, row_bytes,
                              expert_bytes, stride_x, stride_y, X_DIV: gl.constexpr, QTYPE: gl.constexpr,
-                             BT: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+                             BT: gl.constexpr, BN: gl.constexpr, L4: gl.constexpr, REG_W: gl.constexpr,
+                             X_ASYNC: gl.constexpr, num_warps: gl.constexpr):
+        """L4: the layout of the decoded step as words [rows, 4, 4, 4 pairs]: IQ2_XXS [rows, group, grid entry,
+        pair] (a thread holds a group), Q2_K [rows, unit, bit pair, pair] (a thread holds a unit's 8 code bytes).
+        REG_W: the words go straight into the registers of the wgmma A operand (L4 = `register_words_layout`: a
+        thread holds its rows' pairs where that operand wants them, the step's columns permuted, in x too, to
+        match), so the weights never pass through shared memory; else they are stored to a shared tile in k order.
+        X_ASYNC: the activations come by cp.async into three shared buffers (the copy of step i + 1 in flight while
+        step i decodes) instead of through registers one step ahead, which at 64-128 pairs a chunk took 64-128
+        registers a thread and made the tile spill."""
         STEP: gl.constexpr = 128
-        # the decoded step as words [rows, 4, 4, 4 pairs]: IQ2_XXS [rows, group, grid entry, pair] (a thread holds a
-        # group); Q2_K [rows, unit, bit pair, pair] (a thread holds a unit's 8 code bytes), permuted to k order
-        L4: gl.constexpr = gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
         LX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (STEP // 8), STEP // 8], [num_warps, 1], [1, 0])
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BT, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
         SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
@@ -167,8 +196,9 @@ if HAVE_GLUON:
             row0 = gl.program_id(0) * BN
             e = gl.load(c_expert + c).to(gl.int64)
             first = gl.load(c_start + c)
-            w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, STEP], SH16)
-            x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BT, STEP], SH16)
+            if not REG_W:
+                w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, STEP], SH16)
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [3 if X_ASYNC else 2, BT, STEP], SH16)
 
             rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
             # rows past N decode row N - 1 (never stored), so no weight load needs a mask
@@ -184,6 +214,13 @@ if HAVE_GLUON:
             pair_x = gl.load(order_ptr + first + gl.minimum(t_x, n_valid - 1))  # padding rows repeat the last
             xrow = x_ptr + (pair_x // X_DIV).to(gl.int64)[:, None] * stride_x
             kx = gl.arange(0, STEP, layout=gl.SliceLayout(0, LX))[None, :]
+            if REG_W:  # column k of the A operand holds weight phys(k) of the step (see register_words_layout)
+                a_, b_, t_, e_ = kx >> 5, (kx >> 3) & 3, (kx >> 1) & 3, kx & 1
+                if QTYPE == 16 or QTYPE == 17:
+                    kx = 32 * t_ + 8 * a_ + 2 * b_ + e_
+                else:
+                    kx = 32 * a_ + 8 * t_ + 2 * b_ + e_
+                kx = gl.max_contiguous(gl.multiple_of(kx, [1, 2]), [1, 2])  # pairs stay whole: 4-byte copies
 
             acc = gl.zeros([BN, BT], gl.float32, layout=ACC)
             n_steps = K // STEP
@@ -195,7 +232,12 @@ if HAVE_GLUON:
             else:
                 a0, a1, a2, a3, a4 = _fetch_q2_k(rowp, 0, grp)
                 b0, b1, b2, b3, b4 = _fetch_q2_k(rowp, gl.minimum(STEP, K - STEP), grp)
-            xt = gl.load(xrow + kx)
+            if X_ASYNC:
+                async_copy.async_copy_global_to_shared(x_smem.index(0), xrow + kx)
+                async_copy.commit_group()
+            else:
+                xt = gl.load(xrow + kx)
+            a_prev = gl.zeros([BN, STEP], gl.bfloat16, DOT_A)  # the A operand of the wgmma in flight (REG_W)
             for i in range(n_steps):
                 k0 = i * STEP
                 s = i % 2
@@ -205,20 +247,42 @@ if HAVE_GLUON:
                     words = _words_iq2_xxs(a0, a1, a2, a3, a4, tab_ptr, ent, pw)
                 else:
                     c0, c1, c2, c3, c4 = _fetch_q2_k(rowp, k2, grp)
-                    words = gl.permute(_words_q2_k(a0, a1, a2, a3, a4, grp, ent, pw), (0, 2, 1, 3))
-                x_next = gl.load(xrow + gl.multiple_of(gl.minimum(k0 + STEP, K - STEP), STEP) + kx)
+                    words = _words_q2_k(a0, a1, a2, a3, a4, grp, ent, pw)
+                    if not REG_W:
+                        words = gl.permute(words, (0, 2, 1, 3))
+                x_at = xrow + gl.multiple_of(gl.minimum(k0 + STEP, K - STEP), STEP) + kx
+                if not X_ASYNC:
+                    x_next = gl.load(x_at)
+                if REG_W:
+                    a_op = _register_operand(words, BN, DOT_A)
                 gl.thread_barrier()  # every warp has seen the wgmma of step i - 2 (the last reader of buffer s) retire
-                w_smem.index(s)._reinterpret(gl.int32, [BN, STEP // 2], SH32).store(gl.reshape(words, [BN, STEP // 2]))
-                x_smem.index(s).store(xt)
+                if X_ASYNC:  # step i + 1's activations into the buffer step i - 2 read (past the end: unused)
+                    async_copy.async_copy_global_to_shared(x_smem.index((i + 1) % 3), x_at)
+                    async_copy.commit_group()
+                if not REG_W:
+                    w_smem.index(s)._reinterpret(gl.int32, [BN, STEP // 2], SH32).store(
+                        gl.reshape(words, [BN, STEP // 2]))
+                if X_ASYNC:
+                    xs = x_smem.index(i % 3)
+                    async_copy.wait_group(1)  # this thread's copies of step i are in
+                else:
+                    xs = x_smem.index(s)
+                    xs.store(xt)
                 fence_async_shared()
                 gl.thread_barrier()
-                acc = warpgroup_mma(w_smem.index(s), x_smem.index(s).permute((1, 0)), acc, is_async=True)
-                # at most one wgmma in flight: the buffer written next was read by the one just retired
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # at most one wgmma in flight: the buffers written next were read by the one just retired
+                if REG_W:
+                    acc = warpgroup_mma(a_op, xs.permute((1, 0)), acc, is_async=True)
+                    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+                    a_prev = a_op
+                else:
+                    acc = warpgroup_mma(w_smem.index(s), xs.permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 a0, a1, a2, a3, a4 = b0, b1, b2, b3, b4
                 b0, b1, b2, b3, b4 = c0, c1, c2, c3, c4
-                xt = x_next
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if not X_ASYNC:
+                    xt = x_next
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
             r_o = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
             t_o = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
             pair_o = gl.load(order_ptr + first + gl.minimum(t_o, n_valid - 1))
@@ -250,10 +314,39 @@ def available(x: torch.Tensor, w: GGMLTensor) -> bool:
             and w.row_bytes % 4 == 0 and hopper(x.device))
 
 
+# the weights decoded straight into the wgmma's register operand (`_routed_wgmma_kernel` REG_W), with its own tiles
+# (64 weight rows a program: 128 take too many registers); off until timed on a GPU (scripts/routed_wgmma_ab.py)
+REGISTER_WEIGHTS = False
+# the activations by cp.async into shared memory (`_routed_wgmma_kernel` X_ASYNC) instead of through registers; off
+# until timed on a GPU
+ASYNC_ACTIVATIONS = False
+
+
+@lru_cache(maxsize=16)
+def register_words_layout(bn: int, warps: int):
+    """The layout of REG_W's decoded words [bn rows, 4 (t), 4 (a), 4 (b)]: the thread that holds the wgmma A
+    operand's (row, columns 32 a + 8 b + 2 t + {0, 1}) holds word (row, t, a, b) (4 warps of 16 rows per 64-row
+    product; rows past 16 x warps repeat in registers)."""
+    regs = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]]
+    regs += [[16 * warps << i, 0, 0, 0] for i in range((bn // (16 * warps)).bit_length() - 1)]
+    lanes = [[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes,
+                                      warp_bases=[[16 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)],
+                                      block_bases=[], shape=[bn, 4, 4, 4])
+
+
+@lru_cache(maxsize=4)
+def words_layout(warps: int):
+    """The layout of the decoded words when they go through shared memory: a thread holds a group / unit of a row."""
+    return gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [warps, 1, 1, 1], [3, 2, 1, 0])
+
+
 def wgmma_config(qtype: GGMLQuantizationType, pairs_per_expert: float) -> tuple[int, int, int]:
     """(BT pairs per chunk, BN rows per program, warps) for ``pairs_per_expert`` pairs per expert on average: the
     fastest measured (H200, Flash expert shapes, 256 experts x 6 per token at 130 / 1,024 / 4,096 tokens; see
     docs/PROFILE.md)."""
+    if REGISTER_WEIGHTS:  # not measured: 64 rows on 4 warps, the chunk as wide as the shared-memory configs'
+        return (16, 64, 4) if pairs_per_expert <= 16 else (64, 64, 4) if pairs_per_expert <= 48 else (128, 64, 4)
     if qtype == T.IQ2_XXS:
         return (16, 128, 4) if pairs_per_expert <= 16 else (128, 64, 4)
     return (16, 64, 4) if pairs_per_expert <= 16 else (64, 128, 4) if pairs_per_expert <= 48 else (128, 128, 8)
@@ -297,9 +390,11 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     order, c_exp, c_start, c_len, bound = chunk_tables(flat, n_exp, bt)
     tab = iq2_xxs_levels(x.device) if w.qtype == T.IQ2_XXS else c_len  # Q2_K reads no table
     grid = (triton.cdiv(n, bn), bound)
+    reg_w = REGISTER_WEIGHTS and bn % (16 * nw) == 0
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
                                n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
-                               QTYPE=_CODES[w.qtype] + (w.layout == "split"),
-                               BT=bt, BN=bn, num_warps=nw)
+                               QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn,
+                               L4=register_words_layout(bn, nw) if reg_w else words_layout(nw), REG_W=reg_w,
+                               X_ASYNC=ASYNC_ACTIVATIONS, num_warps=nw)
     return y
 
