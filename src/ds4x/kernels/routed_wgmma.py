@@ -283,6 +283,8 @@ if HAVE_GLUON:
                 if not X_ASYNC:
                     xt = x_next
             acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            if X_ASYNC:  # the last step's spare copy lands before the CTA's shared memory can go to another
+                async_copy.wait_group(0)
             r_o = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
             t_o = gl.arange(0, BT, layout=gl.SliceLayout(0, ACC))
             pair_o = gl.load(order_ptr + first + gl.minimum(t_o, n_valid - 1))
