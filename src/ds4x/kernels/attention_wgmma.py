@@ -70,12 +70,12 @@ if HAVE_GLUON:
         # the stored row of each slot (-1: none); see kernels/attention.Slots and triton_attention._slot_rows
         if MODE == 0:
             idx = gl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1).to(gl.int64)
-        elif MODE == 1:
-            p = gl.load(pos_ptr).to(gl.int64) - (n - 1) + offs
-            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1)
+        elif MODE == 1:  # int32 arithmetic (positions < 2^31): an int64 division is a called routine
+            p = gl.load(pos_ptr).to(gl.int32) - (n - 1) + offs
+            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1).to(gl.int64)
         else:
-            idx = gl.where((offs < gl.minimum((gl.load(pos_ptr).to(gl.int64) + 1) // ring, n)) & live,
-                           offs.to(gl.int64), -1)
+            idx = gl.where((offs < gl.minimum((gl.load(pos_ptr).to(gl.int32) + 1) // ring, n)) & live, offs,
+                           -1).to(gl.int64)
         return idx
 
     @gluon.jit

@@ -52,10 +52,11 @@ def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: tl.constexpr):
     if MODE == 0:  # explicit
         idx = tl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1)
     elif MODE == 1:  # sliding window over a ring of `ring` slots: slot j holds position pos - n + 1 + j
-        p = tl.load(pos_ptr) - (n - 1) + offs
+        # (int32 arithmetic, positions < 2^31: an int64 division compiles to a called routine)
+        p = tl.load(pos_ptr).to(tl.int32) - (n - 1) + offs
         idx = tl.where((p >= 0) & (offs < n) & live, p % ring, -1)
     else:  # compressed rows whose window has closed: (pos + 1) // ring of them (ring = the compression ratio)
-        idx = tl.where((offs < tl.minimum((tl.load(pos_ptr) + 1) // ring, n)) & live, offs, -1)
+        idx = tl.where((offs < tl.minimum((tl.load(pos_ptr).to(tl.int32) + 1) // ring, n)) & live, offs, -1)
     return idx
 
 
