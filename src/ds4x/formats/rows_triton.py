@@ -158,7 +158,9 @@ if HAVE_TRITON:
         # where input row r goes: row r, or with SCATTER row at[r] mod ring of a ring of `ring` rows (of ring r
         # of a batch of rings when batch = ring, of the one ring when batch = 0)
         if SCATTER:
-            return tl.load(at_ptr + rows, mask=rmask, other=0).to(tl.int64) % ring + rows.to(tl.int64) * batch
+            # (the modulo in int32, positions < 2^31: on int64 it compiles to a called routine)
+            slot = tl.load(at_ptr + rows, mask=rmask, other=0).to(tl.int32) % ring
+            return slot.to(tl.int64) + rows.to(tl.int64) * batch
         return rows.to(tl.int64)
 
     @triton.jit
@@ -203,7 +205,7 @@ if HAVE_TRITON:
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_W)
         v = tl.load(x_ptr + r * W + cols, mask=cols < W).to(tl.float32)
-        dst = tl.load(at_ptr + r).to(tl.int64) % ring + r * batch
+        dst = (tl.load(at_ptr + r).to(tl.int32) % ring).to(tl.int64) + r * batch  # int32 modulo, as in _out_rows
         tl.store(out_ptr + dst * W + cols, v, mask=cols < W)
 
     @triton.jit

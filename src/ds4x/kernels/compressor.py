@@ -42,8 +42,10 @@ if HAVE_TRITON:
         wait_upstream(PDL, RELEASE=True)
         i = tl.program_id(0)
         cb = tl.program_id(1)
-        w = tl.load(windows + i)
-        last_pos = tl.load(last + i * last_stride)
+        # positions in int32 (< 2^31): the ring slot's modulo on int64 compiled to a called routine per slot (32 a
+        # thread at ratio 128)
+        w = tl.load(windows + i).to(tl.int32)
+        last_pos = tl.load(last + i * last_stride).to(tl.int32)
         proj += i.to(tl.int64) * ring_stride
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < WIDTH
