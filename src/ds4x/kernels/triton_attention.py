@@ -279,7 +279,7 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
     Operands enter the tensor cores as TF32: the stored values (E4M3 x power of two, FP16) and bf16-valued
     queries exactly, the probabilities rounded to 10 bits."""
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int32)  # int32 ring / ratio arithmetic: on int64 a called routine per slot
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     h_ok = offs_h < H
     cols = tl.arange(0, D)
