@@ -180,54 +180,43 @@ def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, 
     return whole, spill
 
 
+def report_all(jobs, dump: Path | None, marker: str) -> bool:
+    """``report`` each (tag, compile thunk) of ``jobs``; False if any of them spills."""
+    ok = True
+    for tag, make in jobs:
+        _, spill = report(make(), dump, tag, marker)
+        if spill:
+            print("   !! local memory in use (spills)")
+            ok = False
+    return ok
+
+
 def main_qmv(args: argparse.Namespace) -> bool:
     code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
-    ok = True
-    for spec in args.tile:
-        tile = tuple(int(v) for v in spec.split(","))
-        for xq in (bool(int(v)) for v in args.xq.split(",")):
-            tag = f"qmv_{args.qtype}_r{tile[0]}_u{tile[1]}_w{tile[2]}_xq{int(xq)}"
-            _, spill = report(compile_qmv(code, tile, xq), args.dump, tag, "IDP")  # type: ignore[arg-type]
-            if spill:
-                print("   !! local memory in use (spills)")
-                ok = False
-    return ok
+    tiles = [tuple(int(v) for v in spec.split(",")) for spec in args.tile]
+    xqs = [bool(int(v)) for v in args.xq.split(",")]
+    return report_all([(f"qmv_{args.qtype}_r{t[0]}_u{t[1]}_w{t[2]}_xq{int(xq)}",
+                        lambda t=t, xq=xq: compile_qmv(code, t, xq))  # type: ignore[arg-type]
+                       for t in tiles for xq in xqs], args.dump, "IDP")
 
 
 def main_attention(args: argparse.Namespace) -> bool:
-    ok = True
-    for block in args.block:
-        for kind in args.query.split(","):
-            tag = f"attention_b{block}_{kind}"
-            _, spill = report(compile_attention(block, kind), args.dump, tag, "HGMMA")
-            if spill:
-                print("   !! local memory in use (spills)")
-                ok = False
-    return ok
+    return report_all([(f"attention_b{block}_{kind}", lambda block=block, kind=kind: compile_attention(block, kind))
+                       for block in args.block for kind in args.query.split(",")], args.dump, "HGMMA")
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    _, spill = report(compile_indexer(args.maxnreg), args.dump, tag, "HGMMA")
-    if spill:
-        print("   !! local memory in use (spills)")
-    return not spill
+    return report_all([(tag, lambda: compile_indexer(args.maxnreg))], args.dump, "HGMMA")
 
 
 def main_routed(args: argparse.Namespace) -> bool:
-    ok = True
     code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
-    for spec in args.tile:
-        tile = tuple(int(v) for v in spec.split(","))
-        for variant in args.variant.split(","):
-            if variant == "regs" and tile[1] % (16 * tile[2]):
-                continue
-            tag = f"routed_{args.qtype}_bt{tile[0]}_bn{tile[1]}_w{tile[2]}_{variant.replace(' ', '_')}"
-            _, spill = report(compile_routed(code, tile, variant), args.dump, tag, "HGMMA")  # type: ignore[arg-type]
-            if spill:
-                print("   !! local memory in use (spills)")
-                ok = False
-    return ok
+    tiles = [tuple(int(v) for v in spec.split(",")) for spec in args.tile]
+    return report_all([(f"routed_{args.qtype}_bt{t[0]}_bn{t[1]}_w{t[2]}_{variant.replace(' ', '_')}",
+                        lambda t=t, variant=variant: compile_routed(code, t, variant))  # type: ignore[arg-type]
+                       for t in tiles for variant in args.variant.split(",")
+                       if variant != "regs" or t[1] % (16 * t[2]) == 0], args.dump, "HGMMA")
 
 
 def main(argv: list[str] | None = None) -> int:
