@@ -99,8 +99,8 @@ compressed)
 routed)
     # the tensor-core routed kernel's variants (the activations by cp.async, the weights in the wgmma's registers):
     # bits against the dequantized experts, then us per tile and variant at 130 / 1,024 / 4,096 tokens
-    piece routed_tests.log 250 python -m pytest -q -m gpu tests/test_routed_wgmma.py
-    piece routed_ab.log 300 python scripts/routed_wgmma_ab.py --ledger "$out/ledger.jsonl"
+    piece routed_tests.log 300 python -m pytest -q -m gpu tests/test_routed_wgmma.py
+    piece routed_ab.log 270 python scripts/routed_wgmma_ab.py --ledger "$out/ledger.jsonl"
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
