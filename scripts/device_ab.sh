@@ -104,7 +104,8 @@ routed)
     ;;
 prefill)
     piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
-        --profile
+        --profile --variant "x async: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True" \
+        --variant "regs: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True; ds4x.kernels.routed_wgmma.REGISTER_WEIGHTS=True"
     ;;
 serve)
     python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q ${DS4X_SERVE_ARGS:-} > "$out/server.log" 2>&1 &

@@ -4,10 +4,11 @@
 Under issue 6's harness at 32 streams the streams finish together and their next prompts queue for such calls,
 during which no stream decodes (docs/PROFILE.md, 2026-12-05 third). This prints, per number of sessions, the first
 call (a compile shows here) and the median of the others, and with ``--profile`` the kernels of the largest call
-by device time.
+by device time. ``--variant 'NAME: module.attr=EXPR; ...'`` (repeatable, as in ``scripts/batched_decode.py``) times
+each size again with those module attributes set, in the same process.
 
     PYTHONPATH=src python scripts/prefill_calls.py [-m flash:q2] [--sessions 1,2,4,8] [--prompt-tokens 130]
-        [--rounds 3] [--profile]
+        [--rounds 3] [--profile] [--variant 'x async: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True']
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import torch
 from server_engine import add_server_arguments, server_scheduler
 
+from ds4x.bench.variants import parse_variant, variant_applied
 from ds4x.serve.scheduler import Scheduler
 
 
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="kernels of the call with the most sessions")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--variant", action="append", default=[], help="'NAME: module.attr=EXPR; ...' (A/B, see above)")
     args = ap.parse_args(argv)
+    variants = [("default", [])] + [parse_variant(v) for v in args.variant]
     sizes = [int(v) for v in args.sessions.split(",")]
     if args.rounds < 2 or min(sizes) < 1 or not 0 < args.prompt_tokens <= args.prefill_chunk:
         ap.error("--rounds must be >= 2, sessions >= 1, and 0 < --prompt-tokens <= --prefill-chunk")
@@ -77,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     sched.warm_up()
     print(f"{args.model} ({engine.model.dtype}) on {engine.model.device}; warm-up {time.perf_counter() - t0:.1f} s")
     rng = random.Random(0)
-    print("sessions  tokens  first ms  median ms    tok/s")
+    print("sessions  tokens  first ms  median ms    tok/s  variant")
     for n in sizes:
         lengths = [args.prompt_tokens] * n
-        times = [timed_call(sched, lengths, rng) for _ in range(args.rounds)]
-        med = statistics.median(times[1:])
-        print(f"{n:8d} {n * args.prompt_tokens:7d} {times[0] * 1e3:9.1f} {med * 1e3:10.1f} "
-              f"{n * args.prompt_tokens / med:8.0f}")
+        for name, sets in variants:
+            with variant_applied(sets):
+                times = [timed_call(sched, lengths, rng) for _ in range(args.rounds)]
+            med = statistics.median(times[1:])
+            print(f"{n:8d} {n * args.prompt_tokens:7d} {times[0] * 1e3:9.1f} {med * 1e3:10.1f} "
+                  f"{n * args.prompt_tokens / med:8.0f}  {name}")
     if args.profile:
         profile_call(sched, [args.prompt_tokens] * max(sizes), rng, args.top)
     return 0
