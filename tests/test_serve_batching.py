@@ -657,15 +657,17 @@ def test_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_prefill_calls_script_times_the_servers_prompt_calls() -> None:
     """scripts/prefill_calls.py (the device stage `device_ab.sh prefill`) on the tiny model: after the warm-up, a
-    row per number of sessions, then the profile of the largest call."""
+    row per number of sessions and variant, then the profile of the largest call."""
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "scripts" / "prefill_calls.py"), "-m", "tiny", "--device", "cpu",
                           "--sessions", "1,3", "--prompt-tokens", "20", "--prefill-chunk", "32", "--ctx", "128",
-                          "--rounds", "2", "--profile", "--top", "3"],
+                          "--rounds", "2", "--profile", "--top", "3",
+                          "--variant", "async: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True"],
                          env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
-    assert [(r[0], r[1]) for r in rows] == [("1", "20"), ("3", "60")]
+    assert [(r[0], r[1], r[5]) for r in rows] == [("1", "20", "default"), ("1", "20", "async"),
+                                                   ("3", "60", "default"), ("3", "60", "async")]
     assert all(float(r[3]) > 0 for r in rows)
     assert "profile of 3 sessions x 20 tokens" in out
 
