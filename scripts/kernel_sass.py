@@ -108,7 +108,7 @@ def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> trit
     from ds4x.kernels import routed_wgmma
 
     bt, bn, warps = tile
-    reg, xa = {"shared": (False, False), "x async": (False, True), "regs": (True, True)}[variant]
+    reg, xa = routed_wgmma.VARIANTS[variant]
     fn = routed_wgmma._routed_wgmma_kernel
     consts = {"X_DIV": 1, "QTYPE": qtype, "BT": bt, "BN": bn, "num_warps": warps, "REG_W": reg, "X_ASYNC": xa,
               "L4": routed_wgmma.register_words_layout(bn, warps) if reg else routed_wgmma.words_layout(warps)}
@@ -211,12 +211,15 @@ def main_indexer(args: argparse.Namespace) -> bool:
 
 
 def main_routed(args: argparse.Namespace) -> bool:
+    from ds4x.kernels import routed_wgmma
+
     code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
     tiles = [tuple(int(v) for v in spec.split(",")) for spec in args.tile]
     return report_all([(f"routed_{args.qtype}_bt{t[0]}_bn{t[1]}_w{t[2]}_{variant.replace(' ', '_')}",
                         lambda t=t, variant=variant: compile_routed(code, t, variant))  # type: ignore[arg-type]
                        for t in tiles for variant in args.variant.split(",")
-                       if variant != "regs" or t[1] % (16 * t[2]) == 0], args.dump, "HGMMA")
+                       if not routed_wgmma.VARIANTS[variant][0] or routed_wgmma.register_weights_fit(t[1], t[2])],
+                      args.dump, "HGMMA")
 
 
 def main(argv: list[str] | None = None) -> int:

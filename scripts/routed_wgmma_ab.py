@@ -31,7 +31,6 @@ CANDIDATES = {
     "Q2_K": [("x async", (16, 64, 4)), ("regs", (16, 64, 4)), ("x async", (64, 64, 4)), ("regs", (64, 64, 4)),
              ("regs", (128, 64, 4)), ("x async", (128, 128, 8)), ("regs", (128, 128, 8))],
 }
-SWITCHES = {"shared": (False, False), "x async": (False, True), "regs": (True, True)}
 
 
 def main() -> int:
@@ -71,11 +70,11 @@ def main() -> int:
                 id_sets = [torch.stack([torch.randperm(n_exp, generator=g, device=dev)[:k] for _ in range(t)])
                            .to(torch.int32) for _ in range(4)]
                 nbytes = t * k * w.shape[1] * w.row_bytes
-                rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = SWITCHES["shared"]
+                rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = rw.VARIANTS["shared"]
                 default_tile = rw.wgmma_config(w.qtype, t * k / n_exp)
                 ref = rw.routed_wgmma(x, w, id_sets[0], k).float()
                 for variant, tile in [("shared", default_tile)] + CANDIDATES[name]:
-                    rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = SWITCHES[variant]
+                    rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = rw.VARIANTS[variant]
                     out = rw.routed_wgmma(x, w, id_sets[0], k, tile).float()
                     diff = float((out - ref).abs().max() / ref.abs().max())
                     us = graph_replay_us([lambda i=i, c=tile, x=x, w=w: rw.routed_wgmma(x, w, i, k, c)

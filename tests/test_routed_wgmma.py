@@ -77,6 +77,12 @@ def test_not_available_without_a_hopper_gpu() -> None:
         rw.routed_wgmma(x, w, torch.zeros(2, 1, dtype=torch.int32), 1)
 
 
+def _use_variant(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    reg, xa = rw.VARIANTS[variant]
+    monkeypatch.setattr(rw, "REGISTER_WEIGHTS", reg)
+    monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", xa)
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and rw.HAVE_GLUON
 
@@ -86,7 +92,7 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, "IQ2_XXS split"])
 @pytest.mark.parametrize("tokens,k,config", [(1, 6, None), (7, 6, (16, 64, 4)), (40, 2, (16, 128, 8)),
                                              (300, 6, None), (64, 6, (64, 128, 4)), (300, 6, (128, 64, 4))])
-@pytest.mark.parametrize("variant", ["shared", "x async", "regs"])
+@pytest.mark.parametrize("variant", list(rw.VARIANTS))
 def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T | str, tokens: int, k: int,
                                                       config: tuple[int, int, int] | None, variant: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,8 +100,7 @@ def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T | str, tokens: in
     registers or by cp.async) against the dequantized experts."""
     from ds4x.kernels.quant_matmul import dequantize_gpu, kernel_layout
 
-    monkeypatch.setattr(rw, "REGISTER_WEIGHTS", variant == "regs")
-    monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", variant != "shared")
+    _use_variant(monkeypatch, variant)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     split = qtype == "IQ2_XXS split"
@@ -116,11 +121,10 @@ def test_routed_wgmma_matches_the_bf16_experts_on_gpu(qtype: T | str, tokens: in
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("variant", ["shared", "x async", "regs"])
+@pytest.mark.parametrize("variant", list(rw.VARIANTS))
 def test_routed_wgmma_rows_do_not_depend_on_their_chunk_on_gpu(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pair gets the same bits alone as in a call where other pairs share its expert's chunk."""
-    monkeypatch.setattr(rw, "REGISTER_WEIGHTS", variant == "regs")
-    monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", variant != "shared")
+    _use_variant(monkeypatch, variant)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
     n_exp, n, kdim = 8, 128, 1024

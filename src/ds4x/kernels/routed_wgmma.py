@@ -322,6 +322,13 @@ REGISTER_WEIGHTS = False
 # the activations by cp.async into shared memory (`_routed_wgmma_kernel` X_ASYNC) instead of through registers; off
 # until timed on a GPU
 ASYNC_ACTIVATIONS = False
+# the kernel's variants by name: (REGISTER_WEIGHTS, ASYNC_ACTIVATIONS), for A/Bs and tests
+VARIANTS = {"shared": (False, False), "x async": (False, True), "regs": (True, True)}
+
+
+def register_weights_fit(bn: int, warps: int) -> bool:
+    """Whether REGISTER_WEIGHTS serves a tile of ``bn`` rows on ``warps`` warps (whole 16-row slices per warp)."""
+    return bn % (16 * warps) == 0
 
 
 @lru_cache(maxsize=16)
@@ -392,7 +399,7 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     order, c_exp, c_start, c_len, bound = chunk_tables(flat, n_exp, bt)
     tab = iq2_xxs_levels(x.device) if w.qtype == T.IQ2_XXS else c_len  # Q2_K reads no table
     grid = (triton.cdiv(n, bn), bound)
-    reg_w = REGISTER_WEIGHTS and bn % (16 * nw) == 0
+    reg_w = REGISTER_WEIGHTS and register_weights_fit(bn, nw)
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
                                n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
                                QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn,
