@@ -237,7 +237,8 @@ if HAVE_GLUON:
                 async_copy.commit_group()
             else:
                 xt = gl.load(xrow + kx)
-            a_prev = gl.zeros([BN, STEP], gl.bfloat16, DOT_A)  # the A operand of the wgmma in flight (REG_W)
+            if REG_W:
+                a_prev = gl.zeros([BN, STEP], gl.bfloat16, DOT_A)  # the A operand of the wgmma in flight
             for i in range(n_steps):
                 k0 = i * STEP
                 s = i % 2
@@ -282,7 +283,10 @@ if HAVE_GLUON:
                 b0, b1, b2, b3, b4 = c0, c1, c2, c3, c4
                 if not X_ASYNC:
                     xt = x_next
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            if REG_W:
+                acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if X_ASYNC:  # the last step's spare copy lands before the CTA's shared memory can go to another
                 async_copy.wait_group(0)
             r_o = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
