@@ -18,6 +18,7 @@ import triton
 from ds4x.bench.timing import graph_replay_us
 from ds4x.formats.ggml import GGMLQuantizationType, quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
+from ds4x.kernels import quant_matmul as qm
 from ds4x.kernels.quant_matmul import (
     MATVEC_MAX_ROWS,
     int8_activations,
@@ -81,6 +82,7 @@ def run(out_json: str | None = None, deadline_s: float = 1e9) -> int:
         return 2 * src.numel() / (ms * 1e-3) / 1e9
 
     copy_bw = copy_bandwidth()
+    preload_default = qm.PRELOAD_WEIGHTS
     log(f"{torch.cuda.get_device_name()} copy bandwidth {copy_bw:.0f} GB/s (read + write of 1 GiB)")
 
     def timed(fns: list, nbytes: int) -> tuple[float, float]:
@@ -144,11 +146,17 @@ def run(out_json: str | None = None, deadline_s: float = 1e9) -> int:
                 x = torch.randn(1, k, device=dev, generator=gen)
                 ref = x.double() @ wd.T
                 for label, cfg, int8, split in variants(qt, n, k, 1, extra):
-                    err = rel(quant_linear(x, layouts[split][0], config=cfg, force="mv", int8=int8), ref)
-                    us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8: quant_linear(x, w, config=c, force="mv", int8=i8)
-                                     for w in layouts[split]], nbytes_w + 4 * (k + n))
-                    record(qtype=qt.name, what=what, m=1, kernel=f"matvec {label}", config=cfg, us=us, gbs=gbs,
-                           frac=gbs / copy_bw, err=err)
+                    # split Q8_0 rows also with their weights loaded before the PDL wait (PRELOAD_WEIGHTS), which
+                    # serves tiles whose U covers all of K
+                    for preload in (False, True) if split and cfg[1] * 8 >= k else (False,):
+                        qm.PRELOAD_WEIGHTS = preload
+                        err = rel(quant_linear(x, layouts[split][0], config=cfg, force="mv", int8=int8), ref)
+                        us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8:
+                                         quant_linear(x, w, config=c, force="mv", int8=i8) for w in layouts[split]],
+                                        nbytes_w + 4 * (k + n))
+                        record(qtype=qt.name, what=what, m=1, kernel=f"matvec {label}{' preload' * preload}",
+                               config=cfg, us=us, gbs=gbs, frac=gbs / copy_bw, err=err)
+                    qm.PRELOAD_WEIGHTS = preload_default
                 # batch invariance: a row's result with 1, 3 and MATVEC_MAX_ROWS rows (matvec), and one more
                 # (skinny kernel)
                 xs = torch.randn(MATVEC_MAX_ROWS + 1, k, device=dev, generator=gen)

@@ -224,6 +224,36 @@ def test_split_rows_interpreter(interp, qt):
                        qm.quant_grouped_linear(xg, gw, 4, config=MV, force="mv"))
 
 
+def test_q8_0_weights_loaded_before_the_wait_interpreter(interp, monkeypatch):
+    # PRELOAD_WEIGHTS: split Q8_0 rows whose whole K is one tile step load their words before the wait for
+    # upstream; the same bits as the K loop, in float and int8 activations; a tile of two K steps keeps the loop, and
+    # so does a launch with ids (grouped here; routed experts' ids come from upstream)
+    s = qm.kernel_layout(weight(T.Q8_0, (9, 512), seed=71))
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(72))
+    xg = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(73))
+    gw = qm.kernel_layout(weight(T.Q8_0, (16, 128), seed=74))
+    launches = []
+    kernel = qm._kernels()._qmv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw["PRELOAD"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(qm._kernels(), "_qmv_kernel", Spy())
+    for cfg in ((4, 64, 1), (4, 32, 1)):  # 64 units: all of K; 32: two steps
+        for int8 in (False, True):
+            monkeypatch.setattr(qm, "PRELOAD_WEIGHTS", False)
+            ref = qm.quant_linear(x[:1], s, config=cfg, force="mv", int8=int8)
+            ref_g = qm.quant_grouped_linear(xg, gw, 4, config=(4, 16, 1), force="mv", int8=int8)
+            monkeypatch.setattr(qm, "PRELOAD_WEIGHTS", True)
+            assert torch.equal(qm.quant_linear(x[:1], s, config=cfg, force="mv", int8=int8), ref)
+            assert torch.equal(qm.quant_grouped_linear(xg, gw, 4, config=(4, 16, 1), force="mv", int8=int8), ref_g)
+    assert launches == [False, False, True, False] * 2 + [False] * 8, launches
+
+
 @pytest.mark.parametrize("qt", [T.IQ2_XXS, T.Q2_K, T.Q8_0], ids=lambda t: t.name)
 def test_routed_swiglu_interpreter(interp, monkeypatch, qt):
     # gate / up experts stacked by expert [2E, N, K] in one launch: the bits of the stacked routed product and
@@ -375,6 +405,21 @@ def test_gpu_real_shapes(qt, n, k):
             assert rel(qm.quant_linear(x, w, int8=False), x.double() @ wd.T) < 1e-5
     xb = torch.randn(64, k, device="cuda", generator=g).bfloat16()
     assert rel(qm.quant_linear(xb, w), xb.double() @ wd.T) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1024, 4096), (32768, 1024), (4096, 2048)])
+def test_gpu_q8_0_weights_loaded_before_the_wait(monkeypatch, n, k):
+    # PRELOAD_WEIGHTS at the Flash shapes whose tile covers K (wq_a, wq_b, the shared expert's down): the same bits,
+    # in float and int8 activations, bf16 x
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = qm.kernel_layout(GGMLTensor(random_blocks(T.Q8_0, (n, k), g), T.Q8_0, (n, k)))
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    for int8 in (False, True):
+        monkeypatch.setattr(qm, "PRELOAD_WEIGHTS", False)
+        ref = qm.quant_linear(x, w, int8=int8)
+        monkeypatch.setattr(qm, "PRELOAD_WEIGHTS", True)
+        assert torch.equal(qm.quant_linear(x, w, int8=int8), ref), int8
 
 
 @pytest.mark.gpu

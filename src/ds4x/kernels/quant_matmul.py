@@ -452,18 +452,29 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
+    def _q8_0_split_words(rowp, c, kb):
+        # a split row's unit c: its 8 codes as the 8-byte word at byte 8c, its block's fp16 scale (at byte
+        # kb + 2 (c // 4)) as float32
+        return tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64))), _h2f(_ld16(rowp + kb + 2 * (c // 4)))
+
+    @triton.jit
     def _mv_q8_0(rowp, c, xp, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: weights 8c .. 8c+7 = quarter c % 4 of block c // 4. File blocks: fp16 d, then 32 int8 at byte 2
-        # (the quarter is 4 uint16 words, 2-byte aligned only). Split rows: the quarter is the 8-byte word at
-        # byte 8c (one load), d is at byte kb + 2 (c // 4). Both give the same bits. ACT8: the 8 codes are signed
-        # bytes already, so two integer dot products with x quantized per 8 values
+        # (the quarter is 4 uint16 words, 2-byte aligned only). Split rows: `_q8_0_split_words`. Both give the
+        # same bits
         if SPLIT:
-            q = tl.load((rowp + 8 * c).to(tl.pointer_type(tl.int64)))
-            d = _h2f(_ld16(rowp + kb + 2 * (c // 4)))
+            q, d = _q8_0_split_words(rowp, c, kb)
+            out = _dot_q8_0(q, d, rowp, c, xp, SPLIT, ACT8, INTERPRET)
         else:
-            bp = rowp + (c // 4) * 34
-            qp = bp + 2 + (c % 4) * 8
-            d = _h2f(_ld16(bp))
+            out = _dot_q8_0(0, _h2f(_ld16(rowp + (c // 4) * 34)), rowp, c, xp, SPLIT, ACT8, INTERPRET)
+        return out
+
+    @triton.jit
+    def _dot_q8_0(q, d, rowp, c, xp, SPLIT: tl.constexpr, ACT8: tl.constexpr, INTERPRET: tl.constexpr):
+        # unit c's 8 products with x times d: split rows from their word q, file blocks loaded here from their
+        # quarter. ACT8: the 8 codes are signed bytes already, so two integer dot products with x quantized per 8
+        # values
+        qp = rowp + (c // 4) * 34 + 2 + (c % 4) * 8  # (file blocks)
         if ACT8:
             x0, x1, dx = _xq8(xp, c * 8, INTERPRET)
             if SPLIT:
@@ -779,8 +790,10 @@ if HAVE_TRITON:
     @triton.jit
     def _qmv_block(pid_n, pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, y_ptr, N, n_units, row_bytes,
                    expert_bytes, up_bytes, limit, stride_y, QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr,
-                   U: tl.constexpr, SWIGLU: tl.constexpr, XQ: tl.constexpr, INTERPRET: tl.constexpr):
-        # row block pid_n of pair ``pair`` (expert e, x at xp / xqp / xsp / xsump): its R rows' K loop and store
+                   U: tl.constexpr, SWIGLU: tl.constexpr, XQ: tl.constexpr, INTERPRET: tl.constexpr,
+                   PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+        # row block pid_n of pair ``pair`` (expert e, x at xp / xqp / xsp / xsump): its R rows' K loop and store;
+        # PRELOAD: the kernel's wait for upstream (PDL) comes here, after the weights' loads
         if SWIGLU:
             rowp = _swiglu_rows(w_ptr, e, pid_n, N, row_bytes, expert_bytes, up_bytes, R)
         else:
@@ -789,7 +802,15 @@ if HAVE_TRITON:
             rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         acc = tl.zeros((U, R), dtype=tl.float32)
         kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
-        if INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
+        if PRELOAD:
+            # split Q8_0 rows whose whole K is one step (U == n_units, host side): the weights are loaded before
+            # the wait for the kernels upstream (they write x, never the weights), so the words are on their way
+            # while the kernel before this one finishes
+            c = tl.arange(0, U)[:, None]
+            q, d = _q8_0_split_words(rowp, c, kb)
+            wait_upstream(PDL, RELEASE=True)
+            acc += _dot_q8_0(q, d, rowp, c, xp, True, ACT8, INTERPRET)
+        elif INTERPRET:  # `range` of the interpreter cannot take a runtime bound with numpy >= 2
             u0 = 0
             while u0 < n_units:
                 acc += _mv_unit(QTYPE, ACT8, rowp, u0 + tl.arange(0, U)[:, None], xp, xqp, xsp, xsump, grid_ptr,
@@ -809,11 +830,14 @@ if HAVE_TRITON:
     def _qmv_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, w_ptr, grid_ptr, ids_ptr, y_ptr, N, n_units, row_bytes,
                     expert_bytes, up_bytes, limit, stride_x, stride_y, X_DIV: tl.constexpr, HAS_IDS: tl.constexpr,
                     QTYPE: tl.constexpr, ACT8: tl.constexpr, R: tl.constexpr, U: tl.constexpr, SWIGLU: tl.constexpr,
-                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                    XQ: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False,
+                    PRELOAD: tl.constexpr = False):
         # SWIGLU: the tile's R rows are R / 2 gate rows of expert e and the same rows of the up expert; the program
-        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch
+        # stores swiglu(gate, up) for its R / 2 rows, so the routed gate / up product and SwiGLU are one launch.
+        # PRELOAD (`_qmv_block`; no expert ids, which upstream writes): nothing before the block touches memory
         pair = tl.program_id(1)
-        wait_upstream(PDL, RELEASE=True)
+        if not PRELOAD:
+            wait_upstream(PDL, RELEASE=True)
         if HAS_IDS:
             e = tl.load(ids_ptr + pair).to(tl.int64)
         else:
@@ -833,7 +857,8 @@ if HAVE_TRITON:
         else:
             tables = 0
         _qmv_block(tl.program_id(0), pair, e, xp, xqp, xsp, xsump, w_ptr, grid_ptr, tables, y_ptr, N, n_units,
-                   row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ, INTERPRET)
+                   row_bytes, expert_bytes, up_bytes, limit, stride_y, QTYPE, ACT8, R, U, SWIGLU, XQ, INTERPRET,
+                   PRELOAD, PDL)
 
     @triton.jit
     def _expert_units(rowp, grid_ptr, tables, kb, n_units, xq0, xs0, xq1, xs1, R: tl.constexpr, U: tl.constexpr,
@@ -1310,13 +1335,15 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
                 PB=triton.next_power_of_2(n_pairs), INTERPRET=interpret_mode(), num_warps=nw,
                 **launch_options(dev, "matvec"))
             return y
+        u = _fit_units(n_units, u)
         mod._qmv_kernel[(triton.cdiv(n, r // 2 if swiglu is not None else r), n_pairs)](
             x2, xq.codes if xq is not None else _dummy(dev), xq.scales if xq is not None else _dummy(dev),
             xq.sums if xq is not None and xq.sums is not None else _dummy(dev), wr,
             _iq2_xxs_tables(dev) if iq2 else _dummy(dev), ids_t, y, n, n_units, w.row_bytes, expert_bytes,
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
-            ACT8=int8_activations(w.qtype, int8), R=r, U=_fit_units(n_units, u), SWIGLU=swiglu is not None,
-            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw, **launch_options(dev, "matvec"))
+            ACT8=int8_activations(w.qtype, int8), R=r, U=u, SWIGLU=swiglu is not None,
+            XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw,
+            PRELOAD=PRELOAD_WEIGHTS and code == 9 and not has_ids and u == n_units, **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
@@ -1572,6 +1599,13 @@ def routed_swiglu_input(x: torch.Tensor, w13: GGMLTensor, k: int) -> Int8Activat
 
 
 PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launch quantizes x (an A/B switch)
+# The matvec of split Q8_0 rows whose whole K is one step of the tile (most of the step's dense projections: wq_a,
+# wq_b, the shared expert, the compressors' Q8_0 matrices) loads its weights before it waits for the kernels
+# upstream (PDL): they write x, never the weights, so the first wave's weight bytes arrive while the previous kernel
+# finishes. wq_a (4096 -> 1024, 4.5 MB) took 3.95 us, 27% of copy bandwidth (f663748), about one DRAM round trip
+# more than its bytes; an L2 prefetch of every matvec's rows before the wait (docs/PROFILE.md, pdl) sped it up and
+# slowed the large ones. Off until measured on a GPU (the same bits either way)
+PRELOAD_WEIGHTS = False
 # The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
 # once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
 # (512 at Flash's 4096 rows); the same bits. H200 (9fa0861, flash:q2 seed 0): routed down at 8 tokens 46.3 against
