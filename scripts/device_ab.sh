@@ -2,8 +2,9 @@
 # GPU A/B measurements of main's quantized-product switches (module attributes of ds4x.kernels.quant_matmul; history
 # in docs/PROFILE.md). One stage per device call (each stays under the 600 s call limit):
 #
-#   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep (at most ~6 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: prepared Q2_K down off (<10 min)
+#   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep, the Q8_0 matvecs
+#                                       # with and without their weights loaded before the PDL wait (at most ~9 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: PRELOAD_WEIGHTS on as the variant (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~5 min;
 #                                       # DS4X_SERVE_OVERLAP=0: the host reads each step's tokens before the next
 #                                       # step, the baseline of the overlapped reads; DS4X_SERVE_ARGS: more
@@ -73,10 +74,12 @@ kernels)
         tests/test_serve_batching.py tests/test_batch.py
     piece sweep.log 170 python scripts/routed_matvec_sweep.py --tokens 1,8 --gate-up 8,64,2 \
         --down 8,32,1 16,32,1 4,32,1 --ledger "$out/ledger.jsonl"
+    # the Q8_0 cases first (wq_a, wq_b, wo_a, wo_b), each split-row tile that covers K also with PRELOAD_WEIGHTS
+    piece qm_bench.log 150 python scripts/quant_matmul_bench.py "$out" 60
     ;;
 step)
     piece batched.log 560 python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
-        --variant "no prepared down: $qm.Q2_K_PREPARED_ACTIVATIONS=False"
+        --variant "preload: $qm.PRELOAD_WEIGHTS=True"
     ;;
 step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
