@@ -1603,8 +1603,9 @@ PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launc
 # the indexer's wq_b and the shared expert; not the grouped wo_a, wo_b or the output head) loads its weights before
 # it waits for the kernels upstream (PDL): they write x, never the weights, so the first wave's weight bytes arrive
 # while the previous kernel finishes. wq_a (4096 -> 1024, 4.5 MB) took 3.95 us, 27% of copy bandwidth (f663748),
-# about one DRAM round trip more than its bytes; an L2 prefetch of every matvec's rows before the wait (see
-# ds4x.formats.pdl) sped it up and slowed the large ones. Off until measured on a GPU (the same bits either way)
+# about one DRAM round trip more than its bytes. An L2 prefetch of each program's rows before the wait (see
+# ds4x.formats.pdl) sped wq_a up and slowed the shared expert, wo_b and the step: those bytes crossed twice. Off until
+# measured on a GPU (the same bits either way)
 PRELOAD_WEIGHTS = False
 # The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
 # once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
