@@ -81,11 +81,11 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
+    from compressed_kernels_ab import attention_cases  # this script's folder is on sys.path
     from torch.profiler import ProfilerActivity, profile
 
-    from ds4x.formats import rows_triton
     from ds4x.kernels import attention_wgmma
-    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention import attention_decode_triton
 
     dev, heads, dim, nope = "cuda", 64, 512, 448
     g = torch.Generator(device=dev).manual_seed(0)
@@ -99,17 +99,7 @@ def main() -> int:
 
     q = torch.nn.functional.rms_norm(torch.randn(heads, dim, generator=g, device=dev), (dim,)).bfloat16()
     sinks = torch.randn(heads, generator=g, device=dev)
-    ring = rows_triton.pack_kv_rows_triton(torch.randn(768, dim, generator=g, device=dev) * 2, validate=False)
-    rows = rows_triton.pack_kv_rows_triton(torch.randn(262_146, dim, generator=g, device=dev) * 2, validate=False)
-    at_4k, at_1m = torch.tensor([4095], device=dev), torch.tensor([1_048_575], device=dev)
-    top = torch.randperm(262_144, generator=g, device=dev)[:512].sort().values
-    window = {"4K": Slots(128, position=at_4k, ring=768), "1M": Slots(128, position=at_1m, ring=768)}
-    cases = {
-        "window 128": [(ring, window["4K"])],
-        "CSA top-512 @1M": [(ring, window["1M"]), (rows, top)],
-        "HCA 34 rows @4K": [(ring, window["4K"]), (rows, Slots(34, position=at_4k, ratio=128))],
-        "HCA 8194 rows @1M": [(ring, window["1M"]), (rows, Slots(8194, position=at_1m, ratio=128))],
-    }
+    _, _, cases = attention_cases(g, dev)  # compressed_kernels_ab's cases, the same draws
 
     def graph_of(call) -> tuple[torch.cuda.CUDAGraph, float]:
         call()

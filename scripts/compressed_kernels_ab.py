@@ -20,6 +20,28 @@ from typing import Any
 import torch
 
 
+def attention_cases(g: torch.Generator, dev: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, list]]:
+    """One decode query's attention sources at Flash shapes, drawn from ``g``: a ring of 768 packed rows, a store of
+    262,146 compressed rows, and the cases (window 128; CSA window + top-512 at 1M; HCA at 4K and 1M) as
+    `attention_decode_triton` sources."""
+    from ds4x.formats import rows_triton
+    from ds4x.kernels.attention import Slots
+
+    dim = 512
+    ring = rows_triton.pack_kv_rows_triton(torch.randn(768, dim, generator=g, device=dev) * 2, validate=False)
+    rows = rows_triton.pack_kv_rows_triton(torch.randn(262_146, dim, generator=g, device=dev) * 2, validate=False)
+    at_4k, at_1m = torch.tensor([4095], device=dev), torch.tensor([1_048_575], device=dev)
+    top = torch.randperm(262_144, generator=g, device=dev)[:512].sort().values
+    cases = {
+        "window 128": [(ring, Slots(128, position=at_4k, ring=768))],
+        "CSA top-512 @1M": [(ring, Slots(128, position=at_1m, ring=768)), (rows, top)],
+        "HCA 34 rows @4K": [(ring, Slots(128, position=at_4k, ring=768)), (rows, Slots(34, position=at_4k, ratio=128))],
+        "HCA 8194 rows @1M": [(ring, Slots(128, position=at_1m, ring=768)),
+                              (rows, Slots(8194, position=at_1m, ratio=128))],
+    }
+    return ring, rows, cases
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
@@ -33,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing as tt
 
     from ds4x.bench.ledger import append, environment
-    from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows, rows_triton
+    from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows
     from ds4x.kernels import attention as A
     from ds4x.kernels import indexer as I
     from ds4x.kernels.attention import Slots, attention_decode_triton
@@ -59,17 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     q = torch.nn.functional.rms_norm(torch.randn(heads, dim, generator=g, device=dev), (dim,))
     sinks = torch.randn(heads, generator=g, device=dev)
-    ring = rows_triton.pack_kv_rows_triton(torch.randn(768, dim, generator=g, device=dev) * 2, validate=False)
-    rows = rows_triton.pack_kv_rows_triton(torch.randn(262_146, dim, generator=g, device=dev) * 2, validate=False)
-    at_4k, at_1m = torch.tensor([4095], device=dev), torch.tensor([1_048_575], device=dev)
-    top = torch.randperm(262_144, generator=g, device=dev)[:512].sort().values
-    cases = {
-        "window 128": [(ring, Slots(128, position=at_4k, ring=768))],
-        "CSA top-512 @1M": [(ring, Slots(128, position=at_1m, ring=768)), (rows, top)],
-        "HCA 34 rows @4K": [(ring, Slots(128, position=at_4k, ring=768)), (rows, Slots(34, position=at_4k, ratio=128))],
-        "HCA 8194 rows @1M": [(ring, Slots(128, position=at_1m, ring=768)),
-                              (rows, Slots(8194, position=at_1m, ratio=128))],
-    }
+    ring, rows, cases = attention_cases(g, dev)
     # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
     qb = q.bfloat16()
     print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9}")
