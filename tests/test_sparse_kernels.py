@@ -275,6 +275,32 @@ def test_merge_configurations_agree(monkeypatch):
     assert cut_chunks is not None and not torch.equal(cut_chunks[0], cut_chunks[1])  # the RoPE columns rotated
 
 
+def test_merge_of_many_splits_in_one_or_several_iterations(monkeypatch):
+    """A query of more splits than the chunks' splits per iteration (an HCA layer at 1M has 111): up to twice as
+    many are merged in one iteration, more in several, each moving the running sums to a new top; both agree with
+    the float64 softmax over all rows and the sink, and with each other to float rounding."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import attention_decode_triton
+
+    g = torch.Generator().manual_seed(8)
+    dev = _device()
+    x = torch.randn(1200, 128, generator=g) * 2
+    x[600:700] *= 4  # a later split holds the largest scores: the running top moves
+    rows = pack_kv_rows(x, rope_dim=64).to(dev)
+    q = torch.randn(16, 128, generator=g).to(dev)
+    sinks = torch.randn(16, generator=g).to(dev)
+    picked = torch.arange(1200, device=dev)  # 75 blocks of 16 rows, a split each
+    keys = unpack_kv_rows(rows, rope_dim=64).double()
+    probs = torch.cat([q.double() @ keys.T * 128**-0.5, sinks.double()[:, None]], dim=1).softmax(-1)
+    ref = (probs[:, :-1] @ keys).float()
+    outs = []
+    for chunks in ((64, 1), (16, 1)):  # one iteration of 128 splits; five of 16
+        monkeypatch.setattr(A, "COMBINE_CHUNKS", chunks)
+        outs.append(attention_decode_triton(q, [(rows, picked)], sinks, 128**-0.5, 64, True, (16, 16, 4, 128)))
+        torch.testing.assert_close(outs[-1], ref.to(outs[-1].device), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("position", [3, 40, 299])
 def test_attention_slots_from_the_position_match_explicit_indices(position):
     """Window-of-a-ring and closed-compressed-rows slots, derived in the kernel from the device position, give

@@ -88,7 +88,8 @@ BATCH_SPLIT_WAVES = 1
 # --parts merge, bf16 query), chunks / rows: one query's window 128 12.1 / 12.1, CSA top-512 at 1M 12.1 / 14.8, HCA
 # at 1M 31.5 / 37.6; 8 queries at 4K (batch splits) CSA 31.9 / 23.9, HCA 22.8 / 15.7; 32 queries CSA 99.0 / 67.3,
 # HCA 58.1 / 26.4. So whole rows where a batch's H x B programs fill COMBINE_ROWS_WAVES waves of the SMs, and only
-# with ``batch_splits`` (a query's bits already depend on its batch there); 0 waves: chunks always.
+# with ``batch_splits`` (a query's bits already depend on its batch there); 0 waves: chunks always. A query of up
+# to twice the chunks' splits per iteration takes them all in one iteration (each iteration waits on its loads).
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
@@ -213,6 +214,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
         rows_merge = H * B >= COMBINE_ROWS_WAVES * num_sms(q.device)
     sb, cb = COMBINE_ROWS if rows_merge else COMBINE_CHUNKS
+    if not rows_merge and sb < n_split <= 2 * sb:  # (an HCA layer at 1M: 111 splits) one iteration, one wait
+        sb *= 2
     cb = math.gcd(cb, D // 64)  # chunks per program: a power of two dividing the row's
     n_iter = 1 << (-(-n_split // sb) - 1).bit_length()  # powers of two: few compiled variants
     if inverse_rope is not None:

@@ -198,7 +198,10 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
     top) + e^(sink - top)), rounded to out's dtype, over SB splits at a time. ROPE: the last chunk (the 64 RoPE
     dims) is rotated back first by the query's angles (cos / sin [queries, 32]) in interleaved pairs, the
     arithmetic of the inverse RoPE kernel. A program of all D / 64 chunks reads each split's m and l once where
-    one per chunk read them D / 64 times and its programs waited on their loads in turn."""
+    one per chunk read them D / 64 times and its programs waited on their loads in turn. Each iteration loads its
+    splits' m, l and acc together and moves the running sums to a new top as an online softmax does, so a merge of
+    one iteration waits on memory once (a first pass over m for the top was a second wait); with one iteration
+    the arithmetic is the two-pass formula's."""
     wait_upstream(PDL)
     h = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
@@ -208,22 +211,22 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
     out_ptr += b * tl.num_programs(0) * D
     offs = tl.arange(0, SB)
     cols = tl.program_id(1) * CB * 64 + tl.arange(0, CB * 64)
-    sink = tl.load(sinks_ptr + h).to(tl.float32)
-    top = sink
+    top = tl.load(sinks_ptr + h).to(tl.float32)
+    denom = top * 0.0 + 1.0  # e^(sink - top)
+    acc = tl.zeros([CB * 64], tl.float32)
     for i in range(N_ITER):  # a compile-time trip count (N_ITER * SB >= n_split): the interpreter needs one
         s0 = i * SB
-        top = tl.maximum(top, tl.max(tl.load(m_ptr + (s0 + offs) * HP + h, mask=s0 + offs < n_split,
-                                             other=float("-inf")), 0))
-    denom = tl.exp(sink - top)
-    acc = tl.zeros([CB * 64], tl.float32)
-    for i in range(N_ITER):
-        s0 = i * SB
         live = s0 + offs < n_split
-        w = tl.exp(tl.load(m_ptr + (s0 + offs) * HP + h, mask=live, other=float("-inf")) - top)  # 0 for empty blocks
-        denom += tl.sum(tl.load(l_ptr + (s0 + offs) * HP + h, mask=live, other=0.0) * w, 0)
+        m = tl.load(m_ptr + (s0 + offs) * HP + h, mask=live, other=float("-inf"))
+        lv = tl.load(l_ptr + (s0 + offs) * HP + h, mask=live, other=0.0)
         part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + cols[None, :], mask=live[:, None],
                        other=0.0)
-        acc += tl.sum(part * w[:, None], 0)
+        new_top = tl.maximum(top, tl.max(m, 0))
+        alpha = tl.exp(top - new_top)
+        w = tl.exp(m - new_top)  # 0 for empty blocks
+        denom = denom * alpha + tl.sum(lv * w, 0)
+        acc = acc * alpha + tl.sum(part * w[:, None], 0)
+        top = new_top
     y = acc / denom
     if ROPE:
         even, odd = tl.split(tl.reshape(y, (CB * 32, 2)))
