@@ -66,12 +66,14 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
 
 def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> triton.compiler.CompiledKernel:
     """A Gluon kernel for sm_90 with ``consts`` as its constexprs, ``pointers`` the types of its pointer arguments
-    (``scale`` is fp32, every other argument i32)."""
+    (``scale`` is fp32, every other argument i32), the pointers 16-byte aligned as Triton specializes them at launch
+    (so vector loads compile as they run)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
-    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, {})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in pointers}
+    src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs)
     return triton.compile(src, target=TARGET, options=options)
 
 

@@ -172,6 +172,11 @@ if HAVE_GLUON:
         idx_b += b * index_b
         pos_a += b
         pos_b += b
+        # the query's loads first: they need no index, so they are on their way while the first block's rows are
+        # found (a device position or an index read) and asked of L2
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+        q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
         slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
                           BLOCK, MODE_A, MODE_B)
@@ -185,9 +190,7 @@ if HAVE_GLUON:
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
         klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
-        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
-        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-        q = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.float32)
+        q = q_in.to(gl.float32)
         q_hi = q.to(gl.bfloat16)
         q2.slice(0, HP, dim=0).store(q_hi)
         q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
