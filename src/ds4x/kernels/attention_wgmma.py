@@ -66,16 +66,17 @@ if HAVE_GLUON:
     from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
 
     @gluon.jit
-    def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: gl.constexpr):
-        # the stored row of each slot (-1: none); see kernels/attention.Slots and triton_attention._slot_rows
+    def _slot_rows(idx_ptr, pos, n, ring, offs, live, MODE: gl.constexpr):
+        # the stored row of each slot (-1: none) as int32, ``pos`` the query's position read once (modes 1 and 2);
+        # see kernels/attention.Slots and triton_attention._slot_rows. No arithmetic on a loaded index here: the
+        # caller's next loads need not wait for it
         if MODE == 0:
-            idx = gl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1).to(gl.int64)
+            idx = gl.load(idx_ptr + offs, mask=(offs < n) & live, other=-1)
         elif MODE == 1:  # int32 arithmetic (positions < 2^31): an int64 division is a called routine
-            p = gl.load(pos_ptr).to(gl.int32) - (n - 1) + offs
-            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1).to(gl.int64)
+            p = pos - (n - 1) + offs
+            idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1)
         else:
-            idx = gl.where((offs < gl.minimum((gl.load(pos_ptr).to(gl.int32) + 1) // ring, n)) & live, offs,
-                           -1).to(gl.int64)
+            idx = gl.where((offs < gl.minimum((pos + 1) // ring, n)) & live, offs, -1)
         return idx
 
     @gluon.jit
@@ -86,7 +87,8 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise(
             "{ .reg .b64 a, e; .reg .b32 n; and.b64 a, $1, -16; add.s64 e, $1, $2; and.b64 e, e, -16; "
             "sub.s64 e, e, a; cvt.u32.u64 n, e; cp.async.bulk.prefetch.L2.global [a], n; mov.u32 $0, 0; }",
-            "=r,l,l", [rows_ptr + gl.where(idx >= 0, idx, 0) * stride, gl.full_like(idx, ROW + 15)],
+            "=r,l,l", [rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride,
+                       gl.full_like(idx, ROW + 15).to(gl.int64)],
             dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -97,7 +99,7 @@ if HAVE_GLUON:
         # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
         # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly)
         ok = (idx >= 0)[:, None, None]
-        row = (rows_ptr + gl.where(idx >= 0, idx, 0) * stride)[:, None, None]
+        row = (rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride)[:, None, None]
         chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
         nope = ok & (chunk < NOPE // 64)
@@ -116,12 +118,12 @@ if HAVE_GLUON:
     def _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, live,
                     BLOCK: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr):
         # the stored rows of a program's block i: blocks 0 .. na-1 are source A's a0, a0 + 1, ..., the rest source
-        # B's b0, b0 + 1, ...
-        if i < na:
-            idx = _slot_rows(idx_a, pos_a, n_a, ring_a, (a0 + i) * BLOCK + slots, live, MODE_A)
-        else:
-            idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live, MODE_B)
-        return idx
+        # B's b0, b0 + 1, ...; both sources' slots under masks, no branch, so that the index loads (mode 0) are on
+        # their way while the loads after them go out
+        in_a = i < na
+        idx_a = _slot_rows(idx_a, pos_a, n_a, ring_a, (a0 + i) * BLOCK + slots, live & in_a, MODE_A)
+        idx_b = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live & (i >= na), MODE_B)
+        return gl.where(in_a, idx_a, idx_b)
 
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
@@ -170,8 +172,15 @@ if HAVE_GLUON:
         rows_b += b * store_b
         idx_a += b * index_a
         idx_b += b * index_b
-        pos_a += b
-        pos_b += b
+        # the query's positions (slot modes 1 and 2), read once: each block's slots are arithmetic on them
+        if MODE_A == 0:
+            pos_a = zero
+        else:
+            pos_a = gl.load(pos_a + b).to(gl.int32)
+        if MODE_B == 0:
+            pos_b = zero
+        else:
+            pos_b = gl.load(pos_b + b).to(gl.int32)
         # the query's loads first: they need no index, so they are on their way while the first block's rows are
         # found (a device position or an index read) and asked of L2
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
@@ -200,11 +209,13 @@ if HAVE_GLUON:
         o = gl.zeros([HP, D], gl.float32, O_ACC)
         o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
         for i in range(na + nb):
+            # the next block's rows first: an index read (mode 0) then waits alongside this block's row loads
+            nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
+                              i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
             gl.thread_barrier()  # every warp is past the products that read the previous tiles
             _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
             ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
-            idx = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
-                              i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+            idx = nxt
             if i + 1 < na:
                 rows_ptr, stride = rows_a, stride_a
             else:
