@@ -26,6 +26,8 @@
 #                                       # the histogram select; the merge of the splits by (splits, chunks)), then
 #                                       # the step at 1, 8 and 32 sessions with the merge by 64-value chunks as the
 #                                       # variant (~9 min)
+#   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), then
+#                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -38,7 +40,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -98,6 +100,14 @@ compressed)
     piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
+    ;;
+frontier)
+    # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
+    # on CUDA when there is one), then the compressed layers at model scale on flash:q2 (needs an H200)
+    piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
+        -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
+    piece frontier.log 300 python -m ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50 \
+        --ledger "$out/ledger.jsonl"
     ;;
 routed)
     # the tensor-core routed kernel's variants (the activations by cp.async, the weights in the wgmma's registers):
@@ -167,7 +177,7 @@ PY
         && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier or all)" >&2
     exit 2
     ;;
 esac
