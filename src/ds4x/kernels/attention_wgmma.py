@@ -128,9 +128,9 @@ if HAVE_GLUON:
         # B's b0, b0 + 1, ...; both sources' slots under masks, no branch, so that the index loads (mode 0) are on
         # their way while the loads after them go out
         in_a = i < na
-        idx_a = _slot_rows(idx_a, pos_a, n_a, ring_a, (a0 + i) * BLOCK + slots, live & in_a, MODE_A)
-        idx_b = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live & (i >= na), MODE_B)
-        return gl.where(in_a, idx_a, idx_b)
+        from_a = _slot_rows(idx_a, pos_a, n_a, ring_a, (a0 + i) * BLOCK + slots, live & in_a, MODE_A)
+        from_b = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live & (i >= na), MODE_B)
+        return gl.where(in_a, from_a, from_b)
 
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
