@@ -84,19 +84,29 @@ def main(argv: list[str] | None = None) -> int:
     ring, rows, cases = attention_cases(g, dev)
     # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
     qb = q.bfloat16()
-    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9}")
+    # and the bf16 query's blocks in two phases (A.TWO_PHASE_BLOCKS = 5, where its programs take at most 5 blocks)
+    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9} {'2-phase':>9} "
+          f"{'rel diff':>9}")
+    two_phase_default = A.TWO_PHASE_BLOCKS
     for name, sources in cases.items() if "attention" in parts else ():
         def call(query=q, sources=sources):
             return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True)
         A.WGMMA = False
         ref, t_ref = call(), us(call)
         A.WGMMA = True
-        out, t, t_bf16 = call(), us(call), us(lambda: call(qb))
+        A.TWO_PHASE_BLOCKS = 0
+        out, t, t_bf16, online = call(), us(call), us(lambda: call(qb)), call(qb)
+        A.TWO_PHASE_BLOCKS = 5
+        two, t_two = call(qb), us(lambda: call(qb))
+        A.TWO_PHASE_BLOCKS = two_phase_default
         diff = float((out - ref).abs().max() / ref.abs().max())
-        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f}")
+        diff_two = float((two - online).abs().max() / online.abs().max())
+        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f} {t_two:9.1f} {diff_two:9.1e}")
         record("decode attention", name, "Triton kernel, float32 query", t_ref)
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
+        record("decode attention", name, "Gluon kernel, bf16 query, blocks in two phases (TWO_PHASE_BLOCKS=5)", t_two,
+               {"rel_diff": diff_two, "status": "variant"})
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

@@ -26,7 +26,8 @@
 #                                       # the histogram select; the merge of the splits by (splits, chunks)), then
 #                                       # the step at 1, 8 and 32 sessions with the merge by 64-value chunks as the
 #                                       # variant (~9 min)
-#   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), then
+#   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
+#                                       # kernels per case with the blocks in two phases as the variant, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
@@ -103,9 +104,11 @@ compressed)
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
-    # on CUDA when there is one), then the compressed layers at model scale on flash:q2 (needs an H200)
+    # on CUDA when there is one) and the blocks in two phases; the attention kernels per case with TWO_PHASE_BLOCKS
+    # as the variant; then the compressed layers at model scale on flash:q2 (needs an H200)
     piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
         -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
+    piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention --ledger "$out/ledger.jsonl"
     piece frontier.log 300 python -m ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50 \
         --ledger "$out/ledger.jsonl"
     ;;

@@ -628,6 +628,50 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
 
 
 @pytest.mark.gpu
+def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
+    """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
+    against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
+    compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
+    native rows bit for bit; the float64 softmax as the reference."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention_wgmma import available
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,)).bfloat16()
+    if not available(q, 64, 512, 448):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    rows = torch.stack([pack_kv_rows(torch.randn(8400, 512, generator=g, device="cuda") * 2) for _ in range(3)])
+    sinks = torch.randn(64, generator=g, device="cuda")
+    pos = torch.tensor([1_048_575, 700_000, 5_000], device="cuda")
+    picks = torch.randint(0, 8194, (3, 512), generator=g, device="cuda")
+    picks[:, ::7] = -1
+    picks[1, :40] = -1  # a block with no row at all
+    window = Slots(128, position=pos, ring=8400)
+    cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),
+             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128))]
+    for sources, config in cases:
+        monkeypatch.setattr(A, "WGMMA_CONFIG", config)
+        monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)
+        online = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 5)
+        out = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        assert float((out - online).abs().max() / online.abs().max()) < 1e-5
+        for b in range(3):
+            alone = [(r[b], s[b] if isinstance(s, torch.Tensor) else
+                      Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]
+            assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 512**-0.5, 448, True))
+            seen = [(s if isinstance(s, torch.Tensor) else s.explicit())[b] for _, s in sources]
+            keys = unpack_kv_rows(rows[b]).double()[torch.cat([i[i >= 0] for i in seen])]
+            logits = torch.cat([q[b].double() @ keys.T * 512**-0.5, sinks.double()[:, None]], dim=1)
+            ref = logits.softmax(-1)[:, :-1] @ keys
+            assert float((out[b].double() - ref).norm() / ref.norm()) < 1e-5
+        plain = torch.stack([unpack_kv_rows(r) for r in rows])
+        native = [(plain, s) for _, s in sources]
+        assert torch.equal(out, attention_decode_triton(q, native, sinks, 512**-0.5, 448, False))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["native", "packed"])
 def test_gpu_decode_path_matches_cpu_reference(cache):
     from ds4x.runtime.engine import Engine

@@ -76,6 +76,10 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
+# A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
+# then the products against the final maximum: `attention_wgmma._two_phase_blocks`), not the online loop; 0: off.
+# Shared memory bounds it (5 blocks of 16 rows: 195 KB). Off until timed against the online loop.
+TWO_PHASE_BLOCKS = 0
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -196,10 +200,13 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
+        two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
+                     and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
-            MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, **pdl)
+            MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
+            **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

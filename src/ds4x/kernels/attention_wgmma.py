@@ -57,7 +57,12 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
 
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -132,6 +137,72 @@ if HAVE_GLUON:
         from_b = _slot_rows(idx_b, pos_b, n_b, ring_b, (b0 + i - na) * BLOCK + slots, live & (i >= na), MODE_B)
         return gl.where(in_a, from_a, from_b)
 
+    @gluon.jit
+    def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
+                          D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
+                          MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
+                          O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr):
+        # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
+        # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
+        # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
+        # against the final maximum and their products with the block's keys added to the accumulator, the
+        # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. ->
+        # (m, l, o, o_r) as the online loop leaves them (to float rounding)
+        RD: gl.constexpr = D - NOPE
+        ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64
+        S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                          instr_shape=[16, BLOCK // (num_warps // 4), 16])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PSH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, BLOCK], gl.bfloat16)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
+        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
+        keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
+        scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
+        probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
+        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        for j in range(na + nb):
+            nxt = _block_rows(j + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
+                              j + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+            _store_keys(rows_ptr, idx, stride, keys.index(j), keys_lo.index(j), BLOCK, NOPE, D, L3)
+            ok = gl.convert_layout(idx, gl.SliceLayout(0, S1_ACC)) >= 0
+            idx = nxt
+            if j + 1 < na:
+                rows_ptr, stride = rows_a, stride_a
+            else:
+                rows_ptr, stride = rows_b, stride_b
+            _prefetch_rows(rows_ptr, idx, stride, ROW)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
+                              is_async=True)
+            s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            s = gl.where(ok[None, :], s * scale, float("-inf"))
+            scores.index(j).store(s)
+            m = gl.maximum(m, gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, S_L)))
+        gl.thread_barrier()  # every block's scores are stored
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
+        # async accumulators from the start: the loop carries them across products it does not wait for
+        o = warpgroup_mma_init(gl.zeros([HP, D], gl.float32, O_ACC))
+        o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
+        for j in range(na + nb):
+            p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
+            l += gl.sum(p, axis=1)
+            p_hi = p.to(gl.bfloat16)
+            probs.index(2 * j).store(p_hi)
+            probs.index(2 * j + 1).store((p - p_hi.to(gl.float32)).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            o = warpgroup_mma(probs.index(2 * j), keys.index(j), o, is_async=True)
+            o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j), o, is_async=True)
+            o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
+            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
+        o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+        return m, l, o, o_r
+
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
     @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
@@ -140,11 +211,13 @@ if HAVE_GLUON:
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False):
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
-        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32."""
+        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
+        TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
+        instead of the online loop; the same state to float rounding."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
@@ -202,56 +275,62 @@ if HAVE_GLUON:
             rows_ptr, stride = rows_b, stride_b
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
-        q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
-        klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
-        s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
-        q = q_in.to(gl.float32)
-        q_hi = q.to(gl.bfloat16)
-        q2.slice(0, HP, dim=0).store(q_hi)
-        q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
+        if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
+            m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
+                                             pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
+                                             scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
+                                             R_ACC, num_warps)
+        else:
+            q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
+            k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+            klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
+            s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
+            q = q_in.to(gl.float32)
+            q_hi = q.to(gl.bfloat16)
+            q2.slice(0, HP, dim=0).store(q_hi)
+            q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
 
-        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-        l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
-        o = gl.zeros([HP, D], gl.float32, O_ACC)
-        o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
-        for i in range(na + nb):
-            # the next block's rows first: an index read (mode 0) then waits alongside this block's row loads
-            nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
-                              i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
-            gl.thread_barrier()  # every warp is past the products that read the previous tiles
-            _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
-            ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
-            idx = nxt
-            if i + 1 < na:
-                rows_ptr, stride = rows_a, stride_a
-            else:
-                rows_ptr, stride = rows_b, stride_b
-            _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
-            fence_async_shared()
-            gl.thread_barrier()
-            s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
-                               is_async=True)
-            s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
-            s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
-            s_smem.store(s2)
-            gl.thread_barrier()
-            s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
-            s = gl.where(ok[None, :], s * scale, float("-inf"))
-            m_new, alpha, p, l = online_softmax_step(m, l, s)
-            p_hi = p.to(gl.bfloat16)
-            p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
-            alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
-            o = o * alpha[:, None]
-            o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
-            a_hi = gl.convert_layout(p_hi, P_OP)
-            a_lo = gl.convert_layout(p_lo, P_OP)
-            o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
-            o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
-            o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
-            o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
-            o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
-            m = m_new
+            m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+            l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
+            o = gl.zeros([HP, D], gl.float32, O_ACC)
+            o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
+            for i in range(na + nb):
+                # the next block's rows first: an index read (mode 0) then waits alongside this block's row loads
+                nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
+                                  i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+                gl.thread_barrier()  # every warp is past the products that read the previous tiles
+                _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
+                ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
+                idx = nxt
+                if i + 1 < na:
+                    rows_ptr, stride = rows_a, stride_a
+                else:
+                    rows_ptr, stride = rows_b, stride_b
+                _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
+                fence_async_shared()
+                gl.thread_barrier()
+                s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
+                                   is_async=True)
+                s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
+                s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
+                s_smem.store(s2)
+                gl.thread_barrier()
+                s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
+                s = gl.where(ok[None, :], s * scale, float("-inf"))
+                m_new, alpha, p, l = online_softmax_step(m, l, s)
+                p_hi = p.to(gl.bfloat16)
+                p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
+                alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
+                o = o * alpha[:, None]
+                o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
+                a_hi = gl.convert_layout(p_hi, P_OP)
+                a_lo = gl.convert_layout(p_lo, P_OP)
+                o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
+                o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
+                o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
+                o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
+                o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+                m = m_new
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
         do = gl.arange(0, D, layout=gl.SliceLayout(0, O_ACC))[None, :]
