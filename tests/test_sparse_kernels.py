@@ -592,6 +592,25 @@ def test_attention_over_hca_sized_rows_on_gpu(query):
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list[int], pick_below: int):
+    """Three decode queries at Flash shapes (RMS-normed, bf16 or float32), a packed store of ``n_rows`` rows per
+    query, sinks, the queries' positions and 512 picks per query below ``pick_below`` with every 7th a hole;
+    skips where the Hopper kernel does not run."""
+    from ds4x.kernels.attention_wgmma import available
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,))
+    if bf16:
+        q = q.bfloat16()
+    if not available(q, 64, 512, 448):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    rows = torch.stack([pack_kv_rows(torch.randn(n_rows, 512, generator=g, device="cuda") * 2) for _ in range(3)])
+    sinks = torch.randn(64, generator=g, device="cuda")
+    picks = torch.randint(0, pick_below, (3, 512), generator=g, device="cuda")
+    picks[:, ::7] = -1
+    return q, rows, sinks, torch.tensor(positions, device="cuda"), picks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
@@ -599,19 +618,8 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
     compressed rows, a batch of 3 queries (each query's bits alone); float32 queries and the model's bf16 ones."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
-    from ds4x.kernels.attention_wgmma import available
 
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,))
-    if query != "float32":
-        q = q.bfloat16()
-    if not available(q, 64, 512, 448):
-        pytest.skip("needs an sm_90 GPU with Gluon")
-    rows = torch.stack([pack_kv_rows(torch.randn(3000, 512, generator=g, device="cuda") * 2) for _ in range(3)])
-    sinks = torch.randn(64, generator=g, device="cuda")
-    pos = torch.tensor([2999, 1500, 40], device="cuda")
-    picks = torch.randint(0, 700, (3, 512), generator=g, device="cuda")
-    picks[:, ::7] = -1
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(5, query != "float32", 3000, [2999, 1500, 40], 700)
     cases = [[(rows, Slots(128, position=pos, ring=3000)), (rows, picks)],
              [(rows, Slots(128, position=pos, ring=3000)), (rows, Slots(700, position=pos, ratio=4))]]
     for sources in cases:
@@ -635,17 +643,8 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
     native rows bit for bit; the float64 softmax as the reference."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
-    from ds4x.kernels.attention_wgmma import available
 
-    g = torch.Generator(device="cuda").manual_seed(9)
-    q = torch.nn.functional.rms_norm(torch.randn(3, 64, 512, generator=g, device="cuda"), (512,)).bfloat16()
-    if not available(q, 64, 512, 448):
-        pytest.skip("needs an sm_90 GPU with Gluon")
-    rows = torch.stack([pack_kv_rows(torch.randn(8400, 512, generator=g, device="cuda") * 2) for _ in range(3)])
-    sinks = torch.randn(64, generator=g, device="cuda")
-    pos = torch.tensor([1_048_575, 700_000, 5_000], device="cuda")
-    picks = torch.randint(0, 8194, (3, 512), generator=g, device="cuda")
-    picks[:, ::7] = -1
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(9, True, 8400, [1_048_575, 700_000, 5_000], 8194)
     picks[1, :40] = -1  # a block with no row at all
     window = Slots(128, position=pos, ring=8400)
     cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),

@@ -138,6 +138,29 @@ if HAVE_GLUON:
         return gl.where(in_a, from_a, from_b)
 
     @gluon.jit
+    def _decode_block(i, idx, rows_ptr, stride, k_dst, klo_dst, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a,
+                      ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK: gl.constexpr,
+                      NOPE: gl.constexpr, D: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
+                      L3: gl.constexpr, OK_L: gl.constexpr, REUSED: gl.constexpr):
+        # block i's rows ``idx`` (at rows_ptr, stride) decoded into the key tiles (REUSED: tiles the previous
+        # block's products read, so every warp waits until they are done), and block i + 1's rows found and asked
+        # of L2 -> (block i's live rows in layout OK_L, block i + 1's rows, their source's pointer and stride).
+        # The next block's rows are found first: an index read (mode 0) then waits alongside this block's row loads
+        ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
+        nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
+                          i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+        if REUSED:
+            gl.thread_barrier()
+        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, BLOCK, NOPE, D, L3)
+        ok = gl.convert_layout(idx, OK_L) >= 0
+        if i + 1 < na:
+            rows_ptr, stride = rows_a, stride_a
+        else:
+            rows_ptr, stride = rows_b, stride_b
+        _prefetch_rows(rows_ptr, nxt, stride, ROW)  # the next block's bytes on their way to L2
+        return ok, nxt, rows_ptr, stride
+
+    @gluon.jit
     def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                           rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
@@ -150,7 +173,6 @@ if HAVE_GLUON:
         # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. ->
         # (m, l, o, o_r) as the online loop leaves them (to float rounding)
         RD: gl.constexpr = D - NOPE
-        ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -163,16 +185,10 @@ if HAVE_GLUON:
         probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
         m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
         for j in range(na + nb):
-            nxt = _block_rows(j + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
-                              j + 1 < na + nb, BLOCK, MODE_A, MODE_B)
-            _store_keys(rows_ptr, idx, stride, keys.index(j), keys_lo.index(j), BLOCK, NOPE, D, L3)
-            ok = gl.convert_layout(idx, gl.SliceLayout(0, S1_ACC)) >= 0
-            idx = nxt
-            if j + 1 < na:
-                rows_ptr, stride = rows_a, stride_a
-            else:
-                rows_ptr, stride = rows_b, stride_b
-            _prefetch_rows(rows_ptr, idx, stride, ROW)
+            ok, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j), keys_lo.index(j), na,
+                                                      nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
+                                                      D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
             fence_async_shared()
             gl.thread_barrier()
             s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
@@ -295,18 +311,10 @@ if HAVE_GLUON:
             o = gl.zeros([HP, D], gl.float32, O_ACC)
             o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
             for i in range(na + nb):
-                # the next block's rows first: an index read (mode 0) then waits alongside this block's row loads
-                nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
-                                  i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
-                gl.thread_barrier()  # every warp is past the products that read the previous tiles
-                _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK, NOPE, D, L3)
-                ok = gl.convert_layout(idx, gl.SliceLayout(0, S_L)) >= 0
-                idx = nxt
-                if i + 1 < na:
-                    rows_ptr, stride = rows_a, stride_a
-                else:
-                    rows_ptr, stride = rows_b, stride_b
-                _prefetch_rows(rows_ptr, idx, stride, ROW)  # the next block's bytes on their way to L2
+                ok, idx, rows_ptr, stride = _decode_block(i, idx, rows_ptr, stride, k_smem, klo_smem, na, nb, a0, b0,
+                                                          rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                                          stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
+                                                          MODE_A, MODE_B, L3, gl.SliceLayout(0, S_L), True)
                 fence_async_shared()
                 gl.thread_barrier()
                 s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
