@@ -146,9 +146,10 @@ def run(out_json: str | None = None, deadline_s: float = 1e9) -> int:
                 x = torch.randn(1, k, device=dev, generator=gen)
                 ref = x.double() @ wd.T
                 for label, cfg, int8, split in variants(qt, n, k, 1, extra):
-                    # split Q8_0 rows also with their weights loaded before the PDL wait (PRELOAD_WEIGHTS), which
-                    # serves tiles whose U covers all of K
-                    for preload in (False, True) if split and cfg[1] * 8 >= k else (False,):
+                    # also with the weights loaded before the PDL wait where PRELOAD_WEIGHTS serves the launch
+                    qm.PRELOAD_WEIGHTS = True
+                    serves = qm.weights_preloaded(layouts[split][0], cfg[1])
+                    for preload in (False, True) if serves else (False,):
                         qm.PRELOAD_WEIGHTS = preload
                         err = rel(quant_linear(x, layouts[split][0], config=cfg, force="mv", int8=int8), ref)
                         us, gbs = timed([lambda x=x, w=w, c=cfg, i8=int8:

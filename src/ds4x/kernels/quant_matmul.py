@@ -1180,6 +1180,14 @@ def _fit_units(units: int, u: int) -> int:
     return u
 
 
+def weights_preloaded(w: GGMLTensor, units: int, ids: bool = False) -> bool:
+    """Whether a matvec of ``w`` (kernel layout) at ``units`` units a K step, with or without expert ids, loads its
+    weights before it waits for the kernels upstream (``PRELOAD_WEIGHTS``: split Q8_0 rows, no ids, all of K in one
+    step)."""
+    n_units = w.shape[-1] // _fields(w.qtype)[4]
+    return PRELOAD_WEIGHTS and _code(w) == 9 and not ids and _fit_units(n_units, units) == n_units
+
+
 def int8_activation_types() -> list[str]:
     """The types whose matvec quantizes activations to int8 as things stand (for benchmark records)."""
     return [t.name for t in (T.Q8_0, T.Q2_K, T.IQ2_XXS) if int8_activations(t)]
@@ -1343,7 +1351,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             up_bytes, float(swiglu or 0.0), x2.stride(0), y.stride(0), X_DIV=x_div, HAS_IDS=has_ids, QTYPE=code,
             ACT8=int8_activations(w.qtype, int8), R=r, U=u, SWIGLU=swiglu is not None,
             XQ=xq is not None, INTERPRET=interpret_mode(), num_warps=nw,
-            PRELOAD=PRELOAD_WEIGHTS and code == 9 and not has_ids and u == n_units, **launch_options(dev, "matvec"))
+            PRELOAD=weights_preloaded(w, u, has_ids), **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
     wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
