@@ -173,8 +173,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         n_blocks = max(1, -(-s.n // block))
         per_split.append(-(-n_blocks // max_splits))
         n_splits.append(-(-n_blocks // per_split[-1]))
-    if len(slots) == 1:  # source B repeats A and is never reached
-        rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, per_split * 2, [n_splits[0], 0]
+    if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
+        rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
     qc = q.contiguous()
     if one_pass:
