@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows
     from ds4x.kernels import attention as A
     from ds4x.kernels import indexer as I
-    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention import Slots, attention_decode_triton, attention_prefill_triton
     from ds4x.kernels.indexer import indexer_scores_triton
     from ds4x.kernels.select import select_topk_keys, select_topk_radix
 
@@ -82,31 +83,59 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.nn.functional.rms_norm(torch.randn(heads, dim, generator=g, device=dev), (dim,))
     sinks = torch.randn(heads, generator=g, device=dev)
     ring, rows, cases = attention_cases(g, dev)
-    # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query
-    qb = q.bfloat16()
-    # and the bf16 query's blocks in two phases (A.TWO_PHASE_BLOCKS = 5, where its programs take at most 5 blocks)
-    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9} {'2-phase':>9} "
-          f"{'rel diff':>9}")
+    scale = dim**-0.5
+    # each case as a call on a float32 query (q, or a batch of it): one query's decode cases; a batch of sessions
+    # (the pooled decode step's batch splits: more blocks a program); a prefill chunk's queries in one pass
+    calls = {name: (q, lambda query, sources=sources: attention_decode_triton(query, sources, sinks, scale, nope,
+                                                                               True))
+             for name, sources in cases.items()}
+    for batch, name, n, pos, ratio in ((32, "32 x CSA @4K", 1024, 4095, 0), (8, "8 x HCA @1M", 8194, 1_048_575, 128)):
+        at = torch.full((batch,), pos, device=dev)
+        ring_b = ring[None].expand(batch, *ring.shape)
+        comp_b = rows[None, :n].expand(batch, n, rows.shape[1])
+        comp_slots = (Slots(n, position=at, ratio=ratio) if ratio else
+                      torch.stack([torch.randperm(n, generator=g, device=dev)[:512].sort().values
+                                   for _ in range(batch)]))
+        sources = [(ring_b, Slots(128, position=at, ring=768)), (comp_b, comp_slots)]
+        calls[name] = (q[None].expand(batch, heads, dim).contiguous(),
+                       lambda query, sources=sources: attention_decode_triton(query, sources, sinks, scale, nope, True,
+                                                                              batch_splits=True))
+    chunk = 1024  # a prefill chunk's queries at positions 3,072 .. 4,095: CSA's 1,024 rows, top-512 each
+    positions = torch.arange(4096 - chunk, 4096, device=dev)
+    picks = torch.stack([torch.randperm(1024, generator=g, device=dev)[:512] for _ in range(chunk)])
+    qp = torch.nn.functional.rms_norm(torch.randn(chunk, heads, dim, generator=g, device=dev), (dim,))
+    calls[f"prefill {chunk} x CSA"] = (qp, lambda query: attention_prefill_triton(
+        query, positions, (ring, 768, 128), rows[:1024], sinks, scale, nope, index=picks))
+    # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query: the
+    # online loop and its blocks in two phases, groups of 4 and 5 (A.TWO_PHASE_BLOCKS)
+    groups = (4, 5)
+    print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9} "
+          + " ".join(f"{f'2-ph {k}':>9}" for k in groups) + f" {'rel diff':>9}")
     two_phase_default = A.TWO_PHASE_BLOCKS
-    for name, sources in cases.items() if "attention" in parts else ():
-        def call(query=q, sources=sources):
-            return attention_decode_triton(query, sources, sinks, dim**-0.5, nope, True)
-        A.WGMMA = False
-        ref, t_ref = call(), us(call)
-        A.WGMMA = True
+    for name, (query, call) in calls.items() if "attention" in parts else ():
+        qb = query.bfloat16()
+        A.WGMMA = A.PREFILL_WGMMA = False
+        ref, t_ref = call(query), us(partial(call, query))
+        A.WGMMA = A.PREFILL_WGMMA = True
         A.TWO_PHASE_BLOCKS = 0
-        out, t, t_bf16, online = call(), us(call), us(lambda: call(qb)), call(qb)
-        A.TWO_PHASE_BLOCKS = 5
-        two, t_two = call(qb), us(lambda: call(qb))
+        out, t, t_bf16, online = call(query), us(partial(call, query)), us(partial(call, qb)), call(qb)
+        t_two, diff_two = {}, 0.0
+        for k in groups:
+            A.TWO_PHASE_BLOCKS = k
+            two = call(qb)
+            t_two[k] = us(partial(call, qb))
+            diff_two = max(diff_two, float((two - online).abs().max() / online.abs().max()))
         A.TWO_PHASE_BLOCKS = two_phase_default
         diff = float((out - ref).abs().max() / ref.abs().max())
-        diff_two = float((two - online).abs().max() / online.abs().max())
-        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f} {t_two:9.1f} {diff_two:9.1e}")
+        print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f} "
+              + " ".join(f"{t_two[k]:9.1f}" for k in groups) + f" {diff_two:9.1e}")
         record("decode attention", name, "Triton kernel, float32 query", t_ref)
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query", t_bf16)
-        record("decode attention", name, "Gluon kernel, bf16 query, blocks in two phases (TWO_PHASE_BLOCKS=5)", t_two,
-               {"rel_diff": diff_two, "status": "variant"})
+        for k in groups:
+            record("decode attention", name, f"Gluon kernel, bf16 query, blocks in two phases (TWO_PHASE_BLOCKS={k})",
+                   t_two[k], {"rel_diff": diff_two, "status": "variant"})
+    qb = q.bfloat16()
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

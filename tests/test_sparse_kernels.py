@@ -637,18 +637,20 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
 
 @pytest.mark.gpu
 def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
-    """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
-    against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
-    compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
-    native rows bit for bit; the float64 softmax as the reference."""
+    """TWO_PHASE_BLOCKS (a bf16 query's blocks in groups of 5: all of a group's scores first, then the products
+    against the group's maximum) against the online loop: window + picks with holes at one block a program, at 4
+    and at 16 (groups of 5, 5, 5, 1), window + 8,194 closed compressed rows (HCA at 1M: 5 blocks a program, and
+    129: 26 groups), a batch of 3 queries (each query's bits alone), packed and native rows bit for bit; the float64
+    softmax as the reference."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(9, True, 8400, [1_048_575, 700_000, 5_000], 8194)
     picks[1, :40] = -1  # a block with no row at all
     window = Slots(128, position=pos, ring=8400)
+    hca = [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]
     cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),
-             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128))]
+             ([(rows, window), (rows, picks)], (16, 2)), (hca, (16, 128)), (hca, (16, 4))]
     for sources, config in cases:
         monkeypatch.setattr(A, "WGMMA_CONFIG", config)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)

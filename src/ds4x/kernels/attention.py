@@ -76,9 +76,11 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
-# A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
-# then the products against the final maximum: `attention_wgmma._two_phase_blocks`), not the online loop; 0: off.
-# Shared memory bounds it (5 blocks of 16 rows: 195 KB). Off until timed against the online loop.
+# A bf16 query's blocks in groups of TWO_PHASE_BLOCKS, each group in two phases (all its scores first, then one
+# rescale and the products against the group's maximum: `attention_wgmma._two_phase_blocks`), not the online loop;
+# 0: off. Shared memory bounds a group (5 blocks of 16 rows: 195 KB). H100, be06734, one query's programs of at most
+# 5 blocks (scripts/compressed_kernels_ab.py --parts attention, us online / two phases): window 128 10.7 / 10.7, CSA
+# top-512 at 1M 11.6 / 11.6, HCA at 4K 10.7 / 10.6, HCA at 1M 30.0 / 27.0. Off until groups are timed.
 TWO_PHASE_BLOCKS = 0
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
@@ -200,8 +202,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
-        two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
-                     and max(per_split) <= TWO_PHASE_BLOCKS else 0)
+        two_phase = TWO_PHASE_BLOCKS if qc.dtype == torch.bfloat16 and block == 16 else 0
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
