@@ -29,6 +29,9 @@
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
 #                                       # kernels per case with the blocks in two phases as the variant, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
+#   bash scripts/device_ab.sh tests     # the whole test suite on the GPU, 6 workers: the tests not marked gpu take the
+#                                       # CUDA paths there too (one of them, the prefill's one-pass attention, had
+#                                       # failed unseen for two days); at most 480 s
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -41,7 +44,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|tests|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -102,6 +105,9 @@ compressed)
     piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
+    ;;
+tests)
+    piece tests.log 480 python -m pytest -q -p no:cacheprovider -n 6 tests
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
@@ -181,7 +187,7 @@ PY
         && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier, tests or all)" >&2
     exit 2
     ;;
 esac

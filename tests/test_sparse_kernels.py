@@ -278,7 +278,9 @@ def test_merge_configurations_agree(monkeypatch):
 def test_merge_of_many_splits_in_one_or_several_iterations(monkeypatch):
     """A query of more splits than the chunks' splits per iteration (an HCA layer at 1M has 111): up to twice as
     many are merged in one iteration, more in several, each moving the running sums to a new top; both agree with
-    the float64 softmax over all rows and the sink, and with each other to float rounding."""
+    the float64 softmax over all rows and the sink, with the same kernel's single split (the same block products,
+    no merge) and with each other to float rounding. (On the GPU the products are high + low bf16 parts: these
+    scores reach ~25, so their error, not the merge's, is ~3e-4 of the output against float64.)"""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import attention_decode_triton
 
@@ -293,11 +295,14 @@ def test_merge_of_many_splits_in_one_or_several_iterations(monkeypatch):
     keys = unpack_kv_rows(rows, rope_dim=64).double()
     probs = torch.cat([q.double() @ keys.T * 128**-0.5, sinks.double()[:, None]], dim=1).softmax(-1)
     ref = (probs[:, :-1] @ keys).float()
+    one = attention_decode_triton(q, [(rows, picked)], sinks, 128**-0.5, 64, True, (16, 16, 4, 1))
     outs = []
     for chunks in ((64, 1), (16, 1)):  # one iteration of 128 splits; five of 16
         monkeypatch.setattr(A, "COMBINE_CHUNKS", chunks)
         outs.append(attention_decode_triton(q, [(rows, picked)], sinks, 128**-0.5, 64, True, (16, 16, 4, 128)))
-        torch.testing.assert_close(outs[-1], ref.to(outs[-1].device), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[-1], one, rtol=1e-5, atol=1e-5)
+        err = float((outs[-1].cpu().double() - ref.double()).norm() / ref.double().norm())
+        assert err < (1e-6 if dev == "cpu" else 1e-3)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
