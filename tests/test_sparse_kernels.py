@@ -280,7 +280,7 @@ def test_merge_of_many_splits_in_one_or_several_iterations(monkeypatch):
     many are merged in one iteration, more in several, each moving the running sums to a new top; both agree with
     the float64 softmax over all rows and the sink, with the same kernel's single split (the same block products,
     no merge) and with each other to float rounding. (On the GPU the products are high + low bf16 parts: these
-    scores reach ~25, so their error, not the merge's, is ~3e-4 of the output against float64.)"""
+    scores reach ~25, so their error, not the merge's, puts single outputs 3.5e-4 off float64; 5.4e-6 over all.)"""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import attention_decode_triton
 
@@ -301,8 +301,8 @@ def test_merge_of_many_splits_in_one_or_several_iterations(monkeypatch):
         monkeypatch.setattr(A, "COMBINE_CHUNKS", chunks)
         outs.append(attention_decode_triton(q, [(rows, picked)], sinks, 128**-0.5, 64, True, (16, 16, 4, 128)))
         torch.testing.assert_close(outs[-1], one, rtol=1e-5, atol=1e-5)
-        err = float((outs[-1].cpu().double() - ref.double()).norm() / ref.double().norm())
-        assert err < (1e-6 if dev == "cpu" else 1e-3)
+        err = float((outs[-1].double() - ref.double()).norm() / ref.double().norm())
+        assert err < (1e-6 if dev == "cpu" else 2e-5)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
@@ -642,20 +642,18 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
 
 @pytest.mark.gpu
 def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
-    """TWO_PHASE_BLOCKS (a bf16 query's blocks in groups of 5: all of a group's scores first, then the products
-    against the group's maximum) against the online loop: window + picks with holes at one block a program, at 4
-    and at 16 (groups of 5, 5, 5, 1), window + 8,194 closed compressed rows (HCA at 1M: 5 blocks a program, and
-    129: 26 groups), a batch of 3 queries (each query's bits alone), packed and native rows bit for bit; the float64
-    softmax as the reference."""
+    """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
+    against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
+    compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
+    native rows bit for bit; the float64 softmax as the reference."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(9, True, 8400, [1_048_575, 700_000, 5_000], 8194)
     picks[1, :40] = -1  # a block with no row at all
     window = Slots(128, position=pos, ring=8400)
-    hca = [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]
     cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),
-             ([(rows, window), (rows, picks)], (16, 2)), (hca, (16, 128)), (hca, (16, 4))]
+             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128))]
     for sources, config in cases:
         monkeypatch.setattr(A, "WGMMA_CONFIG", config)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)

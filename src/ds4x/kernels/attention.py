@@ -76,12 +76,15 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5.
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
-# A bf16 query's blocks in groups of TWO_PHASE_BLOCKS, each group in two phases (all its scores first, then one
-# rescale and the products against the group's maximum: `attention_wgmma._two_phase_blocks`), not the online loop;
-# 0: off. Shared memory bounds a group (5 blocks of 16 rows: 195 KB). H100, be06734, one query's programs of at most
-# 5 blocks (scripts/compressed_kernels_ab.py --parts attention, us online / two phases): window 128 10.7 / 10.7, CSA
-# top-512 at 1M 11.6 / 11.6, HCA at 4K 10.7 / 10.6, HCA at 1M 30.0 / 27.0. Off until groups are timed.
-TWO_PHASE_BLOCKS = 0
+# A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
+# then the products against the final maximum: `attention_wgmma._two_phase_blocks`), not the online loop; 0: off.
+# Shared memory bounds it (5 blocks of 16 rows: 195 KB). H100, scripts/compressed_kernels_ab.py --parts attention,
+# us online / two phases, two runs (be06734; ungrouped kernel at 964ce28): window 128 10.7 / 10.7, 10.6 / 10.8; CSA
+# top-512 at 1M 11.6 / 11.6, 11.5 / 11.4; HCA at 4K 10.7 / 10.6, 10.8 / 10.5; HCA at 1M 30.0 / 27.0, 27.4 / 25.9.
+# Longer programs in groups of 4 or 5 blocks (an accumulator held across a group's decodes: 255 registers and
+# spills; c49a7b8) were slower everywhere: 32 x CSA at 4K 60.4 online against 68.3 / 69.3, 8 x HCA at 1M 201 against
+# 219 / 225, a 1,024-query CSA prefill chunk 1,038 against 1,168 / 1,181, the one-group cases 0.3-0.9 slower.
+TWO_PHASE_BLOCKS = 5
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -202,7 +205,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
-        two_phase = TWO_PHASE_BLOCKS if qc.dtype == torch.bfloat16 and block == 16 else 0
+        two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
+                     and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,

@@ -161,20 +161,32 @@ if HAVE_GLUON:
         return ok, nxt, rows_ptr, stride
 
     @gluon.jit
-    def _group_scores(g0, n_g, m, q1, keys, keys_lo, scores, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a,
-                      idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale,
-                      HP: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                      MODE_A: gl.constexpr, MODE_B: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
-                      num_warps: gl.constexpr):
-        # the first phase of a group: blocks g0 .. g0 + n_g - 1 decoded into key tiles 0 .. n_g - 1 and their
-        # scaled scores (-inf: no row) stored -> (the running maximum with the group's, the next block's rows, their
-        # source's pointer and stride)
+    def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
+                          D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
+                          MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
+                          O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr):
+        # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
+        # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
+        # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
+        # against the final maximum and their products with the block's keys added to the accumulator, the
+        # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. ->
+        # (m, l, o, o_r) as the online loop leaves them (to float rounding)
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
-        for j in range(n_g):
-            ok, idx, rows_ptr, stride = _decode_block(g0 + j, idx, rows_ptr, stride, keys.index(j), keys_lo.index(j),
-                                                      na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PSH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, BLOCK], gl.bfloat16)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
+        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
+        keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
+        scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
+        probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
+        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        for j in range(na + nb):
+            ok, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j), keys_lo.index(j), na,
+                                                      nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                                                       rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
                                                       D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
             fence_async_shared()
@@ -187,20 +199,12 @@ if HAVE_GLUON:
             scores.index(j).store(s)
             m = gl.maximum(m, gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, S_L)))
         gl.thread_barrier()  # every block's scores are stored
-        return m, idx, rows_ptr, stride
-
-    @gluon.jit
-    def _group_products(n_g, m, m_g, l, o, o_r, keys, keys_lo, scores, probs, S_L: gl.constexpr,
-                        O_ACC: gl.constexpr, R_ACC: gl.constexpr):
-        # the second phase of a group: the state (running maximum m) rescaled once to the group's m_g, then each
-        # block's probabilities against it and their products with the block's keys added, issued back to back
-        # and waited for once -> (l, o, o_r)
-        m_safe = gl.where(m_g == float("-inf"), 0.0, m_g)
-        alpha = gl.exp(m - m_safe)
-        l = l * alpha
-        o = warpgroup_mma_init(o * gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))[:, None])
-        o_r = warpgroup_mma_init(o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None])
-        for j in range(n_g):
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
+        # async accumulators from the start: the loop carries them across products it does not wait for
+        o = warpgroup_mma_init(gl.zeros([HP, D], gl.float32, O_ACC))
+        o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
+        for j in range(na + nb):
             p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
             l += gl.sum(p, axis=1)
             p_hi = p.to(gl.bfloat16)
@@ -213,49 +217,6 @@ if HAVE_GLUON:
             o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
         o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
-        return l, o, o_r
-
-    @gluon.jit
-    def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
-                          D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
-                          MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
-                          O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr):
-        # A program's blocks in groups of at most MAXB, each in two phases instead of the online loop, for a bf16
-        # query (its value is its high part: one [64, 512] operand): every block of the group decoded into a key
-        # tile of its own and its scores [64, BLOCK] kept in shared memory, with the running maximum only
-        # (`_group_scores`); then one rescale of the state and the group's products (`_group_products`). One
-        # [64, 512] rescale and one wait on the products per group, not per block. The first group runs before the
-        # accumulator exists, so a program of one group holds no accumulator while it decodes (later groups do:
-        # 255 registers and spills there). -> (m, l, o, o_r) as the online loop leaves them (to float rounding)
-        RD: gl.constexpr = D - NOPE
-        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        PSH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, BLOCK], gl.bfloat16)
-        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
-        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
-        keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
-        scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
-        probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
-        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-        n = na + nb
-        m_g, idx, rows_ptr, stride = _group_scores(0, gl.minimum(n, MAXB), m, q1, keys, keys_lo, scores, rows_ptr,
-                                                   stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a,
-                                                   ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale,
-                                                   HP, D, NOPE, BLOCK, MODE_A, MODE_B, L3, S_L, num_warps)
-        l, o, o_r = _group_products(gl.minimum(n, MAXB), m, m_g, gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L)),
-                                    gl.zeros([HP, D], gl.float32, O_ACC), gl.zeros([HP, RD], gl.float32, R_ACC),
-                                    keys, keys_lo, scores, probs, S_L, O_ACC, R_ACC)
-        m = m_g
-        for g0 in range(MAXB, n, MAXB):
-            gl.thread_barrier()  # the previous group's products (they read its tiles) are done in every warp
-            n_g = gl.minimum(n - g0, MAXB)
-            m_g, idx, rows_ptr, stride = _group_scores(g0, n_g, m, q1, keys, keys_lo, scores, rows_ptr, stride, idx,
-                                                       na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                                                       rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP,
-                                                       D, NOPE, BLOCK, MODE_A, MODE_B, L3, S_L, num_warps)
-            l, o, o_r = _group_products(n_g, m, m_g, l, o, o_r, keys, keys_lo, scores, probs, S_L, O_ACC, R_ACC)
-            m = m_g
         return m, l, o, o_r
 
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
@@ -271,8 +232,8 @@ if HAVE_GLUON:
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
-        TWO_PHASE (> 0; a bf16 query): the blocks in groups of that many by `_two_phase_blocks` instead of the
-        online loop; the same state to float rounding."""
+        TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
+        instead of the online loop; the same state to float rounding."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
@@ -330,7 +291,7 @@ if HAVE_GLUON:
             rows_ptr, stride = rows_b, stride_b
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
-        if TWO_PHASE > 0:  # a bf16 query, groups of TWO_PHASE blocks
+        if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
             m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
                                              pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
                                              scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
