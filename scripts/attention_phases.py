@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where one decode attention call's time goes on Hopper (CUDA, sm_90): the Gluon partial pass's phases and the
-merge, at Flash shapes on the model's bf16 query (window 128, CSA window + top-512 at 1M, HCA at 4K and 1M).
+merge, at Flash shapes on the model's bf16 query (window 128, CSA window + top-512 at 1M, HCA at 4K and 1M), with
+the blocks in the online loop (``TWO_PHASE_BLOCKS = 0``).
 
 A copy of `ds4x.kernels.attention_wgmma` is written to a temporary directory with time stamps added
 (``%globaltimer`` in ns, ``%clock64`` in cycles, thread values of each program's first warp) at the kernel's start,
@@ -84,9 +85,11 @@ def main() -> int:
     from compressed_kernels_ab import attention_cases  # this script's folder is on sys.path
     from torch.profiler import ProfilerActivity, profile
 
+    from ds4x.kernels import attention as A
     from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
+    A.TWO_PHASE_BLOCKS = 0  # the stamps sit in the online loop (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448
     g = torch.Generator(device=dev).manual_seed(0)
     stamps = torch.zeros(4096, 64, dtype=torch.int64, device=dev)
