@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     # the Triton kernel and the Gluon one on a float32 query, and the Gluon one on the model's bf16 query: the
     # online loop and (the default) its blocks in two phases where a program takes at most that many
     # (A.TWO_PHASE_BLOCKS; the batches and the prefill chunk take more: the online loop either way)
-    groups = (5,)
+    two_phase_values = (5,)  # TWO_PHASE_BLOCKS values timed beside the online loop
     print(f"{'attention':<20} {'Triton us':>9} {'Gluon us':>9} {'rel diff':>9} {'bf16 q us':>9} "
-          + " ".join(f"{f'2-ph {k}':>9}" for k in groups) + f" {'rel diff':>9}")
+          + " ".join(f"{f'2-ph {k}':>9}" for k in two_phase_values) + f" {'rel diff':>9}")
     two_phase_default = A.TWO_PHASE_BLOCKS
     for name, (query, call) in calls.items() if "attention" in parts else ():
         qb = query.bfloat16()
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         A.TWO_PHASE_BLOCKS = 0
         out, t, t_bf16, online = call(query), us(partial(call, query)), us(partial(call, qb)), call(qb)
         t_two, diff_two = {}, 0.0
-        for k in groups:
+        for k in two_phase_values:
             A.TWO_PHASE_BLOCKS = k
             two = call(qb)
             t_two[k] = us(partial(call, qb))
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         A.TWO_PHASE_BLOCKS = two_phase_default
         diff = float((out - ref).abs().max() / ref.abs().max())
         print(f"{name:<20} {t_ref:9.1f} {t:9.1f} {diff:9.1e} {t_bf16:9.1f} "
-              + " ".join(f"{t_two[k]:9.1f}" for k in groups) + f" {diff_two:9.1e}")
+              + " ".join(f"{t_two[k]:9.1f}" for k in two_phase_values) + f" {diff_two:9.1e}")
         record("decode attention", name, "Triton kernel, float32 query", t_ref)
         record("decode attention", name, "Gluon kernel, float32 query", t, {"rel_diff": diff})
         record("decode attention", name, "Gluon kernel, bf16 query, online loop (TWO_PHASE_BLOCKS=0)", t_bf16,
                {"status": "variant"})
-        for k in groups:
+        for k in two_phase_values:
             record("decode attention", name, f"Gluon kernel, bf16 query, blocks in two phases (TWO_PHASE_BLOCKS={k})",
                    t_two[k], {"rel_diff": diff_two, **({} if k == two_phase_default else {"status": "variant"})})
     qb = q.bfloat16()

@@ -27,11 +27,12 @@
 #                                       # the step at 1, 8 and 32 sessions with the merge by 64-value chunks as the
 #                                       # variant (~9 min)
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
-#                                       # kernels per case with the blocks in two phases as the variant, then
+#                                       # kernels per case with the online loop as the variant of the two phases, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
 #   bash scripts/device_ab.sh tests     # the whole test suite on the GPU, 6 workers: the tests not marked gpu take the
 #                                       # CUDA paths there too (one of them, the prefill's one-pass attention, had
-#                                       # failed unseen for two days); at most 480 s
+#                                       # failed unseen for two days); at most 480 s, each test's outcome on its
+#                                       # own line as it ends (-v), so a run cut short still names its failures
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -107,7 +108,8 @@ compressed)
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
     ;;
 tests)
-    piece tests.log 480 python -m pytest -q -p no:cacheprovider -n 6 tests
+    piece tests.log 480 python -m pytest -v -p no:cacheprovider -n 6 tests
+    grep -E "(FAILED|ERROR) " "$out/tests.log" | sort -u
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
