@@ -113,8 +113,8 @@ tests)
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
-    # on CUDA when there is one) and the blocks in two phases; the attention kernels per case with TWO_PHASE_BLOCKS
-    # as the variant; then the compressed layers at model scale on flash:q2 (needs an H200)
+    # on CUDA when there is one) and the blocks in two phases; the attention kernels per case with the online loop
+    # (TWO_PHASE_BLOCKS = 0) as the variant; then the compressed layers at model scale on flash:q2 (needs an H200)
     piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
         -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
     piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention --ledger "$out/ledger.jsonl"
