@@ -26,8 +26,9 @@ def test_generate_default_model_streams_text(capsys):
 
 def test_dump_logits_matches_a_session(tmp_path, capsys):
     dump = tmp_path / "l.json"
+    # on the CPU, as the session it is compared with (on a GPU the command would take CUDA and bf16)
     assert main(["generate", "-m", "tiny", "--prompt-ids", "5,6,7,8", "-n", "6", "--temp", "0", "--cache", "float",
-                 "--dump-logits", str(dump), "-q", "--ignore-eos"]) == 0
+                 "--dump-logits", str(dump), "-q", "--ignore-eos", "--device", "cpu"]) == 0
     data = json.loads(dump.read_text())
     assert data["prompt_ids"] == [5, 6, 7, 8]
     assert len(data["generated_ids"]) == 6 and len(data["logits"]) == 6

@@ -16,7 +16,7 @@ def test_loaded_session_keeps_its_prefill_mode(tmp_path, capsys):
     # --prefill-mode defaulted to "default" and replaced the file's mode: a session saved in exact mode continued
     # with a prompt gave other logits than the uninterrupted session
     saved, dump = tmp_path / "s.ds4xsession", tmp_path / "l.json"
-    base = ["generate", "-m", "tiny", "-n", "3", "-q", "--ignore-eos"]
+    base = ["generate", "-m", "tiny", "-n", "3", "-q", "--ignore-eos", "--device", "cpu"]  # as the session below
     assert main([*base, "--prompt-ids", "1,2,3,4,5,6,7,8,9", "--prefill-mode", "exact", "--prefill-chunk", "4",
                  "--save-session", str(saved)]) == 0
     assert main([*base, "--prompt-ids", "11,12,13,14,15,16,17", "--load-session", str(saved),

@@ -226,13 +226,13 @@ def test_corrupt_payload_with_valid_checksum(engine, sessions, saved):
 
 def test_cli_save_then_continue(engine, tmp_path, capsys):
     path = tmp_path / "chat.ds4xsession"
-    assert main(["generate", "--prompt-ids", "5,6,7", "-n", "4", "--ctx", "256", "--ignore-eos",
-                 "--save-session", str(path)]) == 0
+    assert main(["generate", "--prompt-ids", "5,6,7", "-n", "4", "--ctx", "256", "--ignore-eos", "--device", "cpu",
+                 "--save-session", str(path)]) == 0  # on the CPU, as the engine it is compared with
     out, err = capsys.readouterr()
     first = [int(t) for t in out.split()]
     assert len(first) == 4 and "saved the session (7 tokens" in err
     assert main(["generate", "--prompt-ids", "9", "-n", "3", "--ignore-eos", "--load-session", str(path),
-                 "-q"]) == 0
+                 "--device", "cpu", "-q"]) == 0
     second = [int(t) for t in capsys.readouterr().out.split()]
     # the same operations in one process: generate, evaluate the last token, append the prompt, generate
     s = engine.new_session(ctx=256, cache="packed")
