@@ -237,8 +237,6 @@ if HAVE_GLUON:
                 async_copy.commit_group()
             else:
                 xt = gl.load(xrow + kx)
-            if REG_W:
-                a_prev = gl.zeros([BN, STEP], gl.bfloat16, DOT_A)  # the A operand of the wgmma in flight
             for i in range(n_steps):
                 k0 = i * STEP
                 s = i % 2
@@ -273,9 +271,10 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 # at most one wgmma in flight: the buffers written next were read by the one just retired
                 if REG_W:
-                    acc = warpgroup_mma(a_op, xs.permute((1, 0)), acc, is_async=True)
-                    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-                    a_prev = a_op
+                    # synchronous: with the next step decoded while this product ran (its operand kept alive as a
+                    # wait's dependency), the products were wrong at 64 and 128 pairs a chunk and at 128 rows on 8
+                    # warps (H100, 6aad713): the operand's registers were taken while the wgmma read them
+                    acc = warpgroup_mma(a_op, xs.permute((1, 0)), acc)
                 else:
                     acc = warpgroup_mma(w_smem.index(s), xs.permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -283,9 +282,7 @@ if HAVE_GLUON:
                 b0, b1, b2, b3, b4 = c0, c1, c2, c3, c4
                 if not X_ASYNC:
                     xt = x_next
-            if REG_W:
-                acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
-            else:
+            if not REG_W:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             if X_ASYNC:  # the last step's spare copy lands before the CTA's shared memory can go to another
                 async_copy.wait_group(0)
