@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
-(Gluon) ones for attention and indexer scoring, and the exact top-512 select at several sizes; microseconds per
+(Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
+variant), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
 the model's bf16 query, and the top-k with its histograms by tl.histogram or shared-memory atomics and small rows
 by the packed-count kernel or one program of the histogram select (the better of two alternating runs each).
@@ -190,22 +191,26 @@ def main(argv: list[str] | None = None) -> int:
               f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
         record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
-        # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), alternating twice; the same scores bit for bit
-        per_sm_default = I.PROGRAMS_PER_SM
-        times_i: dict[int, list[float]] = {p: [] for p in (2, 3)}
-        same: dict[int, bool] = {}
+        # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), and its PIPELINED variant (tiles of 64 rows
+        # at 3 / 4 an SM, of 128 at 2), alternating twice; the same scores bit for bit
+        from ds4x.kernels import indexer_wgmma as IW
+
+        saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N
+        idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64),
+                        "Gluon kernel, 3 programs a SM": (3, False, 64),
+                        "pipelined, 64 rows, 3 a SM": (3, True, 64), "pipelined, 64 rows, 4 a SM": (4, True, 64),
+                        "pipelined, 128 rows, 2 a SM": (2, True, 128)}
+        times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
+        same: dict[str, bool] = {}
         for _ in range(2):
-            for per_sm in times_i:
-                I.PROGRAMS_PER_SM = per_sm
-                same[per_sm] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
-                times_i[per_sm].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-        I.PROGRAMS_PER_SM = per_sm_default
-        for per_sm, ts in times_i.items():
+            for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N) in idx_variants.items():
+                same[v] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
+                times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+        I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N = saved
+        for v, ts in times_i.items():
             t_i = min(ts)
-            print(f"  Gluon, {per_sm} programs a SM {t_i:9.1f} us  same bits {same[per_sm]}  "
-                  f"({packed.numel() / t_i / 1e3:.0f} GB/s)")
-            record("indexer scoring", "262,144 rows", f"Gluon kernel, {per_sm} programs a SM", t_i,
-                   {"same_bits": same[per_sm]})
+            print(f"  {v:<30} {t_i:9.1f} us  same bits {same[v]}  ({packed.numel() / t_i / 1e3:.0f} GB/s)")
+            record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v]})
 
         # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
         # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:

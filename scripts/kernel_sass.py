@@ -15,7 +15,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
         [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
 
@@ -92,12 +92,13 @@ def compile_attention(block: int, query: str, two_phase: int = 0) -> triton.comp
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None) -> triton.compiler.CompiledKernel:
+def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with a
-    register ceiling if given."""
+    register ceiling if given; ``pipelined``: the PIPELINED variant at its tile."""
     from ds4x.kernels import indexer_wgmma
 
-    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True}
+    consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
+              "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
                          {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
@@ -213,7 +214,8 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    return report_all([(tag, lambda: compile_indexer(args.maxnreg))], args.dump, "HGMMA")
+    return report_all([(tag + ("_pipelined" if p else ""), lambda p=p: compile_indexer(args.maxnreg, p))
+                       for p in sorted({False, bool(args.pipelined)})], args.dump, "HGMMA")
 
 
 def main_routed(args: argparse.Namespace) -> bool:
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
+    idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")

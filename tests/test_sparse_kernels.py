@@ -548,6 +548,43 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_rows, per_sm", [(64, 3), (64, 4), (128, 2)])
+def test_pipelined_indexer_kernel_gives_the_default_bits_on_gpu(block_rows, per_sm, monkeypatch):
+    """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode) scores every row
+    as the default kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
+    4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA layer's rows."""
+    from ds4x.kernels import indexer as I
+    from ds4x.kernels import indexer_wgmma
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    if not indexer_wgmma.available(torch.zeros(1, device="cuda"), 64):
+        pytest.skip("needs an sm_90 GPU and Gluon")
+    rows, q, w = _indexer_case(4096, 64, 12, "cuda")
+    x = unpack_indexer_rows(rows)
+    x[::5, 64:96] *= 2.0**-20
+    rows = pack_indexer_rows(x)
+    shifted = torch.empty(4097 * 68, dtype=torch.uint8, device="cuda")[4 : 4 + 4096 * 68].view(4096, 68)
+    shifted.copy_(rows)
+    big, qb, wb = _indexer_case(262_144, 64, 13, "cuda")
+    qs, ws, counts = torch.stack([q, q.flip(0)]), torch.stack([w, w.flip(0)]), torch.tensor([4096, 777], device="cuda")
+
+    def calls():
+        out = [indexer_scores_triton(q, w, store, n, packed=True) for store in (rows, shifted)
+               for n in (4096, 4000, 1000, 63, 1)]
+        return [*out, indexer_scores_triton(qs, ws, rows, counts, packed=True),
+                indexer_scores_triton(qb, wb, big, 262_144, packed=True)]
+
+    default = calls()
+    monkeypatch.setattr(indexer_wgmma, "PIPELINED", True)
+    monkeypatch.setattr(indexer_wgmma, "PIPELINED_BLOCK_N", block_rows)
+    monkeypatch.setattr(I, "PROGRAMS_PER_SM", per_sm)
+    for got, want in zip(calls(), default, strict=True):
+        assert torch.equal(got, want)
+    ref = _reference_scores(q, w, rows, 4096)
+    assert float((default[0] - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
+
+
+@pytest.mark.gpu
 def test_batched_decode_kernels_are_each_query_alone_on_gpu():
     """The same bits per query on the compiled kernels (tensor-core attention, PTX indexer decode)."""
     test_batched_decode_kernels_are_each_query_alone()

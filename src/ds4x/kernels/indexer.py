@@ -92,7 +92,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         from ds4x.kernels import indexer_wgmma
 
         wide = WGMMA and ptx is None and indexer_wgmma.available(q, H)
-        n_tiles = -(-n_rows // (indexer_wgmma.BLOCK_N if wide else block_n))
+        n_tiles = -(-n_rows // (indexer_wgmma.block_rows() if wide else block_n))
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once (PROGRAMS_PER_SM)
         n_prog = min(n_tiles, max(1, PROGRAMS_PER_SM * num_sms(q.device) // T)) if persistent else n_tiles
@@ -104,7 +104,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
 
             pdl = launch_options(q.device)
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
-                                                    num_warps=indexer_wgmma.WARPS)
+                                                    num_warps=indexer_wgmma.WARPS, BN=indexer_wgmma.block_rows(),
+                                                    PIPELINED=indexer_wgmma.PIPELINED)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

@@ -25,7 +25,11 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -33,13 +37,24 @@ except Exception:  # pragma: no cover - depends on the Triton build
 
 BLOCK_N = 128  # rows per tile
 WARPS = 4
+# PIPELINED: two key tiles; each tile's product is issued asynchronously and the next tile is decoded into the other
+# key tile while it runs (the default kernel waits for each product before it decodes the next tile). Tiles of
+# PIPELINED_BLOCK_N rows: at 64, 96 registers and 48 KB of shared memory with the query (four programs an SM fit; the
+# default: 130 and 48 KB, three), at 128 166 and 80 KB (two); offline sm_90, all eight wgmma steps of a tile issued
+# back to back as in the default. Off until timed on a GPU (`scripts/compressed_kernels_ab.py --parts indexer`).
+PIPELINED = False
+PIPELINED_BLOCK_N = 64
+
+
+def block_rows() -> int:
+    """Rows per tile of the kernel as configured now."""
+    return PIPELINED_BLOCK_N if PIPELINED else BLOCK_N
 
 
 if HAVE_GLUON:
     from ds4x.formats.pdl import wait_upstream
     from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
 
-    _BLOCK_N = gl.constexpr(BLOCK_N)
 
     @gluon.jit
     def _scale_pair(e):
@@ -72,11 +87,11 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _load_tile(tile, rows_ptr, n_rows, LW: gl.constexpr):
+    def _load_tile(tile, rows_ptr, n_rows, BN: gl.constexpr, LW: gl.constexpr):
         # a tile's code words [rows, 4 blocks, 4 words] (a lane holds one block of a row) and its scale words [rows]
         # (rows past n_rows: zero codes)
         RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, LW))
-        r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=RL)
+        r = tile * BN + gl.arange(0, BN, layout=RL)
         ok = r < n_rows
         base = rows_ptr + r.to(gl.int64) * 17
         blk = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :, None]
@@ -85,13 +100,57 @@ if HAVE_GLUON:
         return (gl.load(at, mask=ok[:, None, None] & (blk >= 0) & (wi >= 0), other=0),
                 gl.load(base + 16, mask=ok, other=0x7F7F7F7F))
 
+    @gluon.jit
+    def _largest_scale(sw):
+        # the largest of each row's four block scale bytes
+        return gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
+
+    @gluon.jit
+    def _key_pairs(words, sw, LW: gl.constexpr):
+        """A tile's keys as fp16 pairs [rows, 64] in row order (each block scaled relative to its row's largest
+        scale) and the rows' largest scale bytes [rows]."""
+        BN: gl.constexpr = words.shape[0]
+        blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
+        smax = _largest_scale(sw)
+        # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
+        s = gl.expand_dims(_scale_pair(15 - (smax[:, None] - ((sw[:, None] >> blk8) & 255))), 2) + 0 * words
+        # the four pairs of each word side by side: row order, 16 bytes a lane per word
+        pairs = gl.reshape(gl.join(gl.join(_pairs(words, s, 0), _pairs(words, s, 2)),
+                                   gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [BN, 64])
+        return pairs, smax
+
+    @gluon.jit
+    def _pair_keys(keys, words, sw, LW: gl.constexpr, decode):
+        """Decode a tile into the shared key tile ``keys`` (when ``decode``; the product that last read it has
+        been waited for by every warp) and return its rows' largest scale bytes."""
+        BN: gl.constexpr = words.shape[0]
+        SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        if decode:
+            pairs, _ = _key_pairs(words, sw, LW)
+            gl.thread_barrier()
+            keys._reinterpret(gl.int32, [BN, 64], SH32).store(pairs)
+        fence_async_shared()
+        gl.thread_barrier()
+        return _largest_scale(sw)
+
+    @gluon.jit
+    def _store_scores(acc, smax, wq, tile, out_ptr, n_rows):
+        # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
+        BN: gl.constexpr = acc.shape[0]
+        ACC: gl.constexpr = acc.type.layout
+        row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
+        score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
+        r = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        gl.store(out_ptr + r, score, mask=r < n_rows)
+
     # counts change from call to call (prefill chunks): not specialized, as in triton_indexer (measured: a 16K
     # prefill compiled a second variant for 0.6 s in its timed part when the row count became a multiple of 16)
     @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
-                     PDL: gl.constexpr = False):
-        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT."""
+                     BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False):
+        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT. PIPELINED:
+        see the module's switch of that name."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])  # [rows, 4, 4] words
@@ -122,33 +181,46 @@ if HAVE_GLUON:
         hw = gl.arange(0, HP, layout=gl.SliceLayout(0, ACC))
         e_w = gl.convert_layout(e_h, gl.SliceLayout(0, ACC))
         wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * exp2_f32(e_w - 14)
-        k_smem = gl.allocate_shared_memory(gl.float16, [_BLOCK_N, 128], SH16)
-        k_words = k_smem._reinterpret(gl.int32, [_BLOCK_N, 64], SH32)
-        blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
-
-        words, sw = _load_tile(pid, rows_ptr, n_rows, LW)
-        for it in range(n_iter):
-            tile = pid + it * n_prog
-            next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, LW)  # in flight while this one is scored
-            if tile * _BLOCK_N < n_rows:  # uniform: the programs' last tiles may lie past the rows
-                smax = gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
-                # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
-                s = gl.expand_dims(_scale_pair(15 - (smax[:, None] - ((sw[:, None] >> blk8) & 255))), 2) + 0 * words
-                # the four pairs of each word side by side: row order, 16 bytes a lane per word
-                pairs = gl.reshape(gl.join(gl.join(_pairs(words, s, 0), _pairs(words, s, 2)),
-                                           gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [_BLOCK_N, 64])
-                gl.thread_barrier()  # every warp is past the previous tile's product
-                k_words.store(pairs)
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), gl.zeros([_BLOCK_N, HP], gl.float32, ACC))
-                # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
-                row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
-                score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
-                r = tile * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(1, ACC))
-                gl.store(out_ptr + r, score, mask=r < n_rows)
-            words = next_words
-            sw = next_sw
+        zero = gl.zeros([BN, HP], gl.float32, ACC)
+        if PIPELINED:
+            # tile i's product runs while tile i + 1 is decoded into the other key tile. One accumulator, waited
+            # for before the scores are formed: with two (tile i's scores formed while tile i + 1's product ran),
+            # ptxas found one's registers read inside the other's wgmma stage (LLVM's copies of the initial zeros)
+            # and waited after every wgmma step
+            k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, 128], SH16)
+            n_mine = gl.maximum(gl.cdiv(gl.cdiv(n_rows, BN) - pid, n_prog), 0)  # this program's tiles with rows
+            if n_mine > 0:
+                words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
+                next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
+                smax = _pair_keys(k_smem.index(0), words, sw, LW, True)
+                acc = zero
+                for i in range(n_mine):
+                    acc = warpgroup_mma(k_smem.index(i % 2), q_smem.permute((1, 0)), acc, use_acc=False,
+                                        is_async=True)
+                    words, sw = next_words, next_sw
+                    next_words, next_sw = _load_tile(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW)
+                    smax_next = _pair_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows)
+                    smax = smax_next
+        else:
+            k_smem = gl.allocate_shared_memory(gl.float16, [BN, 128], SH16)
+            k_words = k_smem._reinterpret(gl.int32, [BN, 64], SH32)
+            words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
+            for it in range(n_iter):
+                tile = pid + it * n_prog
+                # in flight while this one is scored
+                next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
+                if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
+                    pairs, smax = _key_pairs(words, sw, LW)
+                    gl.thread_barrier()  # every warp is past the previous tile's product
+                    k_words.store(pairs)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _store_scores(warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero), smax, wq, tile, out_ptr,
+                                  n_rows)
+                words = next_words
+                sw = next_sw
 
 
 def available(q: torch.Tensor, heads: int) -> bool:

@@ -273,7 +273,8 @@ if HAVE_GLUON:
                 if REG_W:
                     # synchronous: with the next step decoded while this product ran (its operand kept alive as a
                     # wait's dependency), the products were wrong at 64 and 128 pairs a chunk and at 128 rows on 8
-                    # warps (H100, 6aad713): the operand's registers were taken while the wgmma read them
+                    # warps (H100, 6aad713); that sm_90 SASS rewrote R88, an A register of the product in flight, at
+                    # the top of the next step
                     acc = warpgroup_mma(a_op, xs.permute((1, 0)), acc)
                 else:
                     acc = warpgroup_mma(w_smem.index(s), xs.permute((1, 0)), acc, is_async=True)
