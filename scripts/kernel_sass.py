@@ -14,7 +14,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
-        [--dump DIR]
+        [--overlap] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
@@ -78,14 +78,16 @@ def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> 
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_attention(block: int, query: str, two_phase: int = 0) -> triton.compiler.CompiledKernel:
+def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False
+                      ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``; ``two_phase`` its TWO_PHASE (blocks a program,
-    0: the online loop)."""
+    0: the online loop), ``overlap`` its OVERLAP (the two phases' decode beside the score products)."""
     from ds4x.kernels import attention_wgmma
 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
-              "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase}
+              "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
+              "OVERLAP": overlap}
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
@@ -206,10 +208,11 @@ def main_qmv(args: argparse.Namespace) -> bool:
 
 
 def main_attention(args: argparse.Namespace) -> bool:
-    return report_all([(f"attention_b{block}_{kind}_t{two}",
-                        lambda block=block, kind=kind, two=two: compile_attention(block, kind, two))
-                       for block in args.block for kind in args.query.split(",") for two in args.two_phase],
-                      args.dump, "HGMMA")
+    overlaps = sorted({False, bool(args.overlap)})
+    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else ""),
+                        lambda block=block, kind=kind, two=two, ov=ov: compile_attention(block, kind, two, ov))
+                       for block in args.block for kind in args.query.split(",") for two in args.two_phase
+                       for ov in overlaps if two or not ov], args.dump, "HGMMA")
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--block", nargs="+", type=int, default=[16], help="rows per block")
     att.add_argument("--query", default="fp32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--two-phase", nargs="+", type=int, default=[0], help="TWO_PHASE values (0: the online loop)")
+    att.add_argument("--overlap", action="store_true", help="also OVERLAP for TWO_PHASE > 0")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")

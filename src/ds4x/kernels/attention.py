@@ -85,6 +85,9 @@ WGMMA_CONFIG = (16, 128)
 # spills; c49a7b8) were slower everywhere: 32 x CSA at 4K 60.4 online against 68.3 / 69.3, 8 x HCA at 1M 201 against
 # 219 / 225, a 1,024-query CSA prefill chunk 1,038 against 1,168 / 1,181, the one-group cases 0.3-0.9 slower.
 TWO_PHASE_BLOCKS = 5
+# In the two phases, block j + 1's rows decoded while block j's score product runs (`_two_phase_blocks` OVERLAP); the
+# same bits. Off until timed on a GPU (scripts/compressed_kernels_ab.py --parts attention).
+TWO_PHASE_OVERLAP = False
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -211,7 +214,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:
