@@ -29,10 +29,15 @@
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
 #                                       # kernels per case with the online loop as the variant of the two phases, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
-#   bash scripts/device_ab.sh tests [FILE ...] # the test suite (or the files named) on the GPU, 6 workers: the tests not marked gpu take the
-#                                       # CUDA paths there too (one of them, the prefill's one-pass attention, had
-#                                       # failed unseen for two days); at most 480 s, each test's outcome on its
-#                                       # own line as it ends (-v), so a run cut short still names its failures
+#   bash scripts/device_ab.sh candidates # the GPU tests of the switches built and off (indexer PIPELINED, the two
+#                                       # phases' TWO_PHASE_OVERLAP, routed REGISTER_WEIGHTS), then the attention and
+#                                       # indexer kernels with them as variants (~4 min; an H100 will do)
+#   bash scripts/device_ab.sh tests [FILE ...]
+#                                       # the test suite (or the files named) on the GPU, 6 workers: the tests not
+#                                       # marked gpu take the CUDA paths there too (one of them, the prefill's
+#                                       # one-pass attention, had failed unseen for two days); at most 480 s, each
+#                                       # test's outcome on its own line as it ends (-v), so a run cut short still
+#                                       # names its failures
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -45,7 +50,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|tests|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -106,6 +111,15 @@ compressed)
     piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
+    ;;
+candidates)
+    # the switches built and off, first checked on the GPU and then timed: the indexer's PIPELINED tiles, the two
+    # phases' TWO_PHASE_OVERLAP (each against the default's bits) and the routed kernel's REGISTER_WEIGHTS (its
+    # products synchronous since 544ad66); then the attention and indexer kernels with them as variants (~4 min)
+    piece candidate_tests.log 150 python -m pytest -q -n 4 tests/test_sparse_kernels.py tests/test_routed_wgmma.py \
+        -k "pipelined_indexer or two_phases or regs"
+    piece candidates_ab.log 150 python scripts/compressed_kernels_ab.py --parts attention,indexer \
+        --ledger "$out/ledger.jsonl"
     ;;
 tests)
     # the files given after the stage's name, else all of them (on an H100 on 2026-12-06 the 480 s ran 35% of the
@@ -192,7 +206,8 @@ PY
         && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
 *)
-    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier, tests or all)" >&2
+    echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier, candidates," \
+        "tests or all)" >&2
     exit 2
     ;;
 esac
