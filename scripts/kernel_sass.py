@@ -2,7 +2,9 @@
 
 Prints, per configuration: registers, local memory (spills), shared memory, the count of each SASS opcode family
 that matters here (IMMA, IDP, LDGSTS, LDSM, LDS, STS, BAR, SHFL, FFMA / FMUL / FADD, I2FP, ...) over the whole kernel
-and inside its K loop (the range closed by the first backward branch around the kernel's multiplies: IDP).
+and inside its K loop (the range closed by the first backward branch around the kernel's multiplies: IDP). A kernel
+that spills, or whose wgmma ptxas serialized (its C7514 / C7515 note, which Triton's own ptxas run does not show:
+each product then waits for the one before), is flagged with "!!" and the exit status is 1.
 
 ``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
 per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
@@ -26,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from triton.compiler.compiler import ASTSource  # noqa: E402
 from ds4x.kernels import quant_matmul  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+TARGET_ARCH = "sm_90a"  # the ptxas architecture of TARGET (wgmma needs the "a" features)
 FAMILIES = ("HGMMA", "IMMA", "IDP", "LDGSTS", "LDSM", "LDS", "STS", "LDG", "STG", "LDL", "STL", "BAR", "DEPBAR",
             "SHFL", "ATOMG", "RED", "FFMA", "FMUL", "FADD", "FMNMX", "I2FP", "I2F", "F2F", "HADD2", "PRMT", "SHF",
             "LOP3", "IMAD", "IADD3", "BRA")
@@ -172,6 +176,19 @@ def resources(dump: Path | None, tag: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", text)}
 
 
+def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> str:
+    """ptxas's note when it made every wgmma of the kernel wait for the one before (C7514 / C7515: a register of an
+    accumulator or operand in use while a product may run, ...), else "" (Triton's own ptxas run keeps it quiet)."""
+    if "wgmma" not in kernel.asm["ptx"]:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        text = subprocess.run([_nvdisasm_tool("ptxas"), f"-arch={TARGET_ARCH}", str(ptx), "-o", str(ptx) + ".cubin"],
+                              capture_output=True, text=True).stderr
+    return next((line.strip() for line in text.splitlines() if "C751" in line), "")
+
+
 def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, marker: str) -> tuple[Counter, int]:
     """Print a kernel's resources and opcode counts (whole, K loop); return the whole kernel's counts and its bytes
     of local memory (spills)."""
@@ -188,12 +205,17 @@ def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, 
 
 
 def report_all(jobs, dump: Path | None, marker: str) -> bool:
-    """``report`` each (tag, compile thunk) of ``jobs``; False if any of them spills."""
+    """``report`` each (tag, compile thunk) of ``jobs``; False if any of them spills or has its wgmma serialized."""
     ok = True
     for tag, make in jobs:
-        _, spill = report(make(), dump, tag, marker)
+        kernel = make()
+        _, spill = report(kernel, dump, tag, marker)
         if spill:
             print("   !! local memory in use (spills)")
+            ok = False
+        serialized = wgmma_serialized(kernel)
+        if serialized:
+            print(f"   !! wgmma serialized: {serialized}")
             ok = False
     return ok
 
