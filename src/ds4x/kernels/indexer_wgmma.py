@@ -55,7 +55,6 @@ if HAVE_GLUON:
     from ds4x.formats.pdl import wait_upstream
     from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
 
-
     @gluon.jit
     def _scale_pair(e):
         # 2^e as two equal fp16 halves of one word, for integer e <= 15: subnormal down to 2^-24, 0 below
