@@ -105,18 +105,16 @@ if HAVE_GLUON:
         return gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
 
     @gluon.jit
-    def _key_pairs(words, sw, LW: gl.constexpr):
-        """A tile's keys as fp16 pairs [rows, 64] in row order (each block scaled relative to its row's largest
-        scale) and the rows' largest scale bytes [rows]."""
+    def _key_pairs(words, sw, smax, LW: gl.constexpr):
+        """A tile's keys as fp16 pairs [rows, 64] in row order, each block scaled relative to its row's largest scale
+        byte ``smax`` [rows]."""
         BN: gl.constexpr = words.shape[0]
         blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
-        smax = _largest_scale(sw)
         # each block's scale relative to the row's, as an fp16 pair [rows, 4, 1]
         s = gl.expand_dims(_scale_pair(15 - (smax[:, None] - ((sw[:, None] >> blk8) & 255))), 2) + 0 * words
         # the four pairs of each word side by side: row order, 16 bytes a lane per word
-        pairs = gl.reshape(gl.join(gl.join(_pairs(words, s, 0), _pairs(words, s, 2)),
-                                   gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [BN, 64])
-        return pairs, smax
+        return gl.reshape(gl.join(gl.join(_pairs(words, s, 0), _pairs(words, s, 2)),
+                                  gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [BN, 64])
 
     @gluon.jit
     def _pair_keys(keys, words, sw, LW: gl.constexpr, decode):
@@ -124,13 +122,14 @@ if HAVE_GLUON:
         been waited for by every warp) and return its rows' largest scale bytes."""
         BN: gl.constexpr = words.shape[0]
         SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        smax = _largest_scale(sw)
         if decode:
-            pairs, _ = _key_pairs(words, sw, LW)
+            pairs = _key_pairs(words, sw, smax, LW)
             gl.thread_barrier()
             keys._reinterpret(gl.int32, [BN, 64], SH32).store(pairs)
         fence_async_shared()
         gl.thread_barrier()
-        return _largest_scale(sw)
+        return smax
 
     @gluon.jit
     def _store_scores(acc, smax, wq, tile, out_ptr, n_rows):
@@ -211,7 +210,8 @@ if HAVE_GLUON:
                 # in flight while this one is scored
                 next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
-                    pairs, smax = _key_pairs(words, sw, LW)
+                    smax = _largest_scale(sw)
+                    pairs = _key_pairs(words, sw, smax, LW)
                     gl.thread_barrier()  # every warp is past the previous tile's product
                     k_words.store(pairs)
                     fence_async_shared()
