@@ -113,9 +113,10 @@ compressed)
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
     ;;
 candidates)
-    # the switches built and off, first checked on the GPU and then timed: the indexer's PIPELINED tiles, the two
-    # phases' TWO_PHASE_OVERLAP (each against the default's bits) and the routed kernel's REGISTER_WEIGHTS (its
-    # products synchronous since 544ad66); then the attention and indexer kernels with them as variants (~4 min)
+    # the newest switches, first checked on the GPU and then timed: the indexer's PIPELINED tiles and the two phases'
+    # TWO_PHASE_OVERLAP (both on since the H100 A/B of 9fded58; each against the bits without it) and the routed
+    # kernel's REGISTER_WEIGHTS (off; its products synchronous since 544ad66); then the attention and indexer
+    # kernels with them as variants (~2 min on an H100)
     piece candidate_tests.log 150 python -m pytest -q -n 4 tests/test_sparse_kernels.py tests/test_routed_wgmma.py \
         -k "pipelined_indexer or two_phases or regs"
     piece candidates_ab.log 150 python scripts/compressed_kernels_ab.py --parts attention,indexer \

@@ -549,9 +549,9 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_rows, per_sm", [(64, 3), (64, 4), (128, 2)])
-def test_pipelined_indexer_kernel_gives_the_default_bits_on_gpu(block_rows, per_sm, monkeypatch):
+def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, monkeypatch):
     """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode) scores every row
-    as the default kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
+    as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
     4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA layer's rows."""
     from ds4x.kernels import indexer as I
     from ds4x.kernels import indexer_wgmma
@@ -571,10 +571,11 @@ def test_pipelined_indexer_kernel_gives_the_default_bits_on_gpu(block_rows, per_
     def calls():
         out = [indexer_scores_triton(q, w, store, n, packed=True) for store in (rows, shifted)
                for n in (4096, 4000, 1000, 63, 1)]
-        return [*out, indexer_scores_triton(qs, ws, rows, counts, packed=True),
-                indexer_scores_triton(qb, wb, big, 262_144, packed=True)]
+        per_query = indexer_scores_triton(qs, ws, rows, counts, packed=True)  # columns from a count on: not written
+        return [*out, per_query[0], per_query[1, :777], indexer_scores_triton(qb, wb, big, 262_144, packed=True)]
 
-    default = calls()
+    monkeypatch.setattr(indexer_wgmma, "PIPELINED", False)
+    default = calls()  # one tile, 128 rows (the kernel before PIPELINED)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED", True)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED_BLOCK_N", block_rows)
     monkeypatch.setattr(I, "PROGRAMS_PER_SM", per_sm)
@@ -696,11 +697,11 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)
         online = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 5)
+        monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", False)
         out = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         assert float((out - online).abs().max() / online.abs().max()) < 1e-5
         monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", True)  # the next block decoded beside the score product
         assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), out)
-        monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", False)
         for b in range(3):
             alone = [(r[b], s[b] if isinstance(s, torch.Tensor) else
                       Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]

@@ -41,8 +41,10 @@ WARPS = 4
 # key tile while it runs (the default kernel waits for each product before it decodes the next tile). Tiles of
 # PIPELINED_BLOCK_N rows: at 64, 96 registers and 48 KB of shared memory with the query (four programs an SM fit; the
 # default: 130 and 48 KB, three), at 128 166 and 80 KB (two); offline sm_90, all eight wgmma steps of a tile issued
-# back to back as in the default. Off until timed on a GPU (`scripts/compressed_kernels_ab.py --parts indexer`).
-PIPELINED = False
+# back to back as in the default. H100, `scripts/compressed_kernels_ab.py --parts indexer` (9fded58), 262,144 rows,
+# best of two, us: one tile 16.8 at 2 programs an SM, 16.5 at 3; pipelined 64 rows 16.1 at 3, 16.5 at 4; 128 rows
+# 16.4 at 2; the same bits.
+PIPELINED = True
 PIPELINED_BLOCK_N = 64
 
 
