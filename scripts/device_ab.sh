@@ -29,9 +29,10 @@
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
 #                                       # kernels per case with the online loop as the variant of the two phases, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
-#   bash scripts/device_ab.sh candidates # the GPU tests of the switches built and off (indexer PIPELINED, the two
-#                                       # phases' TWO_PHASE_OVERLAP, routed REGISTER_WEIGHTS), then the attention and
-#                                       # indexer kernels with them as variants (~4 min; an H100 will do)
+#   bash scripts/device_ab.sh candidates # the GPU tests of the newest switches (indexer PIPELINED and the two
+#                                       # phases' TWO_PHASE_OVERLAP, on; routed REGISTER_WEIGHTS, off), then the
+#                                       # attention and indexer kernels with them flipped as variants (~2 min; an H100
+#                                       # will do)
 #   bash scripts/device_ab.sh tests [FILE ...]
 #                                       # the test suite (or the files named) on the GPU, 6 workers: the tests not
 #                                       # marked gpu take the CUDA paths there too (one of them, the prefill's
