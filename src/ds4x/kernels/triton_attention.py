@@ -212,11 +212,11 @@ def _tile_rows(t, tiles_a, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, rows_b, 
                slots, live, MODE_A: tl.constexpr, MODE_B: tl.constexpr, BLOCK: tl.constexpr):
     """Tile ``t`` of a query's slots (``tiles_a`` tiles of BLOCK slots of source A, then source B's): its stored rows
     (-1: none, or not ``live``), the rows' store and stride."""
-    if t < tiles_a:  # int32 rows either way (an explicit index is int64, a derived one int32)
-        idx = _slot_rows(idx_a, pos_a, n_a, ring_a, t * BLOCK + slots, live, MODE_A).to(tl.int32)
+    if t < tiles_a:
+        idx = _slot_rows(idx_a, pos_a, n_a, ring_a, t * BLOCK + slots, live, MODE_A)
         rows, stride = rows_a, stride_a
     else:
-        idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (t - tiles_a) * BLOCK + slots, live, MODE_B).to(tl.int32)
+        idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (t - tiles_a) * BLOCK + slots, live, MODE_B)
         rows, stride = rows_b, stride_b
     return idx, rows, stride
 
