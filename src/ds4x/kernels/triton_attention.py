@@ -307,18 +307,18 @@ def values_kernel(s_ptr, top_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, t
         if c < NOPE // 64:
             codes = tl.load(row[:, None] + c * 64 + c64[None, :], mask=ok[:, None], other=0)
             sb = tl.load(row + NOPE + 2 * (D - NOPE) + c, mask=ok, other=127)
-            v_nope = _e4m3_scaled(codes, sb.to(tl.int32)[:, None], SPLIT)  # names apart: the branches' types differ
+            v = _e4m3_scaled(codes, sb.to(tl.int32)[:, None], SPLIT)
             if SPLIT:
-                v_nope = v_nope.to(tl.bfloat16)
-            acc = _dot_parts(p, v_nope, acc, SPLIT)
+                v = v.to(tl.bfloat16)
+            acc = _dot_parts(p, v, acc, SPLIT)
         else:
             at = row[:, None] + NOPE + 2 * c64[None, :]
             lo = tl.load(at, mask=ok[:, None], other=0)
             hi = tl.load(at + 1, mask=ok[:, None], other=0)
-            v_rope = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))
+            v = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))
             if not SPLIT:
-                v_rope = v_rope.to(tl.float32)
-            acc = _dot_parts(p, v_rope, acc, SPLIT)
+                v = v.to(tl.float32)
+            acc = _dot_parts(p, v, acc, SPLIT)
         i += 1
     state = (b * n_split + r) * HP + offs_h
     tl.store(m_ptr + state, top, mask=h_ok & (c == 0))
