@@ -151,35 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                {"same_bits": same_overlap, "status": "variant"})
     qb = q.bfloat16()
 
-    # the two passes (A.TWO_PASS_MIN_SLOTS: every tile's scores, then the products against the heads' largest score)
-    # at (slots a tile, heads a program, warps, most splits) against the default, the model's bf16 query,
-    # alternating twice; the relative difference to the default
-    two_pass_configs = [(64, 32, 4, 32), (32, 32, 4, 32), (64, 16, 4, 64), (64, 32, 8, 16)]
-    saved_two_pass = A.TWO_PASS_MIN_SLOTS, A.TWO_PASS_CONFIG
-    print(f"\n{'two passes (us)':<20} {'default':>9} " + " ".join(f"{str(c):>16}" for c in two_pass_configs)
-          + f" {'rel diff':>9}")
-    for name, (query, call) in calls.items() if "attention" in parts else ():
-        if name.startswith("prefill"):  # a prefill chunk runs one pass a query
-            continue
-        qb_case = query.bfloat16()
-        A.TWO_PASS_MIN_SLOTS = saved_two_pass[0]
-        want = call(qb_case)
-        times_tp: dict[Any, list[float]] = {c: [] for c in ["default", *two_pass_configs]}
-        diff_tp = 0.0
-        for _ in range(2):
-            for c in times_tp:
-                A.TWO_PASS_MIN_SLOTS, A.TWO_PASS_CONFIG = (saved_two_pass if c == "default" else (1, c))
-                if c != "default":
-                    diff_tp = max(diff_tp, float((call(qb_case) - want).abs().max() / want.abs().max()))
-                times_tp[c].append(us(partial(call, qb_case)))
-        A.TWO_PASS_MIN_SLOTS, A.TWO_PASS_CONFIG = saved_two_pass
-        best = {c: min(ts) for c, ts in times_tp.items()}
-        print(f"{name:<20} {best['default']:9.1f} " + " ".join(f"{best[c]:16.1f}" for c in two_pass_configs)
-              + f" {diff_tp:9.1e}")
-        for c in two_pass_configs:
-            record("decode attention", name, f"two passes {c}, bf16 query", best[c],
-                   {"rel_diff": diff_tp, "status": "variant"})
-
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8
     # / 32 sessions' at 4K (batch splits, as a pooled decode step), alternating twice

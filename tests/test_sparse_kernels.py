@@ -377,58 +377,6 @@ def test_batched_decode_kernels_are_each_query_alone():
         attention_decode_triton(qa, [(raw[0], Slots(24, position=pos, ring=48))], sinks, 128**-0.5, 64, True)
 
 
-@pytest.mark.parametrize("heads, config", [(16, (16, 16, 4, 3)), (20, (32, 16, 4, 32))], ids=["16 heads, 3 splits",
-                                                                                         "20 heads, a tile a split"])
-def test_two_pass_attention_matches_reference(heads, config, monkeypatch):
-    """TWO_PASS_MIN_SLOTS: all tiles' scores first, then each split's products against the heads' largest score. A
-    batch of 3 queries over window slots from the position, closed compressed rows (one query sees none) and
-    explicit picks with holes, at several tiles a split and at one: the float64 softmax with the sink as the
-    reference; each query's bits alone; packed and native rows bit for bit; the merge's inverse RoPE applied."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import Slots, attention_decode_triton
-    from ds4x.model.rope import apply_rope
-
-    monkeypatch.setattr(A, "TWO_PASS_MIN_SLOTS", 1)
-    monkeypatch.setattr(A, "TWO_PASS_CONFIG", config)
-    g = torch.Generator().manual_seed(21)
-    dev = _device()
-    B, cap = 3, 200
-    raw = torch.stack([pack_kv_rows(torch.randn(48, 128, generator=g) * 2, rope_dim=64) for _ in range(B)]).to(dev)
-    comp = torch.stack([pack_kv_rows(torch.randn(cap, 128, generator=g), rope_dim=64) for _ in range(B)]).to(dev)
-    q = torch.randn(B, heads, 128, generator=g).to(dev)
-    sinks = torch.randn(heads, generator=g).to(dev)
-    pos = torch.tensor([5, 1_000, 700], device=dev)
-    picks = torch.randint(0, cap, (B, 40), generator=g).to(dev)
-    picks[:, ::3] = -1
-    for second in (Slots(cap, position=pos, ratio=4), picks):
-        for packed in (True, False):
-            store = (lambda t: t) if packed else (lambda t: unpack_kv_rows(t, rope_dim=64).contiguous())
-            sources = [(store(raw), Slots(24, position=pos, ring=48)), (store(comp), second)]
-            out = attention_decode_triton(q, sources, sinks, 128**-0.5, 64, packed)
-            if packed:
-                first = out
-            else:
-                assert torch.equal(out, first)
-            for b in range(B):
-                one = second if isinstance(second, torch.Tensor) else Slots(cap, position=pos[b : b + 1], ratio=4)
-                alone = [(store(raw[b]), Slots(24, position=pos[b : b + 1], ring=48)),
-                         (store(comp[b]), one[b] if isinstance(one, torch.Tensor) else one)]
-                assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 128**-0.5, 64, packed))
-                seen = [Slots(24, position=pos[b : b + 1], ring=48).explicit(),
-                        one[b] if isinstance(one, torch.Tensor) else one.explicit()]
-                keys = torch.cat([unpack_kv_rows(r[b], rope_dim=64).double()[i[i >= 0]]
-                                  for r, i in zip((raw, comp), seen, strict=True)])
-                logits = torch.cat([q[b].double() @ keys.T * 128**-0.5, sinks.double()[:, None]], dim=1)
-                ref = logits.softmax(-1)[:, :-1] @ keys
-                assert float((out[b].double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
-    angles = torch.randn(B, 32, generator=g).to(dev) * 3
-    cos, sin = angles.cos(), angles.sin()
-    sources = [(raw, Slots(24, position=pos, ring=48)), (comp, picks)]
-    fused = attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True, inverse_rope=(cos, sin, torch.float32))
-    plain = attention_decode_triton(q, sources, sinks, 128**-0.5, 64, True)
-    assert torch.equal(fused, apply_rope(plain, cos, sin, inverse=True, dtype=torch.float32))
-
-
 def test_batch_splits_cut_each_query_into_fewer_splits(monkeypatch):
     """``batch_splits``: a batch's queries get fewer splits (in the interpreter 4 multiprocessors / (B x sources):
     one per source), so each output matches the query alone to float rounding; a batch of one keeps its splits and
@@ -668,13 +616,9 @@ def test_batched_selection_at_1m_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
-@pytest.mark.parametrize("two_pass", [False, True], ids=["one pass", "two passes"])
-def test_attention_over_hca_sized_rows_on_gpu(query, two_pass, monkeypatch):
-    from ds4x.kernels import attention as A
+def test_attention_over_hca_sized_rows_on_gpu(query):
     from ds4x.kernels.attention import attention_decode_triton
 
-    if two_pass:
-        monkeypatch.setattr(A, "TWO_PASS_MIN_SLOTS", 1)
     g = torch.Generator(device="cuda").manual_seed(2)
     rows = pack_kv_rows(torch.randn(8320, 512, generator=g, device="cuda") * 2)
     plain = unpack_kv_rows(rows).contiguous()

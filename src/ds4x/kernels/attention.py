@@ -90,13 +90,6 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
-# A call of at least TWO_PASS_MIN_SLOTS slots (0: never) runs in two passes (`triton_attention.scores_kernel`, then
-# `values_kernel`): first every tile of slots' scores for all heads, one program a tile, then the products against
-# the heads' largest score, one program per (split of tiles, 64 output columns, group of heads), so no program holds
-# a [64, 512] accumulator or rescales one and the splits' states share their maximum. TWO_PASS_CONFIG: (slots per
-# tile, heads per program, warps, most splits). Off until timed on a GPU (scripts/compressed_kernels_ab.py).
-TWO_PASS_MIN_SLOTS = 0
-TWO_PASS_CONFIG = (64, 32, 4, 32)
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -142,7 +135,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     states, 128 KB per program, would not fit at decode's splits).
     Packed and native rows run the same kernel with the same blocks, so they agree bit for bit at any setting.
     """
-    from ds4x.kernels.triton_attention import combine_kernel, partial_kernel, scores_kernel, values_kernel
+    from ds4x.kernels.triton_attention import combine_kernel, partial_kernel
 
     batched = q.dim() == 3
     B, H, D = q.shape if batched else (1, *q.shape)
@@ -169,15 +162,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             slots[i] = Slots(s.n, index=torch.where(idx >= 0, torch.arange(s.n, device=idx.device), -1))
     from ds4x.kernels import attention_wgmma
 
-    two_pass = (config is None and not one_pass and TWO_PASS_MIN_SLOTS > 0
-                and sum(s.n for s in slots) >= TWO_PASS_MIN_SLOTS)
-    wide = config is None and not two_pass and WGMMA and attention_wgmma.available(q, H, D, nope)
+    wide = config is None and WGMMA and attention_wgmma.available(q, H, D, nope)
     hp = attention_wgmma.HEADS if wide else max(16, 1 << (H - 1).bit_length())
     if wide:
         (block, max_splits), hb, warps = WGMMA_CONFIG, hp, attention_wgmma.WARPS
-    elif two_pass:  # max_splits: the value pass's splits of the slots (at most; each one's tiles in one program)
-        block, hb, warps, max_splits = TWO_PASS_CONFIG
-        hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
     else:
         block, hb, warps, max_splits = config if config is not None else DECODE_CONFIG
         hb = min(hp, MAX_HEADS_PER_PROGRAM, max(16, hb))
@@ -198,11 +186,6 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
-    if two_pass:  # the slots in tiles of `block` (source A's, then B's), the value pass's splits of whole tiles
-        tiles = [-(-slots[0].n // block), -(-slots[1].n // block) if n_splits[1] else 0]
-        n_tiles = sum(tiles)
-        tiles_per_split = -(-n_tiles // max_splits)
-        n_split = -(-n_tiles // tiles_per_split)
     qc = q.contiguous()
     if one_pass:
         out = torch.empty(B, H, D, device=q.device)
@@ -236,17 +219,6 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
         if one_pass:
             return out if batched else out[0]
-    elif two_pass:
-        nc = 1 << (nope // 64 - 1).bit_length()
-        s_buf = torch.empty(B, hp, n_tiles * block, device=q.device)
-        top = torch.empty(B, n_tiles, hp, device=q.device)
-        common = dict(H=H, HP=hp, HB=hb, D=D, NOPE=nope, BLOCK=block, SPLIT=q.is_cuda, MODE_A=slots[0].mode,
-                      MODE_B=slots[1].mode, num_warps=warps, **pdl)
-        scores_kernel[(n_tiles, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, tiles[0], rb, ib, pb, nb, gb, sb, s_buf, top,
-                                              scale, store_a, store_b, index_a, index_b, n_tiles, NC=nc, **common)
-        values_kernel[(n_split, D // 64 * (hp // hb), B)](s_buf, top, ra, ia, pa, na, ga, sa, tiles[0], rb, ib, pb,
-                                                          nb, gb, sb, m, l, acc, store_a, store_b, index_a, index_b,
-                                                          n_tiles, tiles_per_split, n_split, **common)
     else:
         partial_kernel[(n_split, hp // hb, B)](qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb,
                                                gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,

@@ -92,30 +92,6 @@ def _dot_parts(a, k, acc, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _block_keys(codes, scales, lo, hi, SPLIT: tl.constexpr):
-    """A block's bytes (`_packed_bytes`) as the tensor-core operands: the non-RoPE values [NC, BLOCK, 64] and the RoPE
-    values [BLOCK, 64]; with SPLIT bf16 and fp16 (E4M3 x 2^k is exact in bf16, FP16 RoPE values are exact in fp16),
-    else float32."""
-    k_nope = _e4m3_scaled(codes, scales.to(tl.int32), SPLIT)
-    k_rope = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))
-    if SPLIT:
-        k_nope = k_nope.to(tl.bfloat16)
-    else:
-        k_rope = k_rope.to(tl.float32)
-    return k_nope, k_rope
-
-
-@triton.jit
-def _block_scores(q_nope, q_rope, k_nope, k_rope, ok, scale, SPLIT: tl.constexpr):
-    """The HB heads' scaled scores [HB, BLOCK] against a block's keys (`_block_keys`), -inf where not ``ok``; the
-    non-RoPE products batched by 64-value chunk."""
-    zeros = tl.zeros([k_nope.shape[0], q_nope.shape[1], k_nope.shape[1]], tl.float32)
-    s = tl.sum(_dot_parts(q_nope, tl.trans(k_nope, 0, 2, 1), zeros, SPLIT), 0)
-    s = _dot_parts(q_rope, tl.trans(k_rope), s, SPLIT)
-    return tl.where(ok[None, :], s * scale, float("-inf"))
-
-
-@triton.jit
 def online_softmax_step(m, l, s):
     """One block of scores s [heads, rows] (-inf: no row) into the running max m and sum l -> (new max, the factor
     alpha for the old state, the block's probabilities, new sum). A Triton helper the Gluon kernel calls too."""
@@ -145,10 +121,17 @@ def _attend_split(q_nope, q_rope, rows_ptr, idx_ptr, pos_ptr, n, ring, stride, b
     i = 0
     while i < n_blocks:  # a while loop: the interpreter takes no tensor trip count in range()
         ok = idx >= 0
-        k_nope, k_rope = _block_keys(codes, scales, lo, hi, SPLIT)
+        k_nope = _e4m3_scaled(codes, scales.to(tl.int32), SPLIT)  # [NC, BLOCK, 64]
+        k_rope = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))  # [BLOCK, 64]
         idx = _slot_rows(idx_ptr, pos_ptr, n, ring, (block0 + i + 1) * BLOCK + slots, i + 1 < n_blocks, MODE)
         codes, scales, lo, hi = _packed_bytes(rows_ptr, idx, stride, NOPE, NC, D)
-        s = _block_scores(q_nope, q_rope, k_nope, k_rope, ok, scale, SPLIT)
+        if SPLIT:  # E4M3 x 2^k is exact in bf16, FP16 RoPE values are exact in fp16
+            k_nope = k_nope.to(tl.bfloat16)
+        else:
+            k_rope = k_rope.to(tl.float32)
+        s = tl.sum(_dot_parts(q_nope, tl.trans(k_nope, 0, 2, 1), tl.zeros([NC, HB, BLOCK], tl.float32), SPLIT), 0)
+        s = _dot_parts(q_rope, tl.trans(k_rope), s, SPLIT)
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
         m_new, alpha, p, l = online_softmax_step(m, l, s)
         acc_n = _dot_parts(tl.broadcast_to(p[None, :, :], (NC, HB, BLOCK)), k_nope, acc_n * alpha[None, :, None],
                            SPLIT)
@@ -205,125 +188,6 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
     out = acc_ptr + split * HP * D
     tl.store(out + nope_at, acc_n, mask=nope_ok)
     tl.store(out + rope_at, acc_r, mask=h_ok[:, None])
-
-
-@triton.jit
-def _tile_rows(t, tiles_a, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, rows_b, idx_b, pos_b, n_b, ring_b, stride_b,
-               slots, live, MODE_A: tl.constexpr, MODE_B: tl.constexpr, BLOCK: tl.constexpr):
-    """Tile ``t`` of a query's slots (``tiles_a`` tiles of BLOCK slots of source A, then source B's): its stored rows
-    (-1: none, or not ``live``), the rows' store and stride."""
-    if t < tiles_a:
-        idx = _slot_rows(idx_a, pos_a, n_a, ring_a, t * BLOCK + slots, live, MODE_A)
-        rows, stride = rows_a, stride_a
-    else:
-        idx = _slot_rows(idx_b, pos_b, n_b, ring_b, (t - tiles_a) * BLOCK + slots, live, MODE_B)
-        rows, stride = rows_b, stride_b
-    return idx, rows, stride
-
-
-@triton.jit
-def scores_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, tiles_a, rows_b, idx_b, pos_b, n_b, ring_b,
-                  stride_b, s_ptr, top_ptr, scale, store_a, store_b, index_a, index_b, n_tiles,
-                  H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
-                  NC: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE_A: tl.constexpr,
-                  MODE_B: tl.constexpr, PDL: tl.constexpr = False):
-    """First pass of the two-pass decode attention. Program (tile of BLOCK slots, group of HB heads, query): the
-    heads' scaled scores against the tile's rows (-inf: no row) into s [queries, HP, n_tiles x BLOCK], and their
-    largest per head into top [queries, n_tiles, HP]."""
-    wait_upstream(PDL)
-    t = tl.program_id(0)
-    b = tl.program_id(2).to(tl.int64)
-    q_ptr += b * H * D
-    s_ptr += b * HP * n_tiles * BLOCK
-    top_ptr += b * n_tiles * HP
-    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
-    h_ok = offs_h < H
-    chunk = tl.arange(0, NC)[:, None, None]
-    c64 = tl.arange(0, 64)
-    nope_ok = h_ok[None, :, None] & (chunk < NOPE // 64)
-    q_nope = tl.load(q_ptr + offs_h[None, :, None] * D + chunk * 64 + c64[None, None, :], mask=nope_ok,
-                     other=0.0).to(tl.float32)
-    q_rope = tl.load(q_ptr + offs_h[:, None] * D + NOPE + c64[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
-    slots = tl.arange(0, BLOCK)
-    idx, rows, stride = _tile_rows(t, tiles_a, rows_a + b * store_a, idx_a + b * index_a, pos_a + b, n_a, ring_a,
-                                   stride_a, rows_b + b * store_b, idx_b + b * index_b, pos_b + b, n_b, ring_b,
-                                   stride_b, slots, t < n_tiles, MODE_A, MODE_B, BLOCK)
-    codes, scales, lo, hi = _packed_bytes(rows, idx, stride, NOPE, NC, D)
-    k_nope, k_rope = _block_keys(codes, scales, lo, hi, SPLIT)
-    s = _block_scores(q_nope, q_rope, k_nope, k_rope, idx >= 0, scale, SPLIT)
-    tl.store(s_ptr + offs_h[:, None] * (n_tiles * BLOCK) + t * BLOCK + slots[None, :], s, mask=h_ok[:, None])
-    tl.store(top_ptr + t * HP + offs_h, tl.max(s, axis=1), mask=h_ok)
-
-
-@triton.jit
-def values_kernel(s_ptr, top_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, tiles_a, rows_b, idx_b, pos_b, n_b,
-                  ring_b, stride_b, m_ptr, l_ptr, acc_ptr, store_a, store_b, index_a, index_b, n_tiles,
-                  tiles_per_split, n_split, H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
-                  NOPE: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE_A: tl.constexpr,
-                  MODE_B: tl.constexpr, PDL: tl.constexpr = False):
-    """Second pass of the two-pass decode attention. Program (split of ``tiles_per_split`` tiles, 64-value chunk x
-    group of HB heads, query): against the heads' largest score over all tiles, the split's state in
-    partial_kernel's layout for `combine_kernel`: m (that largest score), l (the sum of e^(s - m) over the split's
-    rows) and the chunk's columns of acc (the sum of e^(s - m) x row). No rescaling: every split shares m."""
-    wait_upstream(PDL)
-    r = tl.program_id(0)
-    b = tl.program_id(2).to(tl.int64)
-    c = tl.program_id(1) // (HP // HB)  # the 64-value chunk: NOPE / 64 of E4M3 values, then the RoPE values
-    offs_h = (tl.program_id(1) % (HP // HB)) * HB + tl.arange(0, HB)
-    h_ok = offs_h < H
-    s_ptr += b * HP * n_tiles * BLOCK
-    top_ptr += b * n_tiles * HP
-    rows_a += b * store_a
-    rows_b += b * store_b
-    idx_a += b * index_a
-    idx_b += b * index_b
-    pos_a += b
-    pos_b += b
-    top = tl.full([HB], float("-inf"), tl.float32)
-    tiles = tl.arange(0, 64)
-    t0 = 0
-    while t0 < n_tiles:  # while loops: the interpreter takes no tensor trip count in range()
-        seen = tl.load(top_ptr + (t0 + tiles)[None, :] * HP + offs_h[:, None],
-                       mask=h_ok[:, None] & (t0 + tiles < n_tiles)[None, :], other=float("-inf"))
-        top = tl.maximum(top, tl.max(seen, axis=1))
-        t0 += 64
-    ref = tl.where(top == float("-inf"), 0.0, top)
-    l = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, 64], tl.float32)
-    slots = tl.arange(0, BLOCK)
-    c64 = tl.arange(0, 64)
-    i = 0
-    while i < tiles_per_split:
-        t = r * tiles_per_split + i
-        live = t < n_tiles
-        s = tl.load(s_ptr + offs_h[:, None] * (n_tiles * BLOCK) + t * BLOCK + slots[None, :],
-                    mask=h_ok[:, None] & live, other=float("-inf"))
-        p = tl.exp(s - ref[:, None])
-        l += tl.sum(p, axis=1)
-        idx, rows, stride = _tile_rows(t, tiles_a, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, rows_b, idx_b, pos_b,
-                                       n_b, ring_b, stride_b, slots, live, MODE_A, MODE_B, BLOCK)
-        ok = idx >= 0
-        row = rows + tl.where(ok, idx, 0).to(tl.int64) * stride
-        if c < NOPE // 64:
-            codes = tl.load(row[:, None] + c * 64 + c64[None, :], mask=ok[:, None], other=0)
-            sb = tl.load(row + NOPE + 2 * (D - NOPE) + c, mask=ok, other=127)
-            v = _e4m3_scaled(codes, sb.to(tl.int32)[:, None], SPLIT)
-            if SPLIT:
-                v = v.to(tl.bfloat16)
-            acc = _dot_parts(p, v, acc, SPLIT)
-        else:
-            at = row[:, None] + NOPE + 2 * c64[None, :]
-            lo = tl.load(at, mask=ok[:, None], other=0)
-            hi = tl.load(at + 1, mask=ok[:, None], other=0)
-            v = _fp16_bytes(lo.to(tl.int32), hi.to(tl.int32))
-            if not SPLIT:
-                v = v.to(tl.float32)
-            acc = _dot_parts(p, v, acc, SPLIT)
-        i += 1
-    state = (b * n_split + r) * HP + offs_h
-    tl.store(m_ptr + state, top, mask=h_ok & (c == 0))
-    tl.store(l_ptr + state, l, mask=h_ok & (c == 0))
-    tl.store(acc_ptr + state[:, None] * D + c * 64 + c64[None, :], acc, mask=h_ok[:, None])
 
 
 @triton.jit
