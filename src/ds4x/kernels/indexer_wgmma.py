@@ -4,9 +4,10 @@ The same scores as `ds4x.kernels.triton_indexer.score_kernel` (same exact fp16 o
 `ds4x.kernels.indexer`; only the float32 accumulation order inside the tensor core differs), with the data
 movement written out: a lane reads the four words of one 32-value block of a row (so a block's scale is worked
 out once), decodes each word into four 32-bit pairs of fp16 values in row order and stores them with 16-byte
-stores into the key tile, and one ``wgmma`` multiplies the tile [128 rows, 128] by the query [128, 64 heads]
-held in shared memory for the program's whole walk. The Triton kernel moves the words and the decoded values
-through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
+stores into the key tile, and one ``wgmma`` multiplies the tile [rows, 128] by the query [128, 64 heads]
+held in shared memory for the program's whole walk (PIPELINED, the default: two 64-row key tiles, each tile's
+product running while the next is decoded; else one 128-row tile). The Triton kernel moves the words and the
+decoded values through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
 
 Two row tiles in flight per program instead of one (the words of the tile after next loaded too; 170 registers,
 capped at 168 so that three programs stay on an SM) measured slower and were removed (H100, b82c8c3,
