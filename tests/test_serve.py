@@ -677,7 +677,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": False, "top_logprobs": 0}, 400, "top_logprobs", None),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * CTX}]}, 400, "prompt",
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * CTX}]}, 400, "messages",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "x"}, 404, "model", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
@@ -851,6 +851,28 @@ def test_bad_requests(client: TestClient, url: str, body: object, status: int, p
     else:
         r = client.post(url, json=body)
     _assert_error(r, status, param, code)
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(client: TestClient, monkeypatch) -> None:
+    """A text longer in bytes than the context times the longest token (x 4) is refused without tokenizing it (the
+    tokenizer's records of a 60 MB prompt took 11 GB); one just inside that bound is tokenized and refused by its
+    token count."""
+    server = client.app.state.server
+    limit = 4 * CTX * server._token_bytes
+    calls: list[int] = []
+    encode = server.engine.tokenizer.encode
+    monkeypatch.setattr(server.engine.tokenizer, "encode", lambda text: calls.append(len(text)) or encode(text))
+    for url, body, param in (("/v1/completions", {"prompt": "x" * (limit + 1)}, "prompt"),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (limit + 1)}]},
+                              "messages"),
+                             ("/tokenize", {"prompt": "x" * (limit + 1)}, "prompt")):
+        r = client.post(url, json=body)
+        _assert_error(r, 400, param, "context_length_exceeded")
+        assert "bytes" in r.json()["error"]["message"]
+    assert calls == []
+    r = client.post("/v1/completions", json={"prompt": "x" * limit})
+    _assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert "tokens" in r.json()["error"]["message"] and calls == [limit]
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:
