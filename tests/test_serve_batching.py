@@ -320,6 +320,9 @@ def test_scheduler_admission_by_kv_budget(engine: Engine) -> None:
         sched.submit(job, got.append)
     assert exc.value.status == 429
     sched.cancel(running[0])
+    sched.cancel(queued[1])  # a waiting request leaves the queue at once, before the worker runs
+    assert sched.gauges()["waiting"] == 1 and sched.stats.cancelled == 1
+    queued[1] = sched.submit(job, got.append)  # its place is free
     sched.cancel(queued[1])
     sched.start()
     deadline = time.monotonic() + 30
@@ -327,7 +330,7 @@ def test_scheduler_admission_by_kv_budget(engine: Engine) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     sched.stop()
-    assert sched.stats.cancelled == 2 and sched.gauges()["kv_bytes_in_use"] == 0
+    assert sched.stats.cancelled == 3 and sched.gauges()["kv_bytes_in_use"] == 0
     with pytest.raises(Rejected) as exc:
         sched.submit(job, got.append)
     assert exc.value.status == 503

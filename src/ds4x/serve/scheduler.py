@@ -471,11 +471,18 @@ class Scheduler:
         return req
 
     def cancel(self, req: Generation) -> None:
-        """The client went away: the worker frees the request's session before its next step."""
+        """The client went away (or its batch was refused part way): a waiting request leaves the queue at once, so
+        it holds no place another request is refused for; a running one's session is freed by the worker before
+        its next step."""
         with self._cond:
-            if not req.done:
+            if req.done:
+                return
+            if req in self._waiting:
+                self._release(req)
+                self.stats.cancelled += 1
+            else:
                 req.cancelled = True
-                self._cond.notify_all()
+            self._cond.notify_all()
 
     def gauges(self) -> dict[str, int]:
         with self._cond:
