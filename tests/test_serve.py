@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -1016,10 +1017,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_command(port: int) -> list[str]:
+def _serve_command(port: int, *more: str) -> list[str]:
     from ds4x.cli.main import build_parser
 
-    args = ["-m", "tiny", "--device", "cpu", "--port", str(port), "--ctx", "4096", "-q"]
+    args = ["-m", "tiny", "--device", "cpu", "--port", str(port), "--ctx", "4096", "-q", *more]
     try:
         build_parser().parse_args(["serve", *args])
     except SystemExit:  # `serve` not registered in ds4x.cli.main: run the subcommand module directly
@@ -1038,7 +1039,8 @@ def test_real_server_subprocess() -> None:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS4X_COMMIT": "abc123-test"}
-    proc = subprocess.Popen(_serve_command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(_serve_command(port, "--shutdown-timeout", "2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
     try:
         wait_until_healthy(base, proc, 60, lambda: proc.stdout.read().decode(errors="replace"))
         # whoever starts the server names its commit (a copy without git metadata has no other way)
@@ -1094,6 +1096,21 @@ def test_real_server_subprocess() -> None:
         # and the engine is free for the next request
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "y", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200
+
+        # SIGTERM mid-stream: the stream may run for --shutdown-timeout seconds, then the process exits
+        chunks = 0
+        with httpx.stream("POST", f"{base}/v1/completions", json=req, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            try:
+                chunks = sum(line.startswith("data: ") for line in lines)
+            except httpx.HTTPError:  # the connection closed mid-chunk
+                pass
+        # (uvicorn raises the signal again once it has shut down, so the exit status names it)
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM) and time.monotonic() - t0 < 10
+        assert chunks < 3999  # cut short, not drained to max_tokens
     finally:
         proc.kill()
         proc.wait(timeout=10)

@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="listen at once: with CUDA graphs the first requests then wait while kernels compile and "
                         "each decode batch size's graph is captured (default: before listening)")
+    p.add_argument("--shutdown-timeout", type=_non_negative, default=30,
+                   help="seconds the running requests may take to finish after SIGINT / SIGTERM; then their "
+                        "connections are closed and the process exits (default 30)")
     p.add_argument("-q", "--quiet", action="store_true", help="no startup or access log")
     return p
 
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
                  "CUDA graph is captured per decode batch size (%s)", ", ".join(map(str, sched.slots.sizes)))
         sched.warm_up(lambda what: log.info("warm: %s (%.1f s)", what, time.perf_counter() - t0))
     sys.stderr.flush()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 

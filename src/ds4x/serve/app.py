@@ -13,7 +13,8 @@ machine and model (:func:`ds4x.serve.info.server_info`).
 Requests are served with continuous batching by one engine worker thread (:mod:`ds4x.serve.scheduler`): each
 request gets its own session, decode steps are batched over all generating requests, prompts are evaluated in
 chunks between them, and admission is bounded by a KV-memory budget and a wait queue (past it: 429; while
-shutting down: 503). A client that disconnects frees its session before the next step. Prefix reuse across
+shutting down: 503; ``ds4x serve`` on SIGTERM lets running requests finish for ``--shutdown-timeout`` seconds).
+A client that disconnects frees its session before the next step. Prefix reuse across
 requests through an optional :class:`~ds4x.runtime.prefix_cache.PrefixCache`.
 
 Request fields: ``model`` (must be the served name), ``prompt`` (completions: text, token ids, or a list of one of
