@@ -876,6 +876,16 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(client: TestCl
     assert "tokens" in r.json()["error"]["message"] and calls == [limit]
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused_as_such(client: TestClient, field: str, value: str) -> None:
+    """NaN and Infinity (JSON extensions Python's parser takes) are named as not finite, not as out of range."""
+    r = client.post("/v1/completions", content=f'{{"prompt": "x", "{field}": {value}}}'.encode(),
+                    headers={"content-type": "application/json"})
+    _assert_error(r, 400, field)
+    assert "finite" in r.json()["error"]["message"]
+
+
 def test_unknown_route_and_method(client: TestClient) -> None:
     _assert_error(client.get("/v1/nothing"), 404)
     _assert_error(client.get("/v1/completions"), 405)

@@ -138,7 +138,8 @@ def _printable(text: str | None) -> str | None:
 # ---- request models -----------------------------------------------------------------------------
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NaN / Infinity (JSON extensions Python's parser takes) refused as such, not as out of a range
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
