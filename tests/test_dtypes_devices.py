@@ -34,6 +34,7 @@ def test_cuda_matches_cpu(cache):
 def _quantized_engine(device: str):
     """tiny with rows of whole K-quant blocks, in the q2 mix (Q8_0 attention / shared, IQ2_XXS gate and up, Q2_K down),
     the same blocks on either device (made on the CPU, then moved)."""
+    pytest.importorskip("gguf")  # the GGML type tables (the `gguf` extra)
     from ds4x.config import tiny_config
     from ds4x.model.transformer import Transformer
     from ds4x.runtime.tokenizer import ByteTokenizer
