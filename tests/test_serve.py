@@ -886,6 +886,21 @@ def test_non_finite_numbers_are_refused_as_such(client: TestClient, field: str, 
     assert "finite" in r.json()["error"]["message"]
 
 
+def test_a_web_pages_simple_post_is_refused(client: TestClient) -> None:
+    """A body a page can send to any origin without a CORS preflight (text/plain, a form) is refused when the
+    request comes from a page (Origin); without Origin (curl -d) it is read as JSON, and a page's JSON is served."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        for url in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            r = client.post(url, content=body, headers={"content-type": kind, "origin": "http://page.example"})
+            _assert_error(r, 415)
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json",
+                                                                "origin": "http://page.example"})
+    assert r.status_code == 200
+
+
 def test_unknown_route_and_method(client: TestClient) -> None:
     _assert_error(client.get("/v1/nothing"), 404)
     _assert_error(client.get("/v1/completions"), 405)

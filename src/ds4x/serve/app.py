@@ -62,7 +62,8 @@ contents joined with newlines (the embedded default model and the synthetic pres
 a chat format).
 
 Errors are OpenAI-style bodies ``{"error": {"message", "type", "param", "code"}}``; a request body over
-``MAX_REQUEST_BYTES`` (64 MiB) is refused with 413 before it is read whole.
+``MAX_REQUEST_BYTES`` (64 MiB) is refused with 413 before it is read whole, and a web page's body of a type it
+may send anywhere unasked (text/plain, a form; with an Origin header) with 415 unread.
 """
 
 from __future__ import annotations
@@ -798,6 +799,14 @@ def create_app(engine: Engine, model_name: str, ctx: int, cache: str, *, prefill
         return b"".join(chunks)
 
     async def parse(request: Request, model: type[_Base]) -> Any:
+        # a web page may POST text/plain, form or multipart bodies to any origin without asking first (no CORS
+        # preflight), so a page the user visits could make this server generate: such a body from a page (browsers
+        # send Origin) is refused unread. Without Origin any type is read as JSON (curl -d sends a form type)
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if "origin" in request.headers and kind in ("", "text/plain", "application/x-www-form-urlencoded",
+                                                    "multipart/form-data"):
+            raise APIError(415, "a request from a web page (with an Origin header) must send its JSON body as "
+                                "Content-Type: application/json")
         raw = await read_body(request)
         try:
             data = json.loads(raw)
