@@ -127,8 +127,11 @@ tests)
     # the files given after the stage's name, else all of them (on an H100 on 2026-12-06 the 480 s ran 35% of the
     # suite: name the rest in later calls); the slowest tests listed last
     shift
+    export DS4X_TEST_TIMES="$out/test_times.txt"  # each test phase's seconds as it ends (tests/conftest.py)
     piece tests.log 480 python -m pytest -v -p no:cacheprovider -n 6 --durations=20 "${@:-tests}"
     grep -E "(FAILED|ERROR) " "$out/tests.log" | sort -u
+    echo "slowest test phases (s, phase, outcome, test):"
+    sort -rn "$out/test_times.txt" 2>/dev/null | head -20
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs

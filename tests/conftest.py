@@ -10,7 +10,21 @@ if not torch.cuda.is_available():
     # The test models are tiny: intra-op threads only contend with each other and with the server processes the
     # tests start (which inherit this), measured 20x slower on 2 busy cores; one thread each.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+elif "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # on a GPU machine the CPU references still run: each of the workers gets its share of the cores, not all of them
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_runtest_logreport(report):
+    """DS4X_TEST_TIMES=FILE: each test phase's seconds, outcome and id appended as it ends (a GPU run cut short by
+    its time limit still says where the time went; --durations prints only at the end)."""
+    path = os.environ.get("DS4X_TEST_TIMES")
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:  # with xdist the controller hears every worker's reports
+        with open(path, "a") as f:
+            f.write(f"{report.duration:9.2f} {report.when:8} {report.outcome:7} {report.nodeid}\n")
 
 
 def pytest_collection_modifyitems(config, items):
