@@ -6,6 +6,8 @@ import argparse
 import functools
 import math
 import random
+import re
+import time
 
 import pytest
 import torch
@@ -417,9 +419,61 @@ def test_error_truncated(tmp_path, f32_gguf):
     p.write_bytes(data[: len(data) - 1000])
     with pytest.raises(GGUFTruncatedError, match="truncated"):
         load_gguf(p)
-    p.write_bytes(data[:200])  # inside the header
-    with pytest.raises(GGUFError, match="truncated or corrupt"):
+    p.write_bytes(data[:200])  # inside the header: where the header's bytes ran out
+    with pytest.raises(GGUFTruncatedError, match=r"the header needs bytes \d+\.\.\d+ but the file has 200: truncated"):
         load_gguf(p)
+
+
+def test_error_array_length_past_the_end_of_the_file(tmp_path, f32_gguf):
+    """An array's declared length that the rest of the file cannot hold is refused at once (gguf reads arrays entry
+    by entry: a length of 2^62 looped at the end of the file, growing memory without bound)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    field = GGUFReader(f32_gguf).fields["deepseek4.attention.compress_ratios"]
+    at = field.offset + sum(int(part.nbytes) for part in field.parts[:3])  # the value: item type, then length
+    data = bytearray(f32_gguf.read_bytes())
+    for length in (2**62, 10_000_000):
+        data[at + 4 : at + 12] = struct.pack("<Q", length)
+        p = tmp_path / "long_array.gguf"
+        p.write_bytes(bytes(data))
+        t0 = time.monotonic()
+        with pytest.raises(GGUFTruncatedError, match=f"declares {length} entries"):
+            load_gguf(p)
+        assert time.monotonic() - t0 < 5
+
+
+def test_error_block_count_past_the_layers_present(tmp_path, tiny):
+    """A block count far past the file's blk.N tensors is refused before anything per layer is built (with a scalar
+    compress ratio it was expanded to 2^32 entries: a ~32 GiB allocation and an empty MemoryError)."""
+    from gguf import GGUFValueType
+
+    def hook(wr):
+        wr.kv_data[0].pop("deepseek4.block_count")
+        wr.add_key_value("deepseek4.block_count", 2**32 - 1, GGUFValueType.UINT32)
+        wr.kv_data[0].pop("deepseek4.attention.compress_ratios")
+        wr.add_key_value("deepseek4.attention.compress_ratios", 0, GGUFValueType.INT32)
+
+    p = _bad_file(tmp_path, tiny, meta=hook)
+    with pytest.raises(GGUFError, match=r"block_count' is 4294967295, but the file has tensors for 6 layers"):
+        load_gguf(p)
+
+
+def test_error_a_csa_layer_missing_one_indexer_tensor_names_it(tmp_path, tiny):
+    """Any indexer tensor makes a ratio-4 layer CSA, so the one missing is named (deciding by attn_q_b alone made
+    the layer HCA and blamed its compressor's shape)."""
+    p = _bad_file(tmp_path, tiny, plan_edit=lambda plan: [e for e in plan if e[0] != "blk.1.indexer.attn_q_b.weight"])
+    with pytest.raises(GGUFError, match=r"missing 1 tensors, e.g. 'blk.1.indexer.attn_q_b.weight'"):
+        load_gguf(p)
+
+
+@pytest.mark.parametrize("key,value", [("tokenizer.ggml.tokens", [1, 2, 3]), ("tokenizer.ggml.merges", [7]),
+                                       ("tokenizer.ggml.pre", ["joyai-llm"])])
+def test_tokenizer_metadata_of_the_wrong_type_is_named(f32_gguf, key, value):
+    _, _, meta = load_gguf(f32_gguf)
+    with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
+        GGUFTokenizer.from_metadata({**meta, key: value})
 
 
 def test_writer_refuses_unrepresentable(tiny, tmp_path):

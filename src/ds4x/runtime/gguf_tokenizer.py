@@ -234,9 +234,9 @@ class GGUFTokenizer:
         """From the metadata dict of :func:`ds4x.weights.gguf.load_gguf`."""
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not tokens:
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
             raise ValueError("GGUF metadata key 'tokenizer.ggml.tokens' is missing or not a string array")
-        if not isinstance(merges, list):
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
             raise ValueError("GGUF metadata key 'tokenizer.ggml.merges' is missing or not a string array")
         model = meta.get("tokenizer.ggml.model", "gpt2")
         if model != "gpt2":
@@ -244,6 +244,8 @@ class GGUFTokenizer:
                              f"is supported")
         pre_json = meta.get("ds4x.tokenizer.pre_tokenizer")
         pre = meta.get("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise ValueError(f"GGUF metadata key 'tokenizer.ggml.pre' must be a string, got {pre!r:.80}")
         if pre_json is None and pre is None:
             log.warning("GGUF tokenizer: no 'tokenizer.ggml.pre'; splitting text as DeepSeek-V4 does (joyai-llm)")
         elif pre_json is None and pre not in PRE_TOKENIZERS and pre != DS4_PRE:

@@ -197,8 +197,27 @@ def _reader_class() -> type:
                 plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
             count = int(count)
             itemsize = np.dtype(dtype).itemsize
+            if offset + itemsize * count > len(plain):  # a slice past the end would be short, not an error
+                raise GGUFTruncatedError(f"the header needs bytes {offset}..{offset + itemsize * count} but the file "
+                                         f"has {len(plain)}: truncated, or a length field is corrupt")
             arr = plain[offset : offset + itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            from gguf import GGUFValueType
+
+            if raw_type == GGUFValueType.ARRAY:  # gguf reads an array entry by entry: bound its length first
+                item, n = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+                try:
+                    itype = self.gguf_scalar_to_np.get(GGUFValueType(item))
+                except ValueError:  # an unknown type: the reader names it at the first entry
+                    itype = None
+                least = np.dtype(itype).itemsize if itype is not None else 8  # a string or array: its 8-byte length
+                left = len(self.data) - orig_offs - 12
+                if n * least > left:
+                    raise GGUFTruncatedError(f"a metadata array at byte {orig_offs} declares {n} entries, more than "
+                                             f"the {left} bytes left in the file hold")
+            return super()._get_field_parts(orig_offs, raw_type)
 
         def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
             from gguf import GGML_QUANT_SIZES
@@ -400,6 +419,11 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
     n_layers = m.get_int("block_count")
     if n_layers <= 0:
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('block_count')}' must be positive, got {n_layers}")
+    layers_present = 1 + max((int(part) for name in tensor_names if name.startswith("blk.")
+                              and (part := name.split(".")[1]).isdigit()), default=-1)
+    if n_layers > layers_present:  # before anything per layer is built (a corrupt count is a huge allocation)
+        raise GGUFError(f"{p}: GGUF metadata key '{m.key('block_count')}' is {n_layers}, but the file has tensors "
+                        f"for {layers_present} layers (blk.0 .. blk.{layers_present - 1})")
     kv_heads = m.get_int("attention.head_count_kv")
     if kv_heads != 1:
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('attention.head_count_kv')}' must be 1 "
@@ -426,9 +450,12 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
                         f"{sorted(_GATING_FUNCS)} ({', '.join(_GATING_FUNCS.values())})")
 
     ratios = m.get_list("attention.compress_ratios", n_layers, int)[:n_layers]
+    # any of a layer's indexer tensors makes it CSA, so one of them missing is named as missing
+    indexed = {int(part) for name in tensor_names if name.startswith("blk.") and ".indexer." in name
+               and (part := name.split(".")[1]).isdigit()}
     kinds = []
     for i, r in enumerate(ratios):
-        has_indexer = f"blk.{i}.indexer.attn_q_b.weight" in tensor_names
+        has_indexer = i in indexed
         if r < 0:
             raise GGUFError(f"{p}: GGUF metadata key '{m.key('attention.compress_ratios')}[{i}]' is negative ({r})")
         if r == 0:
