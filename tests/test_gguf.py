@@ -566,6 +566,8 @@ def test_tokenizer_unknown_or_missing_pre_splits_as_deepseek_v4(f32_gguf, pre):
 # ---- regressions from the adversarial probe (devrun/gguf_probe_adversarial.py) --------------------------
 
 @pytest.mark.parametrize("key,value,vtype", [
+    ("deepseek4.expert_weights_scale", 0.0, "FLOAT32"),
+    ("deepseek4.expert_weights_scale", -1.5, "FLOAT32"),
     ("deepseek4.expert_used_count", 0, "UINT32"),
     ("deepseek4.attention.sliding_window", 0, "UINT32"),
     ("deepseek4.hyper_connection.epsilon", 0.0, "FLOAT32"),
@@ -577,6 +579,15 @@ def test_error_bad_config_value_names_the_gguf_key(tmp_path, tiny, key, value, v
     p = _bad_file(tmp_path, tiny, meta=_set(key, value, GGUFValueType[vtype]))
     with pytest.raises(GGUFError, match=f"GGUF metadata key '{key}'"):
         load_gguf(p)
+
+
+def test_a_file_without_yarn_scaling_says_so(tmp_path, tiny, caplog):
+    """ds4's files carry rope.scaling.factor; one without it loads with plain RoPE, and the log says so."""
+    p = _bad_file(tmp_path, tiny, meta=_set("deepseek4.rope.scaling.factor", None))
+    with caplog.at_level("WARNING", logger="ds4x.weights.gguf"):
+        cfg, _, _ = load_gguf(p)
+    assert cfg.compress_rope_scaling is None
+    assert any("rope.scaling.factor" in r.message and "without YaRN" in r.message for r in caplog.records)
 
 
 @pytest.mark.parametrize("key,value,vtype", [

@@ -168,7 +168,8 @@ class ModelConfig:
         if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
             raise ConfigError(f"config field 'scoring_func' must be sqrtsoftplus/softmax/sigmoid, got "
                               f"{self.scoring_func!r}")
-        for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "swiglu_limit"):
+        for name in ("rms_norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "swiglu_limit",
+                     "routed_scaling_factor"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"config field '{name}' must be a positive number, got {value!r}")

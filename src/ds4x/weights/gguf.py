@@ -390,6 +390,7 @@ _FIELD_KEYS: dict[str, str] = {
     "index_topk": "attention.indexer.top_k", "hc_mult": "hyper_connection.count",
     "hc_sinkhorn_iters": "hyper_connection.sinkhorn_iterations", "hc_eps": "hyper_connection.epsilon",
     "rms_norm_eps": "attention.layer_norm_rms_epsilon", "swiglu_limit": "swiglu_clamp_exp",
+    "routed_scaling_factor": "expert_weights_scale",
     "rope_theta": "rope.freq_base", "compress_rope_theta": "attention.compress_rope_freq_base",
     "max_position_embeddings": "context_length", "compress_ratios": "attention.compress_ratios",
     "layer_types": "attention.compress_ratios",
@@ -484,7 +485,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: str | P
         raise GGUFError(f"{p}: GGUF metadata key '{m.key('hash_layer_count')}' = {n_hash} is outside [0, {n_layers}]")
 
     scaling = None
-    if m.has("rope.scaling.factor"):
+    if not m.has("rope.scaling.factor"):  # ds4's files carry it; without it the compressed layers' RoPE is plain
+        log.warning("%s: no GGUF metadata key '%s': the compressed layers' RoPE runs without YaRN scaling", p,
+                    m.key("rope.scaling.factor"))
+    else:
         factor = m.get_float("rope.scaling.factor")
         if factor != 1.0:
             scaling = YarnScaling(
