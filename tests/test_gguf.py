@@ -476,6 +476,19 @@ def test_tokenizer_metadata_of_the_wrong_type_is_named(f32_gguf, key, value):
         GGUFTokenizer.from_metadata({**meta, key: value})
 
 
+def test_writer_refuses_a_target_that_is_not_a_regular_file(tiny, tmp_path):
+    """The writer renames its finished file over the target: a pipe there is refused, not replaced."""
+    import os
+    import stat
+
+    cfg, w = tiny
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        write_gguf(fifo, cfg, w, plan=tensor_plan(cfg, w, "f32"))
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 def test_writer_refuses_unrepresentable(tiny, tmp_path):
     cfg, w = tiny
     odd = cfg.replace(mlp_hash=(False, True) + (False,) * 4)

@@ -207,6 +207,20 @@ def test_damaged_tokens(engine, saved):
         load_session(engine, saved)
 
 
+@pytest.mark.parametrize("bad", [-1, 2**30 + 1], ids=["negative", "past-the-vocabulary"])
+def test_token_ids_outside_the_vocabulary(engine, saved, bad):
+    """A token id the model does not have is refused even where the checksum agrees (forged, or absent in older
+    files): it indexed past the penalty's token counts (an IndexError) or penalised another token."""
+    tokens, _ = _rewrite(saved)
+    forged = struct.pack("<i", bad) + tokens[4:]
+    _rewrite(saved, header=_with(tokens_crc32=zlib.crc32(forged)), tokens=forged)
+    with pytest.raises(SessionFileError, match=f"token id {bad}, outside the vocabulary"):
+        load_session(engine, saved)
+    _rewrite(saved, header=lambda meta: json.dumps({k: v for k, v in meta.items() if k != "tokens_crc32"}).encode())
+    with pytest.raises(SessionFileError, match=f"token id {bad}, outside the vocabulary"):
+        load_session(engine, saved)
+
+
 def test_corrupt_payload_with_valid_checksum(engine, sessions, saved):
     # a payload that passes the checksum but is not a valid tensor file, or holds logits of another shape
     _rewrite(saved, payload=b"\0" * 64)
@@ -242,6 +256,26 @@ def test_cli_save_then_continue(engine, tmp_path, capsys):
     # no prompt: continue from the saved logits
     assert main(["generate", "-n", "2", "--ignore-eos", "--load-session", str(path), "-q"]) == 0
     assert len(capsys.readouterr().out.split()) > 0
+
+
+def test_save_session_refuses_what_is_not_a_regular_file_and_writes_through_a_link(tmp_path, capsys):
+    """The save renames a new file over the path: a pipe (or, as root, /dev/null) there would be replaced by an
+    ordinary file, so it is refused before any work; a symbolic link is written through (the link stays)."""
+    import os
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    args = ["generate", "--prompt-ids", "5,6", "-n", "1", "--ctx", "64", "--device", "cpu", "-q"]
+    assert main([*args, "--save-session", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target, link = tmp_path / "real.ds4xsession", tmp_path / "link.ds4xsession"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert main([*args, "--save-session", str(link)]) == 0
+    assert link.is_symlink() and target.read_bytes()[:4] != b"old"
+    assert main(["generate", "-n", "1", "--load-session", str(link), "-q"]) == 0
 
 
 def test_cli_load_errors(tmp_path, capsys):

@@ -19,6 +19,7 @@ from ds4x.cli import serve as serve_cmd
 from ds4x.cli.cpu_threads import add_threads_argument, apply_cpu_threads
 from ds4x.cli.sampling_options import add_sampling_arguments, sampling_params
 from ds4x.config import ConfigError
+from ds4x.files import replaceable_target
 from ds4x.runtime.tokenizer import checked_text
 
 
@@ -286,6 +287,10 @@ def _check_output_path(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path} is a directory, not a file")
     if not target.parent.is_dir():
         raise ValueError(f"{option} {path}: folder {target.parent} does not exist")
+    try:
+        replaceable_target(target)
+    except ValueError as exc:
+        raise ValueError(f"{option} {exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

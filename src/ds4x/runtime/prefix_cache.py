@@ -284,7 +284,7 @@ class PrefixCache:
                 log.warning("prefix cache: ignoring %s: a directory", path)
                 continue
             try:
-                header = read_header(path, self._fingerprint, self._model)
+                header = read_header(path, self._fingerprint, self._model, self.engine.cfg.vocab_size)
             except (SessionFileError, OSError) as exc:
                 log.warning("prefix cache: removing %s: %s", path, exc)
                 remove(path)

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ds4x.files import replaceable_target
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.model.cache import CACHE_MODES, ModelCache
 from ds4x.runtime.engine import PREFILL_MODES, Engine, Session
@@ -212,7 +213,7 @@ class SessionFileHeader:
 
 def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, model: str) -> SessionFileHeader:
     """Write ``snap`` atomically (a temporary file renamed into place); return the file's header."""
-    path = Path(path)
+    path = replaceable_target(path)
     tensors = {name: t.contiguous().cpu() for name, t in snap.rows.items()}
     if snap.logits is not None:
         tensors["logits"] = snap.logits.float().contiguous().cpu()
@@ -240,8 +241,9 @@ def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, mo
     return SessionFileHeader(path, meta, snap.tokens, _PREFIX.size + len(header) + len(tokens))
 
 
-def read_header(path: str | Path, fingerprint: str, model: str) -> SessionFileHeader:
-    """Read and check a session file's header and tokens (not its payload); raise SessionFileError."""
+def read_header(path: str | Path, fingerprint: str, model: str, vocab: int) -> SessionFileHeader:
+    """Read and check a session file's header and tokens (not its payload; each token an id below ``vocab``);
+    raise SessionFileError."""
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -283,8 +285,11 @@ def read_header(path: str | Path, fingerprint: str, model: str) -> SessionFileHe
         raw_tokens = f.read(4 * n)
     if "tokens_crc32" in meta and zlib.crc32(raw_tokens) != meta["tokens_crc32"]:
         raise SessionFileError(f"{path} is damaged: its tokens do not match the header's checksum")
-    tokens = tuple(np.frombuffer(raw_tokens, dtype="<i4").tolist())
-    return SessionFileHeader(path, meta, tokens, offset)
+    ids = np.frombuffer(raw_tokens, dtype="<i4")
+    if ids.size and not (0 <= int(ids.min()) and int(ids.max()) < vocab):  # a checksum can be forged or absent
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise SessionFileError(f"{path} is damaged: it holds token id {bad}, outside the vocabulary [0, {vocab})")
+    return SessionFileHeader(path, meta, tuple(ids.tolist()), offset)
 
 
 def read_snapshot(header: SessionFileHeader) -> SessionSnapshot:
@@ -326,7 +331,7 @@ def load_session(engine: Engine, path: str | Path, ctx: int | None = None, cache
     context defaults to the file's and may be changed if it holds the session's tokens; ``prefill_mode``
     (how later prompts are evaluated) may be changed freely.
     """
-    header = read_header(path, model_fingerprint(engine), model_description(engine))
+    header = read_header(path, model_fingerprint(engine), model_description(engine), engine.cfg.vocab_size)
     meta = header.meta
     if cache is not None and cache != meta["cache_mode"]:
         raise SessionFileError(f"{path} holds a {meta['cache_mode']} cache; it cannot be continued as a {cache} "

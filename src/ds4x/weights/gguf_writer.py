@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ds4x.config import CSA, ModelConfig
+from ds4x.files import replaceable_target
 from ds4x.formats.ggml import (
     QK_K,
     GGMLQuantizationType,
@@ -516,6 +517,7 @@ def _write(path: Path, cfg: ModelConfig, vocab: GGUFVocab, name: str, extra: dic
     from gguf import GGUFWriter
 
     plan = list(plan)
+    path = replaceable_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # written beside the target and renamed at the end: a failure halfway (a bad tensor, a full disk) leaves
     # neither a truncated GGUF nor a clobbered earlier file at ``path``
