@@ -275,6 +275,14 @@ def test_convert_cli(tiny, tmp_path):
     args = parser.parse_args(["convert", str(tmp_path / "st"), str(tmp_path / "bad.gguf"), "--type-experts", "Q4_K"])
     with pytest.raises(GGUFError, match="not a multiple of the Q4_K block size"):
         convert.run(args)
+    # a GGML type ds4x does not write is refused by name (Q6_K was written as F16 without a word)
+    args = parser.parse_args(["convert", str(tmp_path / "st"), str(tmp_path / "bad.gguf"), "--type-experts", "Q6_K"])
+    with pytest.raises(ValueError, match="'Q6_K' is not one ds4x writes"):
+        convert.run(args)
+    args = parser.parse_args(["convert", "--synthetic", "tiny", "--out", str(tmp_path / "s.gguf"), "--seed", "-1"])
+    with pytest.raises(ValueError, match="--seed must be"):
+        convert.run(args)
+    assert not (tmp_path / "bad.gguf").exists()
 
 
 # ---- validation errors --------------------------------------------------------------------------

@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if args.synthetic is not None:
         if out is None:
             raise ValueError("convert --synthetic needs --out X.gguf")
+        if not 0 <= args.seed < 2**64:  # the file records it as a uint64
+            raise ValueError(f"--seed must be an integer in [0, 2^64), got {args.seed}")
         from ds4x.runtime.engine import resolve_device
 
         # resolved here: without CUDA, torch's own error was a paragraph on ATen_cuda (and 'auto' was refused)

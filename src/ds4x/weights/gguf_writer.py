@@ -41,7 +41,7 @@ from ds4x.formats.ggml import (
     random_blocks,
 )
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.weights.gguf import ARCH, GGUFError, allowed_types, gguf_tensor_name, mtp_expected_shapes
+from ds4x.weights.gguf import ARCH, MATRIX_TYPES, GGUFError, allowed_types, gguf_tensor_name, mtp_expected_shapes
 from ds4x.weights.names import expected_shapes, is_integer_tensor, keeps_fp32
 from ds4x.weights.pretokenizers import pre_tokenizer_name
 
@@ -93,10 +93,10 @@ def parse_type(name: str | GGMLQuantizationType) -> GGMLQuantizationType:
     if isinstance(name, GGMLQuantizationType):
         return name
     key = name.strip().upper().replace("-", "_")
-    try:
-        return T[key]
-    except KeyError:
-        raise ValueError(f"unknown GGML type {name!r} (F32, F16, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS)") from None
+    t = T.__members__.get(key)
+    if t not in MATRIX_TYPES:  # a type ds4x has no encoder or kernel for was written as F16 without a word
+        raise ValueError(f"GGML type {name!r} is not one ds4x writes: {', '.join(t.name for t in MATRIX_TYPES)}")
+    return t
 
 
 _ATTN_PROJ = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight", "attn.wo_b.weight")
