@@ -97,3 +97,17 @@ def test_experts_by_slot_matches_by_expert():
     ref = experts_by_expert(x, *experts, ids, weights, cfg.swiglu_limit)
     fast = combine(experts_by_slot(x, *experts, ids, cfg.swiglu_limit), weights, torch.zeros_like(x))
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_synthetic_model_that_cannot_fit_is_refused_up_front(monkeypatch):
+    """The weights' bytes are compared with the device's free memory before any is made (flash:q2 on a CPU with
+    22 GiB free grew past 8 GiB before it was stopped); with room, the weights take about what was planned."""
+    import ds4x.weights.synthetic_gguf as S
+
+    cfg = tiny_config(512).replace(hidden_size=256, moe_intermediate_size=256)
+    monkeypatch.setattr(S, "free_memory", lambda device: 1 << 20)
+    with pytest.raises(MemoryError, match=r"needs \d+\.\d+ GiB on cpu, which has 0\.00 GiB free"):
+        synthetic_quantized_weights(cfg, "q2", device="cpu")
+    monkeypatch.setattr(S, "free_memory", lambda device: 1 << 40)
+    w = synthetic_quantized_weights(cfg, "q2", dtype=torch.float32, device="cpu")
+    assert weight_bytes(w) > 1 << 20

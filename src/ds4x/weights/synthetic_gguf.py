@@ -10,13 +10,16 @@ Same seed, config and policy give the same model on the same kind of device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from ds4x.config import ModelConfig
+from ds4x.formats.ggml import quantized_nbytes
 from ds4x.formats.ggml_tensor import GGMLTensor
-from ds4x.weights.gguf import bind_raw
+from ds4x.memory import free_memory
+from ds4x.weights.gguf import QUANTIZED_TYPES, bind_raw
 from ds4x.weights.gguf_writer import TypePolicy, synthetic_tensor_bytes, tensor_type
 from ds4x.weights.names import expected_shapes
 
@@ -25,14 +28,24 @@ def synthetic_quantized_weights(
     cfg: ModelConfig, policy: TypePolicy | str = "q2", seed: int = 0, dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cuda", progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, torch.Tensor | GGMLTensor]:
-    """Canonical weights of ``cfg`` with ``policy``'s GGML types, generated on ``device``."""
+    """Canonical weights of ``cfg`` with ``policy``'s GGML types, generated on ``device``; refused up front
+    (MemoryError) where they cannot fit its free memory (flash:q2 on a CPU of 22 GiB free grew past 8 GiB before it
+    was stopped)."""
     pol = TypePolicy.preset(policy) if isinstance(policy, str) else policy
     device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(seed)
     want = expected_shapes(cfg)
+    types = {name: tensor_type(name, shape, pol) for name, shape in want.items()}
+    # quantized tensors stay in their blocks; the others are bound in the working dtype
+    need = sum(quantized_nbytes(qt, shape) if qt in QUANTIZED_TYPES else math.prod(shape) * dtype.itemsize
+               for (name, shape), qt in zip(want.items(), types.values(), strict=True))
+    free = free_memory(device)
+    if need > free:
+        raise MemoryError(f"the synthetic model needs {need / 2**30:.2f} GiB on {device}, which has "
+                          f"{free / 2**30:.2f} GiB free")
+    g = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor | GGMLTensor] = {}
     for i, (name, shape) in enumerate(want.items()):
-        qt = tensor_type(name, shape, pol)
+        qt = types[name]
         raw = synthetic_tensor_bytes(name, shape, qt, cfg, g)
         out[name] = bind_raw(raw.to(device), qt, name, shape, dtype, device, cfg.n_routed_experts,
                              f"synthetic tensor '{name}'")
