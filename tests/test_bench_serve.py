@@ -126,6 +126,17 @@ def test_closed_loop_ledger_and_plot(server: str, tmp_path, capsys) -> None:
     assert "<svg" in svg.read_text()
 
 
+def test_a_level_whose_requests_all_fail_exits_non_zero(server: str, tmp_path, capsys) -> None:
+    """Requests the server refuses (more tokens than its context): the row is kept with its errors, and the
+    exit status says the level measured nothing (it was 0)."""
+    ledger = tmp_path / "failed.jsonl"
+    assert main(["bench", "serve", "--url", server, "--concurrency", "1", "--seconds", "1", "--gen-tokens",
+                 "100000", "--ledger", str(ledger)]) == 1
+    (r,) = _rows(ledger)
+    assert r["requests_ok"] == 0 and r["status"] == "errors" and r["errors"]
+    assert "every request at concurrency 1 failed" in capsys.readouterr().err
+
+
 def test_open_loop_goodput(server: str, tmp_path) -> None:
     ledger = tmp_path / "open.jsonl"
     assert main(["bench", "serve", "--url", server, "--rate", "2", "--seconds", "2", "--gen-tokens", "3",

@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import time
 import uuid
 from collections import Counter
@@ -507,4 +508,8 @@ def run(args: argparse.Namespace) -> int:
     server = sm if isinstance(sm, str) else f"ds4x {sm.get('version')} {sm.get('commit')} on {sm.get('gpu')}"
     print(f"model {meta['model']} at {cfg.url}; server: {server}; appended {len(rows)} rows to {args.ledger} "
           f"(run {run_id})")
-    return 0
+    failed = [r for r in rows if r["requests_ok"] == 0]
+    for r in failed:  # the rows stay in the ledger (status "errors"); the exit status says they measured nothing
+        level = f"rate {r['rate']}/s" if r.get("rate") else f"concurrency {r['concurrency']}"
+        print(f"ds4x bench serve: every request at {level} failed: {r['errors']}", file=sys.stderr)
+    return 1 if failed else 0
