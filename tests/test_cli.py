@@ -50,6 +50,16 @@ def test_checkpoint_without_tokenizer_runs_with_prompt_ids(tmp_path, capsys):
     assert "no tokenizer" in capsys.readouterr().err
 
 
+def test_inspect_describes_the_preset_as_it_runs(capsys):
+    """`inspect tiny` describes the model `-m tiny` runs (the byte tokenizer's 259-token vocabulary; it showed the
+    preset's own 512 and parameter counts of that)."""
+    from ds4x.runtime.engine import Engine
+
+    assert main(["inspect", "tiny", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)["config"]
+    assert described["vocab_size"] == Engine.load("tiny", device="cpu").cfg.vocab_size == 259
+
+
 def test_inspect_presets_and_checkpoint(tmp_path, capsys):
     assert main(["inspect", "flash"]) == 0
     out = capsys.readouterr().out

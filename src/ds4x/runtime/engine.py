@@ -37,6 +37,11 @@ _SYNTHESIZABLE = {"tiny"}
 _FIXED_VOCAB = {"flash"}
 
 
+def preset_config(name: str) -> ModelConfig:
+    """The config a synthetic preset runs with: its own vocabulary (flash) or the byte tokenizer's."""
+    return PRESETS[name]() if name in _FIXED_VOCAB else PRESETS[name](ByteTokenizer.vocab_size)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +80,7 @@ class Engine:
             # a SYNTHETIC quantized model (benchmarks): the GGUF blocks generated on the device
             from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
-            cfg = PRESETS[preset]() if preset in _FIXED_VOCAB else PRESETS[preset](ByteTokenizer.vocab_size)
+            cfg = preset_config(preset)
             log.info("synthesizing %s in the %s mix on %s (seed %d; random weights, outputs are noise) ...",
                      preset, policy, dev, seed)
             weights = synthetic_quantized_weights(cfg, policy, seed=seed, dtype=dt, device=dev)
@@ -86,7 +91,7 @@ class Engine:
                     f"preset {model!r} is too large to synthesize in float here; load a checkpoint or GGUF, or "
                     f"use the synthetic quantized form '{model}:q2' on a GPU (`ds4x inspect {model}` shows its plan)"
                 )
-            cfg = PRESETS[model](ByteTokenizer.vocab_size)
+            cfg = preset_config(model)
             weights = synthetic_weights(cfg, seed=seed, dtype=dt, device=dev)
             tokenizer = ByteTokenizer()
         else:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ds4x.config import PRESETS, ModelConfig, load_config
 from ds4x.model.cache import plan_cache
+from ds4x.runtime.engine import preset_config
 from ds4x.weights.checkpoint import CheckpointError
 from ds4x.weights.gguf import is_gguf_file
 from ds4x.weights.names import expected_shapes, is_integer_tensor
@@ -73,7 +74,7 @@ def describe_model(model: str, ctx: int | None = None, chunk: int = 32) -> dict[
 
         model = str(default_model_path())
     if model in PRESETS:
-        cfg = PRESETS[model]()
+        cfg = preset_config(model)  # as `-m PRESET` runs it (tiny with the byte tokenizer's vocabulary)
         tensors = {n: ("I32" if is_integer_tensor(n) else "F32", s) for n, s in expected_shapes(cfg).items()}
         by_dtype, total, active = _count(cfg, tensors)
     elif is_gguf_file(model):
