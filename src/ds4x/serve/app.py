@@ -433,8 +433,7 @@ class Server:
         # refused before tokenizing where it cannot fit: the tokenizer's per-token records take ~170 bytes of memory a
         # byte of text (a 60 MB prompt held 11 GB and a worker thread for 80 s before it was refused). A token stands
         # for at most _token_bytes bytes; the factor 4 leaves room for a normalizer that shortens the text
-        limit = 4 * self.ctx * self._token_bytes if len(text) > self.ctx else None
-        if limit is not None and (size := len(text.encode("utf-8"))) > limit:
+        if len(text) > self.ctx and (size := len(text.encode("utf-8"))) > (limit := 4 * self.ctx * self._token_bytes):
             raise APIError(400, f"This model's maximum context length is {self.ctx} tokens; the text has {size} "
                                 f"bytes, more than {limit} could fit", param=param, code="context_length_exceeded")
         ids = tok.encode(text)

@@ -36,8 +36,8 @@ def synthetic_quantized_weights(
     want = expected_shapes(cfg)
     types = {name: tensor_type(name, shape, pol) for name, shape in want.items()}
     # quantized tensors stay in their blocks; the others are bound in the working dtype
-    need = sum(quantized_nbytes(qt, shape) if qt in QUANTIZED_TYPES else math.prod(shape) * dtype.itemsize
-               for (name, shape), qt in zip(want.items(), types.values(), strict=True))
+    need = sum(quantized_nbytes(types[name], shape) if types[name] in QUANTIZED_TYPES
+               else math.prod(shape) * dtype.itemsize for name, shape in want.items())
     free = free_memory(device)
     if need > free:
         raise MemoryError(f"the synthetic model needs {need / 2**30:.2f} GiB on {device}, which has "
