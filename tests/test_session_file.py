@@ -258,6 +258,20 @@ def test_cli_save_then_continue(engine, tmp_path, capsys):
     assert len(capsys.readouterr().out.split()) > 0
 
 
+def test_a_session_continues_in_the_dtype_it_was_computed_in(tmp_path, capsys):
+    """--dtype auto follows the file (a session saved on the CPU in float32 continues on a GPU in float32); a dtype
+    given that differs is refused with both named."""
+    path = tmp_path / "bf16.ds4xsession"
+    args = ["generate", "--prompt-ids", "5,6", "-n", "1", "--ctx", "64", "--device", "cpu", "-q"]
+    assert main([*args, "--dtype", "bfloat16", "--save-session", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "-n", "1", "--device", "cpu", "--load-session", str(path), "-q"]) == 0
+    assert len(capsys.readouterr().out.split()) == 1
+    assert main(["generate", "-n", "1", "--device", "cpu", "--dtype", "float32", "--load-session", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "computed in bfloat16" in err and "computes in float32" in err and "load it in bfloat16" in err
+
+
 def test_save_session_refuses_what_is_not_a_regular_file_and_writes_through_a_link(tmp_path, capsys):
     """The save renames a new file over the path: a pipe (or, as root, /dev/null) there would be replaced by an
     ordinary file, so it is refused before any work; a symbolic link is written through (the link stays)."""

@@ -304,7 +304,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     for option, path in (("--save-session", args.save_session), ("--dump-logits", args.dump_logits)):
         _check_output_path(option, path)
-    engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    dtype = args.dtype
+    if args.load_session is not None and dtype == "auto":
+        from ds4x.runtime.session_file import saved_dtype
+
+        # a session continues only in the dtype it was computed in: auto follows the file (saved on the CPU in
+        # float32, it continues on a GPU in float32)
+        dtype = saved_dtype(args.load_session) or dtype
+    engine = Engine.load(args.model, device=args.device, dtype=dtype)
     apply_cpu_threads(engine, args.threads)
     tok = engine.tokenizer
     if args.prompt_ids is not None:

@@ -48,6 +48,7 @@ from ds4x.runtime.session_file import (
     read_snapshot,
     restore,
     snapshot,
+    working_dtype,
     write_snapshot,
 )
 
@@ -89,6 +90,7 @@ class PrefixCache:
         self.directory = Path(directory) if directory is not None else None
         self.hits = self.misses = self.reused_tokens = 0
         self._fingerprint, self._model = model_fingerprint(engine), model_description(engine)
+        self._dtype = working_dtype(engine)
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._resident_bytes = 0
@@ -205,7 +207,8 @@ class PrefixCache:
         assert self.directory is not None or not evicted
         for key, entry, snap in evicted:
             try:
-                header = write_snapshot(snap, self.directory / f"{key}{SUFFIX}", self._fingerprint, self._model)
+                header = write_snapshot(snap, self.directory / f"{key}{SUFFIX}", self._fingerprint, self._model,
+                                        self._dtype)
             except OSError as exc:
                 log.warning("prefix cache: could not write a %d-token session to %s: %s", len(snap.tokens),
                             self.directory, exc)
@@ -284,7 +287,7 @@ class PrefixCache:
                 log.warning("prefix cache: ignoring %s: a directory", path)
                 continue
             try:
-                header = read_header(path, self._fingerprint, self._model, self.engine.cfg.vocab_size)
+                header = read_header(path, self._fingerprint, self._model, self.engine.cfg.vocab_size, self._dtype)
             except (SessionFileError, OSError) as exc:
                 log.warning("prefix cache: removing %s: %s", path, exc)
                 remove(path)

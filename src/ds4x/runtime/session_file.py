@@ -42,7 +42,7 @@ from safetensors.torch import save as st_save
 from ds4x.files import replaceable_target
 from ds4x.formats.ggml_tensor import GGMLTensor
 from ds4x.model.cache import CACHE_MODES, ModelCache
-from ds4x.runtime.engine import PREFILL_MODES, Engine, Session
+from ds4x.runtime.engine import DTYPES, PREFILL_MODES, Engine, Session
 
 SESSION_ABI_VERSION = 1
 MAGIC = b"DS4XSESS"
@@ -132,10 +132,15 @@ def model_fingerprint(engine: Engine) -> str:
     return h.hexdigest()
 
 
+def working_dtype(engine: Engine) -> str:
+    """The activations' dtype by name ("float32", "bfloat16", ...): part of a session's identity."""
+    return str(engine.model.dtype).removeprefix("torch.")
+
+
 def model_description(engine: Engine) -> str:
     cfg = engine.cfg
     return (f"{engine.name} ({cfg.num_layers} layers: {cfg.layer_summary()}; hidden {cfg.hidden_size}, "
-            f"vocab {cfg.vocab_size}; {str(engine.model.dtype).removeprefix('torch.')})")
+            f"vocab {cfg.vocab_size}; {working_dtype(engine)})")
 
 
 # ---- snapshots: a session's state detached from its cache ---------------------------------------
@@ -211,8 +216,10 @@ class SessionFileHeader:
         return self.payload_offset + self.meta["payload_bytes"]
 
 
-def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, model: str) -> SessionFileHeader:
-    """Write ``snap`` atomically (a temporary file renamed into place); return the file's header."""
+def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, model: str,
+                   dtype: str) -> SessionFileHeader:
+    """Write ``snap`` atomically (a temporary file renamed into place); return the file's header. ``dtype``: the
+    working dtype it was computed in (`working_dtype`), which a later load names when it differs."""
     path = replaceable_target(path)
     tensors = {name: t.contiguous().cpu() for name, t in snap.rows.items()}
     if snap.logits is not None:
@@ -222,6 +229,7 @@ def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, mo
         "model_fingerprint": fingerprint, "model": model, "ctx": snap.ctx, "cache_mode": snap.cache_mode,
         "prefill_chunk": snap.prefill_chunk, "prefill_mode": snap.prefill_mode, "n_tokens": len(snap.tokens),
         "rewind_floor": snap.rewind_floor, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload),
+        "dtype": dtype,
     }
     tokens = np.asarray(snap.tokens, dtype="<i4").tobytes()
     # the tokens lie outside the payload's checksum: without their own, a damaged token loads as another
@@ -241,9 +249,10 @@ def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, mo
     return SessionFileHeader(path, meta, snap.tokens, _PREFIX.size + len(header) + len(tokens))
 
 
-def read_header(path: str | Path, fingerprint: str, model: str, vocab: int) -> SessionFileHeader:
+def read_header(path: str | Path, fingerprint: str, model: str, vocab: int, dtype: str | None = None
+                ) -> SessionFileHeader:
     """Read and check a session file's header and tokens (not its payload; each token an id below ``vocab``);
-    raise SessionFileError."""
+    raise SessionFileError. ``dtype``: the loaded model's working dtype, named when the file's differs."""
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -274,6 +283,10 @@ def read_header(path: str | Path, fingerprint: str, model: str, vocab: int) -> S
         except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise SessionFileError(f"{path} has a corrupt header ({exc})") from None
         if meta.get("model_fingerprint") != fingerprint:
+            saved = meta.get("dtype")
+            if dtype is not None and isinstance(saved, str) and saved != dtype:  # a state is its dtype's own
+                raise SessionFileError(f"{path} was computed in {saved} by {meta.get('model', '?')}; the loaded "
+                                       f"model computes in {dtype}: load it in {saved} to continue the session")
             raise SessionFileError(
                 f"{path} was saved with another model: {meta.get('model', '?')} "
                 f"(fingerprint {str(meta.get('model_fingerprint'))[:16]}); the loaded model is {model} "
@@ -290,6 +303,22 @@ def read_header(path: str | Path, fingerprint: str, model: str, vocab: int) -> S
         bad = int(ids[(ids < 0) | (ids >= vocab)][0])
         raise SessionFileError(f"{path} is damaged: it holds token id {bad}, outside the vocabulary [0, {vocab})")
     return SessionFileHeader(path, meta, tuple(ids.tolist()), offset)
+
+
+def saved_dtype(path: str | Path) -> str | None:
+    """The working dtype a session file was computed in, from its header without checking the rest (None if the
+    file does not say one of ours: older files, or not a session file; loading it reports what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PREFIX.size)
+            if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
+                return None
+            hlen = _PREFIX.unpack(head)[2]
+            meta = json.loads(f.read(hlen)) if hlen <= _MAX_HEADER_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    return dtype if isinstance(dtype, str) and dtype in DTYPES else None
 
 
 def read_snapshot(header: SessionFileHeader) -> SessionSnapshot:
@@ -320,7 +349,8 @@ def read_snapshot(header: SessionFileHeader) -> SessionSnapshot:
 def save_session(session: Session, path: str | Path) -> int:
     """Write ``session`` (its tokens, last logits and cache rows in use) to ``path``; return the bytes."""
     engine = session.engine
-    return write_snapshot(snapshot(session), path, model_fingerprint(engine), model_description(engine)).nbytes
+    return write_snapshot(snapshot(session), path, model_fingerprint(engine), model_description(engine),
+                          working_dtype(engine)).nbytes
 
 
 def load_session(engine: Engine, path: str | Path, ctx: int | None = None, cache: str | None = None,
@@ -331,7 +361,8 @@ def load_session(engine: Engine, path: str | Path, ctx: int | None = None, cache
     context defaults to the file's and may be changed if it holds the session's tokens; ``prefill_mode``
     (how later prompts are evaluated) may be changed freely.
     """
-    header = read_header(path, model_fingerprint(engine), model_description(engine), engine.cfg.vocab_size)
+    header = read_header(path, model_fingerprint(engine), model_description(engine), engine.cfg.vocab_size,
+                         working_dtype(engine))
     meta = header.meta
     if cache is not None and cache != meta["cache_mode"]:
         raise SessionFileError(f"{path} holds a {meta['cache_mode']} cache; it cannot be continued as a {cache} "
