@@ -884,4 +884,4 @@ def test_radix_workspace_layout_agrees_with_the_kernel():
     pytest.importorskip("triton")
     from ds4x.kernels import select, triton_indexer
 
-    assert select._HIST_WORDS == triton_indexer.RADIX_HIST_WORDS.value
+    assert select._HIST_WORDS == triton_indexer.RADIX_HIST_WORDS

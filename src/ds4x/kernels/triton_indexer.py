@@ -8,9 +8,12 @@ import triton.language as tl
 
 from ds4x.formats.pdl import wait_upstream
 
-# the radix select's histogram words in the workspace, all levels together (``ds4x.kernels.select._HIST_WORDS``
-# says the same: that module must not need Triton)
-RADIX_HIST_WORDS = tl.constexpr(6144)
+# the radix select's histogram words, all levels together (``ds4x.kernels.select._HIST_WORDS`` says the same: that
+# module must not need Triton); the shared-memory bins hold them and one word more, which the scores not counted add to
+RADIX_HIST_WORDS = 6144
+_BINS_DECL = tl.constexpr(f".shared .align 16 .b32 ds4x_radix_bins[{RADIX_HIST_WORDS + 1}];\n\t"
+                          "mov.u32 $0, ds4x_radix_bins;")
+_TRASH = tl.constexpr(RADIX_HIST_WORDS)
 
 
 @triton.constexpr_function
@@ -24,14 +27,6 @@ def level_offset(level, first_bits, bits):
     """Word of level ``level``'s histogram in the workspace and the shared-memory bins (the levels one after
     another, each 2**width words)."""
     return 0 if level == 0 else (1 << first_bits) + (level - 1) * (1 << bits)
-
-
-@triton.constexpr_function
-def bins_declaration(words):
-    """The PTX of a kernel's static shared array of ``words`` histogram bins and one word more (which the elements
-    not counted add to), and of the move of its address into $0: sized per kernel, since static shared memory
-    counts against the 48 KB a launch may hold without opting in (with Triton's own)."""
-    return f".shared .align 16 .b32 ds4x_radix_bins[{words + 1}];\n\tmov.u32 $0, ds4x_radix_bins;"
 
 
 @triton.jit
@@ -219,55 +214,53 @@ def digit_threshold(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, need, h_loca
 
 
 @triton.jit
-def shared_bins_base(WORDS: tl.constexpr):
-    """GPU only: declares the kernel's static shared array of WORDS histogram bins (a region per digit level,
-    zeroed once by `shared_bins_zero`; then word WORDS, which the elements not counted add to) and returns its
+def shared_bins_base():
+    """GPU only: declares the kernel's static shared array of histogram bins (RADIX_HIST_WORDS: a region per digit
+    level, zeroed once by `shared_bins_zero`; then a word that the elements not counted add to) and returns its
     shared address. Once per kernel: a second declaration would not assemble."""
-    return tl.inline_asm_elementwise(bins_declaration(WORDS), "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+    return tl.inline_asm_elementwise(_BINS_DECL, "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
-def shared_bins_zero(base, OFF: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr, TRASH: tl.constexpr):
+def shared_bins_zero(base, OFF: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr):
     """Zeroes a level's 2**WIDTH bins at word OFF (threads holding the same bin store the same zero; the lanes past
     them zero the unread extra word). The caller waits for every thread after the last level's."""
     b = tl.arange(0, HB)
     tl.inline_asm_elementwise("st.volatile.shared.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,r",
-                              [base + 4 * tl.where(b < (1 << WIDTH), OFF + b, TRASH)], dtype=tl.int32,
+                              [base + 4 * tl.where(b < (1 << WIDTH), OFF + b, _TRASH)], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 
 @triton.jit
-def shared_histogram(base, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask, HB: tl.constexpr,
-                     TRASH: tl.constexpr):
+def shared_histogram(base, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask, HB: tl.constexpr):
     """tl.histogram(digit, HB, mask=mask) by one shared-memory atomic increment per element into the zeroed region
-    of a level (WIDTH bits, at word OFF) of the bins at ``base`` (the elements not counted into the extra word TRASH,
+    of a level (WIDTH bits, at word OFF) of the bins at ``base`` (the elements not counted into the extra word,
     never read; no branch per element), which sm_90 aggregates over a warp's equal addresses (ATOMS.POPC.INC),
     where tl.histogram spends warp-wide ballots and popcounts on every element. A region per level, never written
     again, so the counts are read after one barrier and need no zeroing after. ``digit`` must not be replicated
     over threads (at least one element a thread): each copy would be counted. The bins past the level's 2**WIDTH
     read as zero."""
     tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,r",
-                              [base + 4 * tl.where(mask, OFF + digit, TRASH)], dtype=tl.int32, is_pure=False,
+                              [base + 4 * tl.where(mask, OFF + digit, _TRASH)], dtype=tl.int32, is_pure=False,
                               pack=1)
     tl.debug_barrier()
     b = tl.arange(0, HB)
     own = b < (1 << WIDTH)
     h = tl.inline_asm_elementwise("ld.volatile.shared.u32 $0, [$1];", "=r,r",
-                                  [base + 4 * tl.where(own, OFF + b, TRASH)], dtype=tl.int32, is_pure=False, pack=1)
+                                  [base + 4 * tl.where(own, OFF + b, _TRASH)], dtype=tl.int32, is_pure=False, pack=1)
     return tl.where(own, h, 0)
 
 
 @triton.jit
 def digit_histogram(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr,
-                    HB: tl.constexpr, bins_base, TRASH: tl.constexpr, SHARED_BINS: tl.constexpr,
-                    LOCAL: tl.constexpr):
+                    HB: tl.constexpr, bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
     """This program's histogram of one digit level (WIDTH bits, at word OFF; HB words wide, zero past the level's
     bins), added to the row's (unless LOCAL: the program's own is the row's), then (SYNC) waits for every
     program's at grid barrier ``phase``. SHARED_BINS: counted by shared-memory atomics into the bins at
-    ``bins_base`` (`shared_histogram`; TRASH: the word past all levels' bins), else by tl.histogram."""
+    ``bins_base`` (`shared_histogram`), else by tl.histogram."""
     if SHARED_BINS:
-        h = shared_histogram(bins_base, OFF, WIDTH, digit, mask, HB, TRASH)
+        h = shared_histogram(bins_base, OFF, WIDTH, digit, mask, HB)
     else:
         h = tl.histogram(digit, HB, mask=mask)
     if not LOCAL:
@@ -296,14 +289,13 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     # level L: the code's bits from 32 - FIRST_BITS - L * BITS up, `level_width` of them; its histogram at
     # `level_offset`, HB words wide (the widest level's bins; zero past the level's own)
     HB: tl.constexpr = (1 << FIRST_BITS) if FIRST_BITS >= BITS else (1 << BITS)
-    HIST: tl.constexpr = level_offset(LEVELS, FIRST_BITS, BITS)  # words of all levels' histograms
     bins_base = 0
     if SHARED_BINS:
         if FIRST < LEVELS:
-            bins_base = shared_bins_base(HIST)
+            bins_base = shared_bins_base()
             for level in tl.static_range(LEVELS):
                 shared_bins_zero(bins_base, level_offset(level, FIRST_BITS, BITS),
-                                 level_width(level, FIRST_BITS, BITS), HB, HIST)
+                                 level_width(level, FIRST_BITS, BITS), HB)
             tl.debug_barrier()
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
@@ -311,7 +303,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     ws_ptr += r * WS  # each row its own workspace: its barriers count its own programs
     index_ptr += r * kk
     valid_ptr += r * kk
-    gt_counts = ws_ptr + 64 + RADIX_HIST_WORDS  # per program: its rows above the k-th code, then those equal to it
+    gt_counts = ws_ptr + 64 + _TRASH  # per program: its rows above the k-th code, then those equal to it
     eq_counts = gt_counts + MAX_PROGRAMS
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
@@ -348,7 +340,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 if not done:
                     h = digit_histogram(ws_ptr, level_offset(level, FIRST_BITS, BITS),
                                         level_width(level, FIRST_BITS, BITS), digit, match, barriers + 1, nprog,
-                                        LAST > level, HB, bins_base, HIST, SHARED_BINS, LOCAL)
+                                        LAST > level, HB, bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
     # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
