@@ -3,8 +3,8 @@
 (Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
 variant), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query, and the top-k with its multi-program select's digit levels 8 bits each or a wider first
-one (RADIX_FIRST_BITS; the better of two alternating runs each).
+the model's bf16 query, and the top-k with its histograms by tl.histogram or shared-memory atomics and small rows
+by the packed-count kernel or one program of the histogram select (the better of two alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -223,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:<30} {t_i:9.1f} us  same bits {same[v]}  ({packed.numel() / t_i / 1e3:.0f} GB/s)")
             record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v]})
 
-        # the multi-program select's digit levels (RADIX_FIRST_BITS, RADIX_BITS): 8-bit levels, or a wider first
-        # level, alternating twice; exact: the same set as the composite-key topk for every row
+        # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
+        # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
+        # the same set as the composite-key topk for every row
         from ds4x.kernels import select as S
 
-        variants = {"8-bit levels": (8, 8), "12 then 10 bits": (12, 10), "10 then 11 bits": (10, 11)}
-        defaults = S.RADIX_FIRST_BITS, S.RADIX_BITS
+        variants = {"tl.histogram, packed counts": (False, False), "shared hist, packed counts": (True, False),
+                    "shared hist, small by hist": (True, True)}
+        defaults = S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM
         print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
         sizes = ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8))
         for rows_n, batch in sizes if "select" in parts else ():
@@ -237,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             times_v: dict[str, list[float]] = {v: [] for v in variants}
             exact: dict[str, bool] = {}
             for _ in range(2):
-                for name, (S.RADIX_FIRST_BITS, S.RADIX_BITS) in variants.items():
+                for name, (shared, small) in variants.items():
+                    S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = shared, small
                     index, valid = select_topk_radix(s, count, 512)
                     exact[name] = all(set(index[b][valid[b]].tolist())
                                       == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
                     times_v[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
-            S.RADIX_FIRST_BITS, S.RADIX_BITS = defaults
+            S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = defaults
             print(f"{f'{batch} x {rows_n:,}':<20} "
                   + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
             for v in variants:

@@ -119,18 +119,17 @@ def test_blocked_topk_is_the_simple_topk_with_many_ties():
 
 
 @pytest.mark.parametrize(("bits", "packed", "by_histogram"), [(8, True, False), (4, False, False), (4, True, True)])
-def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by_histogram, monkeypatch,
-                                                                small_bits=None):
-    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level after its first level's
-    RADIX_FIRST_BITS; the one-program select by histogram levels of that width or ``small_bits``, or with its
-    candidates' counts packed or not): scores whose order-preserving codes agree in the top one, two or three bytes
-    and differ below, exact ties at the k-th, negative scores and -0.0 / +0.0."""
+def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by_histogram, monkeypatch):
+    """The k-th score found digit by digit (the multi-program select at 8 or 4 bits a level; the one-program select
+    by histogram levels of that width, or with its candidates' counts packed or not): scores whose order-preserving
+    codes agree in the top one, two or three bytes and differ below, exact ties at the k-th, negative scores and
+    -0.0 / +0.0."""
     from ds4x.kernels import select
 
     monkeypatch.setattr(select, "RADIX_BITS", bits)
     monkeypatch.setattr(select, "SMALL_PACKED", packed)
     monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", by_histogram)
-    monkeypatch.setattr(select, "SMALL_HISTOGRAM_BITS", small_bits or bits)
+    monkeypatch.setattr(select, "SMALL_HISTOGRAM_BITS", bits)
     g = torch.Generator().manual_seed(6)
     base = torch.tensor(1.5).view(torch.int32)
     for low_bits in (8, 16, 24):  # codes differ only in their low 8 / 16 / 24 bits
@@ -147,22 +146,6 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
             for small in (True, False):
                 index, valid = select_topk_radix(scores, n_vis, k, small=small)
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
-
-
-@pytest.mark.parametrize(("first_bits", "bits"), [(12, 10), (10, 11), (12, 4)])
-def test_radix_select_with_a_wider_first_digit(first_bits, bits, monkeypatch):
-    """The multi-program select whose first level is wider than the others (RADIX_FIRST_BITS): digit boundaries
-    off the bytes, the high-digit cases above; widths that do not add up to 32 or need too many bins refused."""
-    from ds4x.kernels import select
-
-    monkeypatch.setattr(select, "RADIX_FIRST_BITS", first_bits)
-    test_radix_select_when_the_kth_score_shares_its_high_digits(bits, True, False, monkeypatch, small_bits=4)
-    scores = torch.randn(3000, generator=torch.Generator().manual_seed(1)).to(_device())
-    for wrong in ((12, 7), (13, 1), (12, 12)):  # 20 % 7; a 13-bit level; 4,096 x 3 bins
-        monkeypatch.setattr(select, "RADIX_FIRST_BITS", wrong[0])
-        monkeypatch.setattr(select, "RADIX_BITS", wrong[1])
-        with pytest.raises(ValueError, match="radix digits"):
-            select_topk_radix(scores, 3000, 512, small=False)
 
 
 @pytest.mark.parametrize(("bits", "by_histogram"), [(8, True), (4, True), (2, True), (2, False)])
@@ -537,13 +520,6 @@ def test_radix_select_is_exact_either_way_on_gpu(monkeypatch, shared):
     test_radix_select_when_the_kth_score_shares_its_high_digits(4, False, False, monkeypatch)
     for bits in (8, 4, 2) if shared else (2,):
         test_small_rows_by_one_program(bits, shared, monkeypatch)
-    for first_bits, bits in ((12, 10), (10, 11)):  # a wider first level: Flash's 1M rows and the high-digit cases
-        monkeypatch.setattr(select, "RADIX_FIRST_BITS", first_bits)
-        monkeypatch.setattr(select, "RADIX_BITS", bits)
-        test_flash_shapes_at_1m_on_gpu()
-        test_radix_select_with_a_wider_first_digit(first_bits, bits, monkeypatch)
-    monkeypatch.setattr(select, "RADIX_FIRST_BITS", 8)
-    monkeypatch.setattr(select, "RADIX_BITS", 8)
     monkeypatch.setattr(select, "SMALL_BY_HISTOGRAM", shared)
     g = torch.Generator(device="cuda").manual_seed(9)
     scores = torch.randint(-50, 50, (8, 8192), generator=g, device="cuda").float()
@@ -877,11 +853,3 @@ def test_gpu_prefill_default_mode_tracks_reference_mode():
     ref = logits["reference"]
     assert float((logits["default"] - ref).abs().max() / ref.abs().max()) < 2e-2
     assert tokens["default"][:8] == tokens["reference"][:8]
-
-
-def test_radix_workspace_layout_agrees_with_the_kernel():
-    """select.py sizes the workspace without importing Triton; the kernel's histogram words must be the same."""
-    pytest.importorskip("triton")
-    from ds4x.kernels import select, triton_indexer
-
-    assert select._HIST_WORDS == triton_indexer.RADIX_HIST_WORDS

@@ -124,22 +124,20 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 
 
 # ---- one query, many rows: radix select on the GPU ------------------------------------------------
-# The k-th largest score is found exactly by histogram levels over the digits (RADIX_FIRST_BITS, then RADIX_BITS each)
-# of the scores' order-preserving 32-bit code (a level counts only the rows whose higher digits match the k-th code's so
-# far); every row above it is selected, then the lowest-index rows equal to it until k are taken. The output lists the
-# selected rows in ascending index order (a prefix count over the programs places each row), so it is deterministic. A
-# phase per level and two more: on the GPU one launch whose programs (at most one per multiprocessor, so all resident)
-# meet at grid barriers; in the CPU interpreter, which runs programs one after another, one launch per phase. Few bins
-# per level, because Triton's histogram costs about linearly in bins (a ballot per bit of the bin number, then a
-# popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us, 1,024 bins 8.0 us, 2,048
-# bins 12.0 us; a grid barrier (one per level) ~0.7 us.
+# The k-th largest score is found exactly by histogram levels over the RADIX_BITS-bit digits of the scores'
+# order-preserving 32-bit code (a level counts only the rows whose higher digits match the k-th code's so far);
+# every row above it is selected, then the lowest-index rows equal to it until k are taken. The output lists the
+# selected rows in ascending index order (a prefix count over the programs places each row), so it is
+# deterministic. 32 / RADIX_BITS + 2 phases: on the GPU one launch whose programs (at most one per multiprocessor,
+# so all resident) meet at grid barriers; in the CPU interpreter, which runs programs one after another, one launch
+# per phase. Few bins per level, because Triton's histogram costs about linearly in bins (a ballot per bit of the
+# bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
+# 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
 
 # workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
-# the levels' histograms (at most _HIST_WORDS bins in all); after them per program the rows above / equal to the
-# k-th score
+# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
-_HIST_WORDS = 6144  # = ds4x.kernels.triton_indexer.RADIX_HIST_WORDS (which needs Triton to import)
-_WORKSPACE = 64 + _HIST_WORDS + 2 * _MAX_PROGRAMS
+_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
 
 
@@ -185,10 +183,7 @@ SMALL_HISTOGRAM_BITS = 4
 RADIX_WARPS = 4
 # Bits of the k-th code the multi-program select settles per histogram level (4: 8 levels of 16 bins; 8: 4 of
 # 256). H200, 262,144 scores: 8 bits 22.1 us, 4 bits 24.2 (with the early exit 19.4 / 19.3; slower at 4,160 and
-# 32,768 scores either way). The first level may be wider (RADIX_FIRST_BITS; 32 - RADIX_FIRST_BITS a multiple of
-# RADIX_BITS): 12 then 10 settles 22 bits in two levels, where the k-th code's rows are usually all selected (the
-# early exit), one grid barrier and level fewer than 8-bit levels for 4,096 + 1,024 bins.
-RADIX_FIRST_BITS = 8
+# 32,768 scores either way)
 RADIX_BITS = 8
 # The histograms counted by one shared-memory atomic increment per score (GPU; `shared_histogram` in
 # ds4x.kernels.triton_indexer) instead of tl.histogram, whose warp-wide ballots and popcounts are most of the
@@ -198,17 +193,11 @@ RADIX_BITS = 8
 SHARED_HISTOGRAM = True
 
 
-def _digit_levels(first_bits: int, bits: int) -> int:
-    """Levels of the histogram select whose first digit is ``first_bits`` wide and the others ``bits``: the widths
-    add up to 32, no level over 12 bits, and all levels' bins fit the workspace's (and the shared-memory bins')
-    _HIST_WORDS words."""
-    if not (1 <= first_bits <= 12 and 1 <= bits <= 12) or (32 - first_bits) % bits:
-        raise ValueError(f"radix digits of {first_bits} then {bits} bits: each 1-12 bits, adding up to 32")
-    levels = 1 + (32 - first_bits) // bits
-    if (1 << first_bits) + (levels - 1) * (1 << bits) > _HIST_WORDS:
-        raise ValueError(f"radix digits of {first_bits} then {bits} bits need more than {_HIST_WORDS:,} histogram "
-                         f"bins")
-    return levels
+def _check_digit_bits(name: str, bits: int) -> None:
+    """The histogram select's digit width: it divides 32, and all levels' bins fit the 1,024 words of the workspace
+    (and of the shared-memory bins)."""
+    if 32 % bits or (32 // bits) << bits > 1024:
+        raise ValueError(f"{name} must divide 32 with at most 1,024 histogram bins in all, got {bits}")
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
@@ -247,12 +236,11 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             # at least one score per thread: a thread holding a copy of another's score would count it again in
             # the shared-memory histogram (the scores past n are masked)
             tile = max(tile, 32 * warps)
-            levels = _digit_levels(SMALL_HISTOGRAM_BITS, SMALL_HISTOGRAM_BITS)
+            _check_digit_bits("SMALL_HISTOGRAM_BITS", SMALL_HISTOGRAM_BITS)
             # LOCAL reads no workspace: ``index`` is passed as an unread pointer
             radix_kernel[(1, B)](flat, n, visible, counts, kk, 1, index, index,
-                                 valid.view(torch.int8), pad, TILE=tile, KP=kp, FIRST_BITS=SMALL_HISTOGRAM_BITS,
-                                 BITS=SMALL_HISTOGRAM_BITS, FIRST=0, LAST=levels + 1,
-                                 DEVICE_COUNT=count is not None, WS=_WORKSPACE,
+                                 valid.view(torch.int8), pad, TILE=tile, KP=kp, BITS=SMALL_HISTOGRAM_BITS, FIRST=0,
+                                 LAST=32 // SMALL_HISTOGRAM_BITS + 1, DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                  MAX_PROGRAMS=_MAX_PROGRAMS, SHARED_BINS=scores.is_cuda and SHARED_HISTOGRAM,
                                  LOCAL=True, num_warps=warps, **launch_options(scores.device, "topk_small"))
         else:
@@ -275,7 +263,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
     ws = _workspace(scores.device, B)
     pdl = launch_options(scores.device)
-    listing = _digit_levels(RADIX_FIRST_BITS, RADIX_BITS) + 1  # phases: the histogram levels, the count, the listing
+    _check_digit_bits("RADIX_BITS", RADIX_BITS)
+    listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
     for r0 in range(0, B, per_launch):
         r1 = min(B, r0 + per_launch)
@@ -283,8 +272,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         args = (flat[r0:r1], n, n if count is not None else min(n_visible, n), counts, kk, n_prog, ws[r0:r1],
                 index[r0:r1], valid[r0:r1].view(torch.int8), pad)
         for first, last in phases:
-            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, FIRST_BITS=RADIX_FIRST_BITS, BITS=RADIX_BITS,
-                                            FIRST=first, LAST=last,
+            radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
                                             SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)

@@ -8,26 +8,6 @@ import triton.language as tl
 
 from ds4x.formats.pdl import wait_upstream
 
-# the radix select's histogram words, all levels together (``ds4x.kernels.select._HIST_WORDS`` says the same: that
-# module must not need Triton); the shared-memory bins hold them and one word more, which the scores not counted add to
-RADIX_HIST_WORDS = 6144
-_BINS_DECL = tl.constexpr(f".shared .align 16 .b32 ds4x_radix_bins[{RADIX_HIST_WORDS + 1}];\n\t"
-                          "mov.u32 $0, ds4x_radix_bins;")
-_TRASH = tl.constexpr(RADIX_HIST_WORDS)
-
-
-@triton.constexpr_function
-def level_width(level, first_bits, bits):
-    """Bits of the radix select's digit level ``level``: the first level's own width, then ``bits`` each."""
-    return first_bits if level == 0 else bits
-
-
-@triton.constexpr_function
-def level_offset(level, first_bits, bits):
-    """Word of level ``level``'s histogram in the workspace and the shared-memory bins (the levels one after
-    another, each 2**width words)."""
-    return 0 if level == 0 else (1 << first_bits) + (level - 1) * (1 << bits)
-
 
 @triton.jit
 def exp2_f32(e):
@@ -198,16 +178,14 @@ def grid_sync(ws_ptr, phase, nprog):
 
 
 @triton.jit
-def digit_threshold(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, need, h_local, HB: tl.constexpr,
-                    LOCAL: tl.constexpr):
-    """Highest digit of a level (WIDTH bits, its histogram at word OFF) whose suffix count reaches ``need``, the
-    count strictly above it, and its own count: from the row's histogram in the workspace, or (LOCAL) this program's
-    ``h_local``. Histograms are HB words wide (the widest level's), zero past the level's own bins."""
-    b = tl.arange(0, HB)
+def digit_threshold(ws_ptr, level, need, h_local, BINS: tl.constexpr, LOCAL: tl.constexpr):
+    """Highest digit of level ``level`` whose suffix count reaches ``need``, the count strictly above it, and its
+    own count: from the row's histogram in the workspace, or (LOCAL) this program's ``h_local``."""
+    b = tl.arange(0, BINS)
     if LOCAL:
         h = h_local
     else:
-        h = tl.load(ws_ptr + 64 + OFF + b, mask=b < (1 << WIDTH), other=0, cache_modifier=".cg")
+        h = tl.load(ws_ptr + 64 + level * BINS + b, cache_modifier=".cg")
     suffix = tl.cumsum(h, 0, reverse=True)
     t = tl.max(tl.where(suffix >= need, b, -1), 0)
     return t, tl.sum(tl.where(b > t, h, 0), 0), tl.sum(tl.where(b == t, h, 0), 0)
@@ -215,56 +193,50 @@ def digit_threshold(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, need, h_loca
 
 @triton.jit
 def shared_bins_base():
-    """GPU only: declares the kernel's static shared array of histogram bins (RADIX_HIST_WORDS: a region per digit
-    level, zeroed once by `shared_bins_zero`; then a word that the elements not counted add to) and returns its
-    shared address. Once per kernel: a second declaration would not assemble."""
-    return tl.inline_asm_elementwise(_BINS_DECL, "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False,
+    """GPU only: declares the kernel's static shared array of histogram bins (1,024 words: a region per digit level,
+    zeroed once by `shared_bins_zero`; then a word that the elements not counted add to) and returns its shared
+    address. Once per kernel: a second declaration would not assemble."""
+    return tl.inline_asm_elementwise(".shared .align 16 .b32 ds4x_radix_bins[1025];\n\tmov.u32 $0, ds4x_radix_bins;",
+                                     "=r,r", [tl.full([], 0, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def shared_bins_zero(base, WORDS: tl.constexpr):
+    """Zeroes the first WORDS bins (threads holding the same bin store the same zero) and waits for every thread."""
+    tl.inline_asm_elementwise("st.volatile.shared.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,r",
+                              [base + 4 * tl.arange(0, WORDS)], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def shared_histogram(base, level: tl.constexpr, digit, mask, BINS: tl.constexpr):
+    """tl.histogram(digit, BINS, mask=mask) by one shared-memory atomic increment per element into level ``level``'s
+    zeroed region of the bins at ``base`` (the elements not counted into word 1,024, never read; no branch per
+    element), which sm_90 aggregates over a warp's equal addresses (ATOMS.POPC.INC), where tl.histogram spends
+    warp-wide ballots and popcounts on every element. A region per level, never written again, so the counts are
+    read after one barrier and need no zeroing after. ``digit`` must not be replicated over threads (at least one
+    element a thread): each copy would be counted."""
+    tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,r",
+                              [base + 4 * tl.where(mask, level * BINS + digit, 1024)], dtype=tl.int32, is_pure=False,
+                              pack=1)
+    tl.debug_barrier()
+    return tl.inline_asm_elementwise("ld.volatile.shared.u32 $0, [$1];", "=r,r",
+                                     [base + 4 * (level * BINS + tl.arange(0, BINS))], dtype=tl.int32, is_pure=False,
                                      pack=1)
 
 
 @triton.jit
-def shared_bins_zero(base, OFF: tl.constexpr, WIDTH: tl.constexpr, HB: tl.constexpr):
-    """Zeroes a level's 2**WIDTH bins at word OFF (threads holding the same bin store the same zero; the lanes past
-    them zero the unread extra word). The caller waits for every thread after the last level's."""
-    b = tl.arange(0, HB)
-    tl.inline_asm_elementwise("st.volatile.shared.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,r",
-                              [base + 4 * tl.where(b < (1 << WIDTH), OFF + b, _TRASH)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def shared_histogram(base, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask, HB: tl.constexpr):
-    """tl.histogram(digit, HB, mask=mask) by one shared-memory atomic increment per element into the zeroed region
-    of a level (WIDTH bits, at word OFF) of the bins at ``base`` (the elements not counted into the extra word,
-    never read; no branch per element), which sm_90 aggregates over a warp's equal addresses (ATOMS.POPC.INC),
-    where tl.histogram spends warp-wide ballots and popcounts on every element. A region per level, never written
-    again, so the counts are read after one barrier and need no zeroing after. ``digit`` must not be replicated
-    over threads (at least one element a thread): each copy would be counted. The bins past the level's 2**WIDTH
-    read as zero."""
-    tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,r",
-                              [base + 4 * tl.where(mask, OFF + digit, _TRASH)], dtype=tl.int32, is_pure=False,
-                              pack=1)
-    tl.debug_barrier()
-    b = tl.arange(0, HB)
-    own = b < (1 << WIDTH)
-    h = tl.inline_asm_elementwise("ld.volatile.shared.u32 $0, [$1];", "=r,r",
-                                  [base + 4 * tl.where(own, OFF + b, _TRASH)], dtype=tl.int32, is_pure=False, pack=1)
-    return tl.where(own, h, 0)
-
-
-@triton.jit
-def digit_histogram(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr,
-                    HB: tl.constexpr, bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
-    """This program's histogram of one digit level (WIDTH bits, at word OFF; HB words wide, zero past the level's
-    bins), added to the row's (unless LOCAL: the program's own is the row's), then (SYNC) waits for every
-    program's at grid barrier ``phase``. SHARED_BINS: counted by shared-memory atomics into the bins at
-    ``bins_base`` (`shared_histogram`), else by tl.histogram."""
+def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr,
+                    bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
+    """This program's histogram of one digit level, added to the row's (unless LOCAL: the program's own is the
+    row's), then (SYNC) waits for every program's at grid barrier ``phase``. SHARED_BINS: counted by shared-memory
+    atomics into the bins at ``bins_base`` (`shared_histogram`), else by tl.histogram."""
     if SHARED_BINS:
-        h = shared_histogram(bins_base, OFF, WIDTH, digit, mask, HB)
+        h = shared_histogram(bins_base, level, digit, mask, BINS)
     else:
-        h = tl.histogram(digit, HB, mask=mask)
+        h = tl.histogram(digit, BINS, mask=mask)
     if not LOCAL:
-        tl.atomic_add(ws_ptr + 64 + OFF + tl.arange(0, HB), h, mask=h > 0, sem="relaxed")
+        tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
         if SYNC:
             grid_sync(ws_ptr, phase, nprog)
     return h
@@ -272,38 +244,32 @@ def digit_histogram(ws_ptr, OFF: tl.constexpr, WIDTH: tl.constexpr, digit, mask,
 
 @triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
-                 TILE: tl.constexpr, KP: tl.constexpr, FIRST_BITS: tl.constexpr, BITS: tl.constexpr,
-                 FIRST: tl.constexpr, LAST: tl.constexpr, DEVICE_COUNT: tl.constexpr, WS: tl.constexpr,
-                 MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False, SHARED_BINS: tl.constexpr = False,
-                 LOCAL: tl.constexpr = False):
-    """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. LEVELS - 1 each add the
-    histogram of one more digit of the order-preserving codes (among the rows matching the k-th code's digits so
-    far; the first FIRST_BITS wide, the others BITS, 32 - FIRST_BITS a multiple of BITS), the next counts each
-    program's rows above and equal to the k-th code, the last lists the selection. The phases of one launch meet
-    at grid barriers. Once the rows matching the digits so far are exactly the ones still needed, the remaining
-    digit levels are skipped (all of those rows are selected). SHARED_BINS (GPU only): each program counts its
-    histograms by shared-memory atomics (`shared_histogram`). LOCAL: one program per row, all phases in one launch
-    (FIRST 0, LAST the listing), with no workspace (its histograms and counts stay its own)."""
+                 TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                 DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False):
+    """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
+    the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
+    code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
+    selection. The phases of one launch meet at grid barriers. Once the rows matching the digits so far are exactly
+    the ones still needed, the remaining digit levels are skipped (all of those rows are selected). SHARED_BINS
+    (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
+    program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
+    counts stay its own)."""
     wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
-    LEVELS: tl.constexpr = 1 + (32 - FIRST_BITS) // BITS
-    # level L: the code's bits from 32 - FIRST_BITS - L * BITS up, `level_width` of them; its histogram at
-    # `level_offset`, HB words wide (the widest level's bins; zero past the level's own)
-    HB: tl.constexpr = (1 << FIRST_BITS) if FIRST_BITS >= BITS else (1 << BITS)
+    LEVELS: tl.constexpr = 32 // BITS
+    BINS: tl.constexpr = 1 << BITS
     bins_base = 0
     if SHARED_BINS:
         if FIRST < LEVELS:
             bins_base = shared_bins_base()
-            for level in tl.static_range(LEVELS):
-                shared_bins_zero(bins_base, level_offset(level, FIRST_BITS, BITS),
-                                 level_width(level, FIRST_BITS, BITS), HB)
-            tl.debug_barrier()
+            shared_bins_zero(bins_base, LEVELS * BINS)
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)  # the row of scores (a batched decode step: one per session)
     scores_ptr += r * n
     ws_ptr += r * WS  # each row its own workspace: its barriers count its own programs
     index_ptr += r * kk
     valid_ptr += r * kk
-    gt_counts = ws_ptr + 64 + _TRASH  # per program: its rows above the k-th code, then those equal to it
+    gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
     eq_counts = gt_counts + MAX_PROGRAMS
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
@@ -317,7 +283,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     # phases 0 .. LEVELS - 1: the histogram of one more digit among the rows that match the k-th code's digits so
     # far (a later launch re-derives the earlier digits from the histograms in the workspace)
     match = vis
-    h = tl.zeros([HB], tl.int32)  # LOCAL: the last level's histogram
+    h = tl.zeros([BINS], tl.int32)  # LOCAL: the last level's histogram
     kth = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
     known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
@@ -325,28 +291,24 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     barriers = tl.zeros([], tl.int32)  # grid barriers passed
     for level in tl.static_range(LEVELS):
         if LAST >= level:
-            if level > 0:  # the previous level's threshold
+            if level > 0:
                 if not done:
-                    t, a, c = digit_threshold(ws_ptr, level_offset(level - 1, FIRST_BITS, BITS),
-                                              level_width(level - 1, FIRST_BITS, BITS), need - above, h, HB, LOCAL)
-                    kth = kth | (t.to(tl.int64) << (32 - FIRST_BITS - BITS * (level - 1)))
+                    t, a, c = digit_threshold(ws_ptr, level - 1, need - above, h, BINS, LOCAL)
+                    kth = kth | (t.to(tl.int64) << (32 - BITS * level))
                     above += a
-                    known = FIRST_BITS + BITS * (level - 1)
+                    known = BITS * level
                     match = match & (digit == t)  # noqa: F821 - the previous level's digit
                     done = c == need - above
-            digit = ((u >> (32 - FIRST_BITS - BITS * level)) & ((1 << level_width(level, FIRST_BITS, BITS)) - 1)
-                     ).to(tl.int32)
+            digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
                 if not done:
-                    h = digit_histogram(ws_ptr, level_offset(level, FIRST_BITS, BITS),
-                                        level_width(level, FIRST_BITS, BITS), digit, match, barriers + 1, nprog,
-                                        LAST > level, HB, bins_base, SHARED_BINS, LOCAL)
+                    h = digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS,
+                                        bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
     # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
         if not done:
-            t, a, c = digit_threshold(ws_ptr, level_offset(LEVELS - 1, FIRST_BITS, BITS),
-                                      level_width(LEVELS - 1, FIRST_BITS, BITS), need - above, h, HB, LOCAL)
+            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, h, BINS, LOCAL)
             kth = kth | t.to(tl.int64)
             above += a
             known = 32
@@ -388,10 +350,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         # the last program to finish leaves the histograms zeroed for the next call
         if not LOCAL:
             if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
-                b = tl.arange(0, HB)
-                for level in tl.static_range(LEVELS):
-                    tl.store(ws_ptr + 64 + level_offset(level, FIRST_BITS, BITS) + b,
-                             tl.zeros([HB], tl.int32), mask=b < (1 << level_width(level, FIRST_BITS, BITS)))
+                tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
                 tl.atomic_xchg(ws_ptr, 0)
                 tl.atomic_xchg(ws_ptr + 1, 0)
 
