@@ -3,8 +3,8 @@
 (Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
 variant), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query, and the top-k with its histograms by tl.histogram or shared-memory atomics and small rows
-by the packed-count kernel or one program of the histogram select (the better of two alternating runs each).
+the model's bf16 query, and the top-k as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to
+32,768 scores (the better of two alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -223,33 +223,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v:<30} {t_i:9.1f} us  same bits {same[v]}  ({packed.numel() / t_i / 1e3:.0f} GB/s)")
             record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v]})
 
-        # the select's histograms by tl.histogram or by shared-memory atomics (SHARED_HISTOGRAM), small rows by the
-        # packed-count kernel or by one program of the histogram select (SMALL_BY_HISTOGRAM), alternating twice; exact:
-        # the same set as the composite-key topk for every row
+        # the select as dispatched (one program a row up to SMALL_ROWS scores, SMALL_ROWS_BATCHED from 8 rows on, else
+        # the multi-program select) against one program a row forced (the histogram select, SMALL_WARPS warps) up to
+        # 32,768 scores, alternating twice; exact: the same set as the composite-key topk for every row
         from ds4x.kernels import select as S
 
-        variants = {"tl.histogram, packed counts": (False, False), "shared hist, packed counts": (True, False),
-                    "shared hist, small by hist": (True, True)}
-        defaults = S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM
+        variants = {"as dispatched": (None, None), "one program, 8 warps": (True, 8),
+                    "one program, 16 warps": (True, 16), "one program, 32 warps": (True, 32)}
+        default_warps = S.SMALL_WARPS
         print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
-        sizes = ((262_144, 1), (32_768, 1), (4_160, 1), (1_024, 1), (1_024, 32), (8_192, 8), (32_768, 8))
+        sizes = ((262_144, 1), (32_768, 1), (16_384, 1), (8_192, 1), (4_160, 1), (2_048, 1), (1_024, 1), (1_024, 32),
+                 (8_192, 8), (16_384, 8), (32_768, 8))
         for rows_n, batch in sizes if "select" in parts else ():
             s = scores[1][None].repeat(batch, 1)[:, :rows_n]
             count = torch.full((batch,), rows_n, dtype=torch.int32, device=dev)
             times_v: dict[str, list[float]] = {v: [] for v in variants}
             exact: dict[str, bool] = {}
             for _ in range(2):
-                for name, (shared, small) in variants.items():
-                    S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = shared, small
-                    index, valid = select_topk_radix(s, count, 512)
-                    exact[name] = all(set(index[b][valid[b]].tolist())
-                                      == set(select_topk_keys(s[b], rows_n, 512)[0].tolist()) for b in range(batch))
-                    times_v[name].append(us(lambda s=s, c=count: select_topk_radix(s, c, 512)))
-            S.SHARED_HISTOGRAM, S.SMALL_BY_HISTOGRAM = defaults
+                for name, (small, warps) in variants.items():
+                    if small and rows_n > 32_768:
+                        continue
+                    S.SMALL_WARPS = warps
+                    try:
+                        index, valid = select_topk_radix(s, count, 512, small=small)
+                        exact[name] = all(set(index[b][valid[b]].tolist())
+                                          == set(select_topk_keys(s[b], rows_n, 512)[0].tolist())
+                                          for b in range(batch))
+                        times_v[name].append(us(lambda s=s, c=count, m=small: select_topk_radix(s, c, 512, small=m)))
+                    except Exception as exc:  # (a configuration the GPU cannot launch is reported, not fatal)
+                        print(f"  {name} at {batch} x {rows_n:,}: {type(exc).__name__}: {str(exc)[:80]}")
+                        times_v[name].append(float("nan"))
+            S.SMALL_WARPS = default_warps
             print(f"{f'{batch} x {rows_n:,}':<20} "
-                  + " ".join(f"{min(times_v[v]):21.1f} {str(exact[v]):>6}" for v in variants))
+                  + " ".join(f"{min(times_v[v], default=float('nan')):21.1f} {str(exact.get(v, '-')):>6}"
+                             for v in variants))
             for v in variants:
-                record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
+                if times_v[v] and v in exact:
+                    record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
     if args.ledger is not None:
         append(rows_out, args.ledger)
         print(f"{len(rows_out)} rows appended to {args.ledger}")
