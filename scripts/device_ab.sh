@@ -125,7 +125,8 @@ candidates)
     ;;
 tests)
     # the files given after the stage's name, else all of them (on an H100 on 2026-12-06 the 480 s ran 35% of the
-    # suite: name the rest in later calls); the slowest tests listed last
+    # suite: name the rest in later calls; three calls of named files took 106, 47 and 38 s); the slowest tests
+    # listed last
     shift
     export DS4X_TEST_TIMES="$out/test_times.txt"  # each test phase's seconds as it ends (tests/conftest.py)
     piece tests.log 480 python -m pytest -v -p no:cacheprovider -n 6 --durations=20 "${@:-tests}"

@@ -7,7 +7,8 @@ File layout (little-endian)::
     hlen     u32       bytes of the header that follows
     header   hlen      UTF-8 JSON: model fingerprint and description, context, cache mode, prefill
                        chunk and mode, token count, rewind floor, payload bytes and CRC-32, tokens' CRC-32
-                       (``tokens_crc32``; optional: files written before it was added lack it)
+                       (``tokens_crc32``), working dtype (``dtype``; these two optional: files written before
+                       they were added lack them)
     tokens   4n bytes  int32, the n tokens the cache holds
     payload            safetensors: "logits" (float32 [vocab], if any) and the rows in use of every
                        cache store, "layers.{i}.{raw|comp_proj|comp_rows|idx_proj|idx_rows}", in the
