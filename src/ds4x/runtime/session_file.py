@@ -33,7 +33,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -250,42 +250,48 @@ def write_snapshot(snap: SessionSnapshot, path: str | Path, fingerprint: str, mo
     return SessionFileHeader(path, meta, snap.tokens, _PREFIX.size + len(header) + len(tokens))
 
 
-def read_header(path: str | Path, fingerprint: str, model: str, vocab: int, dtype: str | None = None
-                ) -> SessionFileHeader:
+def _read_meta(f: BinaryIO, path: Path, size: int) -> tuple[dict[str, Any], int]:
+    """The header of the session file open as ``f`` (``size`` bytes), checked for form (magic, version, lengths,
+    keys and their values), and its length; raise SessionFileError."""
+    head = f.read(_PREFIX.size)
+    if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
+        raise SessionFileError(f"{path} is not a ds4x session file (it starts with {head[:8]!r}, "
+                               f"expected {MAGIC!r})")
+    # the version right after the magic: a file of another version is named as such, whatever follows
+    if len(head) >= 12 and (version := struct.unpack_from("<I", head, 8)[0]) != SESSION_ABI_VERSION:
+        raise SessionFileError(f"{path} is a session file of ABI version {version}; this ds4x reads version "
+                               f"{SESSION_ABI_VERSION} only (recreate the session with this version)")
+    if len(head) < _PREFIX.size:
+        raise SessionFileError(f"{path} is truncated: {size} bytes, shorter than the fixed header")
+    hlen = _PREFIX.unpack(head)[2]
+    if _PREFIX.size + hlen > size:  # checked before reading: a damaged length must not size an allocation
+        raise SessionFileError(f"{path} is truncated: {size} bytes, the header alone needs "
+                               f"{_PREFIX.size + hlen}")
+    if hlen > _MAX_HEADER_BYTES:
+        raise SessionFileError(f"{path} has a corrupt header (its length {hlen} is implausible)")
+    raw = f.read(hlen)
+    try:
+        meta = json.loads(raw)
+        if missing := _HEADER_KEYS - meta.keys():
+            raise ValueError(f"no {', '.join(sorted(missing))}")
+        if problem := _header_problem(meta):
+            raise ValueError(problem)
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
+        raise SessionFileError(f"{path} has a corrupt header ({exc})") from None
+    return meta, hlen
+
+
+def read_header(path: str | Path, fingerprint: str, model: str, vocab: int, dtype: str) -> SessionFileHeader:
     """Read and check a session file's header and tokens (not its payload; each token an id below ``vocab``);
     raise SessionFileError. ``dtype``: the loaded model's working dtype, named when the file's differs."""
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = f.read(_PREFIX.size)
-        if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
-            raise SessionFileError(f"{path} is not a ds4x session file (it starts with {head[:8]!r}, "
-                                   f"expected {MAGIC!r})")
-        # the version right after the magic: a file of another version is named as such, whatever follows
-        if len(head) >= 12 and (version := struct.unpack_from("<I", head, 8)[0]) != SESSION_ABI_VERSION:
-            raise SessionFileError(f"{path} is a session file of ABI version {version}; this ds4x reads version "
-                                   f"{SESSION_ABI_VERSION} only (recreate the session with this version)")
-        if len(head) < _PREFIX.size:
-            raise SessionFileError(f"{path} is truncated: {size} bytes, shorter than the fixed header")
-        hlen = _PREFIX.unpack(head)[2]
-        if _PREFIX.size + hlen > size:  # checked before reading: a damaged length must not size an allocation
-            raise SessionFileError(f"{path} is truncated: {size} bytes, the header alone needs "
-                                   f"{_PREFIX.size + hlen}")
-        if hlen > _MAX_HEADER_BYTES:
-            raise SessionFileError(f"{path} has a corrupt header (its length {hlen} is implausible)")
-        raw = f.read(hlen)
-        try:
-            meta = json.loads(raw)
-            if missing := _HEADER_KEYS - meta.keys():
-                raise ValueError(f"no {', '.join(sorted(missing))}")
-            if problem := _header_problem(meta):
-                raise ValueError(problem)
-            n, payload = meta["n_tokens"], meta["payload_bytes"]
-        except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
-            raise SessionFileError(f"{path} has a corrupt header ({exc})") from None
+        meta, hlen = _read_meta(f, path, size)
+        n, payload = meta["n_tokens"], meta["payload_bytes"]
         if meta.get("model_fingerprint") != fingerprint:
             saved = meta.get("dtype")
-            if dtype is not None and isinstance(saved, str) and saved != dtype:  # a state is its dtype's own
+            if isinstance(saved, str) and saved != dtype:  # a state is its dtype's own
                 raise SessionFileError(f"{path} was computed in {saved} by {meta.get('model', '?')}; the loaded "
                                        f"model computes in {dtype}: load it in {saved} to continue the session")
             raise SessionFileError(
@@ -307,18 +313,15 @@ def read_header(path: str | Path, fingerprint: str, model: str, vocab: int, dtyp
 
 
 def saved_dtype(path: str | Path) -> str | None:
-    """The working dtype a session file was computed in, from its header without checking the rest (None if the
-    file does not say one of ours: older files, or not a session file; loading it reports what is wrong)."""
+    """The working dtype a session file was computed in, from its header (None if the file does not say one of
+    ours: older files, or a file that is not a sound session file; loading it reports what is wrong)."""
+    path = Path(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(_PREFIX.size)
-            if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
-                return None
-            hlen = _PREFIX.unpack(head)[2]
-            meta = json.loads(f.read(hlen)) if hlen <= _MAX_HEADER_BYTES else None
-    except (OSError, ValueError, RecursionError):
+            meta, _ = _read_meta(f, path, os.fstat(f.fileno()).st_size)
+    except (SessionFileError, OSError):
         return None
-    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    dtype = meta.get("dtype")
     return dtype if isinstance(dtype, str) and dtype in DTYPES else None
 
 
