@@ -36,8 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = ["load only"] + [f"+ level {i}" for i in range(32 // S.RADIX_BITS)] + ["+ count", "+ listing"]
     for n in (int(v) for v in args.sizes.split(",")):
         scores = torch.randn(1, n, generator=g, device="cuda") * 0.3
-        tile = min(S._MAX_TILE, max(256, 1 << (-(-n // num_sms(dev)) - 1).bit_length()))
-        n_prog = -(-n // tile)
+        tile, n_prog = S.radix_tiling(n, 1, num_sms(dev))  # as the select lays out one row
         index = torch.empty(1, 512, dtype=torch.long, device="cuda")
         valid = torch.empty(1, 512, dtype=torch.int8, device="cuda")
         count = torch.tensor([n], dtype=torch.int32, device="cuda")

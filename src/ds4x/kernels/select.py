@@ -200,6 +200,13 @@ def _check_digit_bits(name: str, bits: int) -> None:
         raise ValueError(f"{name} must divide 32 with at most 1,024 histogram bins in all, got {bits}")
 
 
+def radix_tiling(n: int, rows: int, sms: int) -> tuple[int, int]:
+    """Scores per program and programs per row of the multi-program select over ``rows`` rows of ``n`` scores on
+    ``sms`` multiprocessors: the rows' programs together about fill the GPU."""
+    tile = min(_MAX_TILE, max(256, 1 << (-(-n * min(rows, sms) // sms) - 1).bit_length()))
+    return tile, -(-n // tile)
+
+
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
                       small: bool | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
@@ -256,8 +263,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     fused = scores.is_cuda if fused is None else fused
     # the programs of a launch meet at grid barriers, so all must be resident: at most one per multiprocessor
     sms = num_sms(scores.device)
-    tile = min(_MAX_TILE, max(256, 1 << (-(-n * min(B, sms) // sms) - 1).bit_length()))
-    n_prog = -(-n // tile)
+    tile, n_prog = radix_tiling(n, B, sms)
     if n_prog > _MAX_PROGRAMS:
         raise ValueError(f"select_topk_radix: {n} rows need {n_prog} programs (at most {_MAX_PROGRAMS})")
     per_launch = max(1, sms // n_prog)  # rows of scores per launch
