@@ -160,17 +160,27 @@ def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr
 
 
 @triton.jit
+def load_acquire(ptr):
+    """The int32 at ``ptr`` by a load with acquire semantics at GPU scope (what an atomic's release published is
+    visible after it). GPU only: grid barriers are crossed only by programs of one launch, never in the
+    interpreter."""
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def grid_sync(ws_ptr, phase, nprog):
     """Waits until all ``nprog`` programs of the row have finished phase ``phase`` (1, 2, ...); one program needs
     only its own barrier."""
     tl.debug_barrier()  # this program's phase is complete
     if nprog > 1:
         target = phase * nprog
-        tl.atomic_add(ws_ptr, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+        # the arrival's own result tells the last program to arrive that it need not wait; the others wait by
+        # loads (each thread its own, so no broadcast of an atomic's result behind a barrier per try)
+        seen = tl.atomic_add(ws_ptr, 1, sem="acq_rel", scope="gpu") + 1
         spins = tl.full([], 0, tl.int32)
         while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
-            seen = tl.atomic_add(ws_ptr, 0, sem="acquire", scope="gpu")
+            seen = load_acquire(ws_ptr)
             spins += 1
         if seen < target:
             tl.atomic_add(ws_ptr + 2, 1)
