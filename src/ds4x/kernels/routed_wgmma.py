@@ -135,6 +135,14 @@ if HAVE_GLUON:
         return _prmt(va + 0 * sel, vb + 0 * sel, sel) ^ neg
 
     @gluon.jit
+    def _fetch_step(rowp, k0, grp, K, QTYPE: gl.constexpr):
+        # one K step's raw fields of the tile's rows, by the weights' type (see the kernel's QTYPE)
+        if QTYPE == 16 or QTYPE == 17:
+            return _fetch_iq2_xxs(rowp, k0, grp, K, QTYPE == 17)
+        else:
+            return _fetch_q2_k(rowp, k0, grp)
+
+    @gluon.jit
     def _fetch_q2_k(rowp, k0, unit):
         # the raw fields of the K step at k0 (half h of a block: 4 bit pairs kk x 2 sub-blocks jj x 16 weights): d
         # and dmin, the 8 scale bytes of the half (sub-block 8 h + 2 kk + jj), and the two code words of unit
@@ -226,12 +234,8 @@ if HAVE_GLUON:
             n_steps = K // STEP
             # raw fields are fetched two steps ahead and the activations one step ahead (registers), so the
             # DRAM latency overlaps the decode of earlier steps
-            if QTYPE == 16 or QTYPE == 17:
-                a0, a1, a2, a3, a4 = _fetch_iq2_xxs(rowp, 0, grp, K, QTYPE == 17)
-                b0, b1, b2, b3, b4 = _fetch_iq2_xxs(rowp, gl.minimum(STEP, K - STEP), grp, K, QTYPE == 17)
-            else:
-                a0, a1, a2, a3, a4 = _fetch_q2_k(rowp, 0, grp)
-                b0, b1, b2, b3, b4 = _fetch_q2_k(rowp, gl.minimum(STEP, K - STEP), grp)
+            a0, a1, a2, a3, a4 = _fetch_step(rowp, 0, grp, K, QTYPE)
+            b0, b1, b2, b3, b4 = _fetch_step(rowp, gl.minimum(STEP, K - STEP), grp, K, QTYPE)
             if X_ASYNC:
                 async_copy.async_copy_global_to_shared(x_smem.index(0), xrow + kx)
                 async_copy.commit_group()
@@ -241,17 +245,15 @@ if HAVE_GLUON:
                 k0 = i * STEP
                 s = i % 2
                 k2 = gl.minimum(k0 + 2 * STEP, K - STEP)  # past the end: fetch the last step again (unused)
+                if X_ASYNC:
+                    c0, c1, c2, c3, c4 = _fetch_step(rowp, k2, grp, K, QTYPE)
                 if QTYPE == 16 or QTYPE == 17:
-                    c0, c1, c2, c3, c4 = _fetch_iq2_xxs(rowp, k2, grp, K, QTYPE == 17)
                     words = _words_iq2_xxs(a0, a1, a2, a3, a4, tab_ptr, ent, pw)
                 else:
-                    c0, c1, c2, c3, c4 = _fetch_q2_k(rowp, k2, grp)
                     words = _words_q2_k(a0, a1, a2, a3, a4, grp, ent, pw)
                     if not REG_W:
                         words = gl.permute(words, (0, 2, 1, 3))
                 x_at = xrow + gl.multiple_of(gl.minimum(k0 + STEP, K - STEP), STEP) + kx
-                if not X_ASYNC:
-                    x_next = gl.load(x_at)
                 if REG_W:
                     a_op = _register_operand(words, BN, DOT_A)
                 gl.thread_barrier()  # every warp has seen the wgmma of step i - 2 (the last reader of buffer s) retire
@@ -278,6 +280,15 @@ if HAVE_GLUON:
                     acc = warpgroup_mma(a_op, xs.permute((1, 0)), acc)
                 else:
                     acc = warpgroup_mma(w_smem.index(s), xs.permute((1, 0)), acc, is_async=True)
+                if not X_ASYNC:
+                    # loaded after the fence above (on sm_90 a MEMBAR.ALL.CTA, which waits for the thread's loads
+                    # in flight), so they stay in flight until the next step's fence. H100, us, prompts' tiles,
+                    # before / after: IQ2_XXS gate 1,024 tokens 2,430 / 2,378, 4,096 tokens 2,651 / 2,529; Q2_K
+                    # down 1,464 / 1,440 and 2,338 / 2,292. With X_ASYNC they stay before it: after it that
+                    # variant measured 7-40% slower
+                    c0, c1, c2, c3, c4 = _fetch_step(rowp, k2, grp, K, QTYPE)
+                    x_next = gl.load(x_at)
+                if not REG_W:
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 a0, a1, a2, a3, a4 = b0, b1, b2, b3, b4
                 b0, b1, b2, b3, b4 = c0, c1, c2, c3, c4
