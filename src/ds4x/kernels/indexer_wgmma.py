@@ -154,7 +154,7 @@ if HAVE_GLUON:
         see the module's switch of that name."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
-        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])  # [rows, 4, 4] words
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])  # [rows, 4, 4] words
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HP, 16])
