@@ -9,6 +9,13 @@ held in shared memory for the program's whole walk (PIPELINED, the default: two 
 product running while the next is decoded; else one 128-row tile). The Triton kernel moves the words and the
 decoded values through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
 
+What bounds it (ncu, H100, 262,144 rows, at 84492d5's parent): the L1 / shared-memory pipe (L1/TEX 80% busy) at
+0.47 instructions issued per scheduler. The row loads use 10.7 of each 32-byte sector a lane's load brings (a
+warp's 4-byte loads span 8 rows), and the key stores had 2.4 times the wavefronts they need (fixed: the lanes'
+order, see ``LW``). Fewer instructions alone did not help: one asm per word for the four pairs (the 32 masks after
+the permutes gone, the query's elements permuted to match) and the rows' scales loaded again in the product's
+layout (no convert through shared memory) were each 0.8-0.9 us slower (H100, not kept).
+
 Two row tiles in flight per program instead of one (the words of the tile after next loaded too; 170 registers,
 capped at 168 so that three programs stay on an SM) measured slower and were removed (H100, b82c8c3,
 `scripts/compressed_kernels_ab.py`, 262,144 rows, us at 2 / 3 programs an SM: one tile ahead 16.7 / 16.6, two
@@ -154,7 +161,11 @@ if HAVE_GLUON:
         see the module's switch of that name."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
-        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])  # [rows, 4, 4] words
+        # [rows, 4 blocks, 4 words]: a lane holds one block of a row; a warp's lanes run over 8 rows first, so that
+        # each quarter-warp's 16-byte key stores (8 rows, one block) fall in 8 different bank groups of the 128-byte
+        # swizzle (with 2 rows x 4 blocks, blocks b and b + 2 of a row shared a group: ncu counted 9.7 wavefronts a
+        # store request; H100, 262,144 rows, 15.8 -> 14.7 us, the same bits)
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HP, 16])
