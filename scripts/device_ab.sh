@@ -39,6 +39,11 @@
 #                                       # one-pass attention, had failed unseen for two days); at most 480 s, each
 #                                       # test's outcome on its own line as it ends (-v), so a run cut short still
 #                                       # names its failures
+#   bash scripts/device_ab.sh ncu [CASE ...]
+#                                       # Nsight Compute on each decode kernel of scripts/ncu_cases.py (or the cases
+#                                       # named): throughput per unit, the memory tables' warnings (bank conflicts,
+#                                       # sector use) and the schedulers' state, the whole report in $OUT/ncu_CASE.txt
+#                                       # and its summary lines printed (~20 s a case)
 #   bash scripts/device_ab.sh all       # kernels, step and step32 in one call (on 2026-12-05 they took 82, 44 and
 #                                       # 26 s: one machine start instead of three)
 #
@@ -51,7 +56,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|ncu|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
@@ -133,6 +138,21 @@ tests)
     grep -E "(FAILED|ERROR) " "$out/tests.log" | sort -u
     echo "slowest test phases (s, phase, outcome, test):"
     sort -rn "$out/test_times.txt" 2>/dev/null | head -20
+    ;;
+ncu)
+    shift
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    for case in ${@:-$(python scripts/ncu_cases.py --list | cut -d' ' -f1)}; do
+        kernel=$(python scripts/ncu_cases.py --list | awk -v c="$case" '$1 == c {print $2}')
+        piece "ncu_$case.txt" 120 "$ncu" --clock-control none --kernel-name "regex:^$kernel\$" --launch-skip 2 \
+            --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
+            --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
+            --section SourceCounters \
+            python scripts/ncu_cases.py "$case" > /dev/null
+        echo "== $case ($kernel)"
+        grep -E "Duration|Throughput|Busy|Issued Warp|Eligible Warps|Registers Per|Achieved Occupancy|way bank|bytes transmitted|excessive" \
+            "$out/ncu_$case.txt" | sed 's/^ *//'
+    done
     ;;
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
