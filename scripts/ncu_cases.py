@@ -31,6 +31,8 @@ CASES = {
     "routed_gate_up": ("_qmv_kernel", "routed IQ2_XXS gate / up + SwiGLU matvec, 1 token x 6 of 256 experts"),
     "routed_down": ("_qmv_kernel", "routed Q2_K down matvec, 1 token x 6 of 256 experts"),
     "wq_a": ("_qmv_kernel", "Q8_0 matvec 4096 -> 1024 (the attention's wq_a), 1 token"),
+    "routed_prompt_gate": ("_routed_wgmma_kernel", "routed IQ2_XXS gate on the tensor cores, 1,024 tokens x 6 experts"),
+    "routed_prompt_down": ("_routed_wgmma_kernel", "routed Q2_K down on the tensor cores, 1,024 tokens x 6 experts"),
 }
 
 
@@ -71,6 +73,18 @@ def build(case: str, g: torch.Generator, dev: torch.device) -> Callable[[], obje
         x = torch.randn(1, 4096, generator=g, device=dev).bfloat16()
         return lambda: qm.quant_linear(x, w)
     n_exp, inter, hidden, k = 256, 2048, 4096, 6
+    if case.startswith("routed_prompt"):  # a prompt's routed products: scripts/routed_wgmma_ab.py's weights
+        from ds4x.kernels import routed_wgmma
+
+        t = 1024
+        if case == "routed_prompt_gate":
+            w = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (n_exp, inter, hidden), g), T.IQ2_XXS,
+                                            (n_exp, inter, hidden)))
+        else:
+            w = GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K, (n_exp, hidden, inter))
+        x = torch.randn(t, w.shape[2], generator=g, device=dev).bfloat16()
+        ids = torch.stack([torch.randperm(n_exp, generator=g, device=dev)[:k] for _ in range(t)]).to(torch.int32)
+        return lambda: routed_wgmma.routed_wgmma(x, w, ids, k)
     ids = torch.randperm(n_exp, generator=g, device=dev)[:k][None]
     if case == "routed_gate_up":
         w13 = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (2 * n_exp, inter, hidden), g), T.IQ2_XXS,
