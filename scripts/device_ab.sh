@@ -142,8 +142,9 @@ tests)
 ncu)
     shift
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    for case in ${@:-$(python scripts/ncu_cases.py --list | cut -d' ' -f1)}; do
-        kernel=$(python scripts/ncu_cases.py --list | awk -v c="$case" '$1 == c {print $2}')
+    cases=$(python scripts/ncu_cases.py --list)  # "case kernel  # what", one a line
+    for case in ${@:-$(echo "$cases" | cut -d' ' -f1)}; do
+        kernel=$(echo "$cases" | awk -v c="$case" '$1 == c {print $2}')
         piece "ncu_$case.txt" 120 "$ncu" --clock-control none --kernel-name "regex:^$kernel\$" --launch-skip 2 \
             --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables \
             --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
