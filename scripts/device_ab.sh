@@ -59,6 +59,9 @@ set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
 stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|ncu|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
+# the model of the stages that load one: DS4X_AB_MODEL=flash:q2:128 (128 of the 256 routed experts, 44 GiB) fits
+# an H100 of 80 GB where the whole flash:q2 (80.8 GiB) does not
+model=${DS4X_AB_MODEL:-flash:q2}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 if [ "$stage" = all ]; then  # each stage installs the wheels and keeps its pieces' limits; the call's own limit
     # (600 s) bounds the sum
@@ -96,17 +99,19 @@ kernels)
     piece qm_bench.log 150 python scripts/quant_matmul_bench.py "$out" 60
     ;;
 step)
-    piece batched.log 560 python scripts/batched_decode.py --batches 1,8 --rounds 2 --ledger "$out/ledger.jsonl" \
+    piece batched.log 560 python scripts/batched_decode.py -m "$model" --batches 1,8 --rounds 2 \
+        --ledger "$out/ledger.jsonl" \
         --variant "preload: $qm.PRELOAD_WEIGHTS=True"
     ;;
 step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)
-    piece batched32.log 560 python scripts/batched_decode.py --batches 32 --rounds 2 --ledger "$out/ledger.jsonl" \
+    piece batched32.log 560 python scripts/batched_decode.py -m "$model" --batches 32 --rounds 2 \
+        --ledger "$out/ledger.jsonl" \
         --variant "no expert pairs: $qm.EXPERT_PAIRS=False"
     ;;
 loop)
     piece loop_tests.log 150 python -m pytest -q -m gpu tests/test_batch.py tests/test_serve_batching.py
-    piece scheduler_ab.log 420 python scripts/scheduler_ab.py -m "${DS4X_AB_MODEL:-flash:q2}" --concurrency 1,8,32 \
+    piece scheduler_ab.log 420 python scripts/scheduler_ab.py -m "$model" --concurrency 1,8,32 \
         --gen-tokens 256 --prefill-budgets 1024,2048 --rounds 2 --ledger "$out/ledger.jsonl"
     ;;
 compressed)
@@ -114,7 +119,7 @@ compressed)
     # (all of the file: its tests not marked gpu run on CUDA too, the prefill's one-pass Hopper launch among them)
     piece compressed_tests.log 230 python -m pytest -q tests/test_sparse_kernels.py
     piece compressed_ab.log 150 python scripts/compressed_kernels_ab.py --ledger "$out/ledger.jsonl"
-    piece batched_compressed.log 200 python scripts/batched_decode.py --batches 1,8,32 --rounds 2 \
+    piece batched_compressed.log 200 python scripts/batched_decode.py -m "$model" --batches 1,8,32 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
         --variant "merge by chunks: ds4x.kernels.attention.COMBINE_ROWS_WAVES=0"
     ;;
@@ -158,12 +163,14 @@ ncu)
 frontier)
     # the Hopper attention's tests on the GPU, the prefill's one-pass launch of it included (not marked gpu: it runs
     # on CUDA when there is one) and the blocks in two phases; the attention kernels per case with the online loop
-    # (TWO_PHASE_BLOCKS = 0) as the variant; then the compressed layers at model scale on flash:q2 (needs an H200)
+    # (TWO_PHASE_BLOCKS = 0) as the variant; then the compressed layers at model scale on $model (flash:q2 needs an
+    # H200)
     piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
         -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
     piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention --ledger "$out/ledger.jsonl"
-    piece frontier.log 300 python -m ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50 \
-        --ledger "$out/ledger.jsonl"
+    experts=$(echo "$model" | cut -s -d: -f3)  # flash:q2:128 -> --experts 128
+    piece frontier.log 300 python -m ds4x bench frontier --weights q2 ${experts:+--experts "$experts"} \
+        --contexts 4096,1048576 --steps 50 --ledger "$out/ledger.jsonl"
     ;;
 routed)
     # the tensor-core routed kernel's variants (the activations by cp.async, the weights in the wgmma's registers):
@@ -172,12 +179,12 @@ routed)
     piece routed_ab.log 270 python scripts/routed_wgmma_ab.py --ledger "$out/ledger.jsonl"
     ;;
 prefill)
-    piece prefill_calls.log 400 python scripts/prefill_calls.py -m "${DS4X_AB_MODEL:-flash:q2}" --sessions 1,2,4,8 \
+    piece prefill_calls.log 400 python scripts/prefill_calls.py -m "$model" --sessions 1,2,4,8 \
         --profile --variant "x async: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True" \
         --variant "regs: ds4x.kernels.routed_wgmma.ASYNC_ACTIVATIONS=True; ds4x.kernels.routed_wgmma.REGISTER_WEIGHTS=True"
     ;;
 serve)
-    python -m ds4x serve -m "${DS4X_AB_MODEL:-flash:q2}" --port 8765 -q ${DS4X_SERVE_ARGS:-} > "$out/server.log" 2>&1 &
+    python -m ds4x serve -m "$model" --port 8765 -q ${DS4X_SERVE_ARGS:-} > "$out/server.log" 2>&1 &
     server=$!
     # up to 300 s for the server to answer (the synthetic model is generated on the device first); give up at once
     # should it exit

@@ -82,6 +82,28 @@ def test_engine_loads_a_synthetic_mix_and_runs():
     assert logits.shape == (e.cfg.vocab_size,) and torch.isfinite(logits).all()
 
 
+def test_a_synthetic_mix_may_keep_fewer_routed_experts():
+    """``PRESET:POLICY:EXPERTS`` (flash:q2:128 fits an 80 GB GPU): the experts' tensors shrink, top-k routing stays,
+    and a count outside [top-k, the preset's] is refused with the range named."""
+    from ds4x.runtime.engine import Engine, synthetic_quantized_spec
+
+    full, _ = synthetic_quantized_spec("flash:q2")
+    half, policy = synthetic_quantized_spec("flash:q2:128")
+    assert (full.n_routed_experts, half.n_routed_experts, policy) == (256, 128, "q2")
+    assert half.n_experts_per_tok == full.n_experts_per_tok == 6
+    assert synthetic_quantized_spec("tiny") is None and synthetic_quantized_spec("model.gguf") is None
+    for bad in ("flash:q2:5", "flash:q2:257", "flash:q2:many"):
+        with pytest.raises(ValueError, match="from 6 .* to 256"):
+            synthetic_quantized_spec(bad)
+    base = Engine.load("tiny:q8", device="cpu")
+    k = base.cfg.n_experts_per_tok
+    e = Engine.load(f"tiny:q8:{k}", device="cpu")
+    assert e.cfg.n_routed_experts == k < base.cfg.n_routed_experts
+    assert e.model.w["layers.3.ffn.experts.w1"].shape[0] == k
+    logits = e.new_session(64, cache="packed").prefill([1, 2, 3])
+    assert torch.isfinite(logits).all()
+
+
 def test_experts_by_slot_matches_by_expert():
     """The fused routed-experts form (decode on the GPU) against the per-expert reference."""
     from ds4x.model.moe import combine, experts_by_expert, experts_by_slot

@@ -9,7 +9,8 @@ The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 5
 top-512, window 128, ratios 4/128, vocab 129280) with its MoE shrunk to fit next to the cache in bf16:
 ``experts`` routed experts (default 8 instead of 256, top-6 kept), weights random (seeded, generated on
 the GPU). Attention, indexer and cache sizes are the real ones. With ``weights="q2"`` it is the whole model
-instead: all 256 experts, GGML blocks in the ds4 q2 mix (``ds4x.weights.synthetic_gguf``), about 81 GiB.
+instead: GGML blocks in the ds4 q2 mix (``ds4x.weights.synthetic_gguf``) with all 256 experts (about 81 GiB), or
+``experts`` of them (128: 44 GiB, so it fits an 80 GB GPU; a token still takes 6).
 On CUDA the decode steps replay the captured step (``ds4x.runtime.decode_graph``), as a session decodes.
 """
 
@@ -44,8 +45,8 @@ class FrontierConfig:
     steps: int = 50
     warmup: int = 3
     seed: int = 0
-    experts: int = 8
-    weights: str = "bf16"  # "bf16": the shrunk MoE above; "q2": the full model in the ds4 q2 mix
+    experts: int | None = None  # routed experts: None = 8 for "bf16", all of the preset's for "q2"
+    weights: str = "bf16"  # "bf16": the shrunk MoE above; "q2": the model in the ds4 q2 mix
     profile: bool = False  # also break one decode step down by kernel group (ds4x.bench.profile), CUDA only
     topk: str = "radix"
     ab: tuple[str, ...] = ()  # other top-k variants to alternate with, e.g. ("keys",)
@@ -206,16 +207,22 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
     if fc.weights == "q2":
         from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
-        cfg = base
-        log(f"synthesizing the full {fc.preset} model in the q2 mix ({dtype} activations, seed {fc.seed}) ...")
+        experts = fc.experts or base.n_routed_experts
+        if not base.n_experts_per_tok <= experts <= base.n_routed_experts:
+            raise ValueError(f"the q2 model keeps top-{base.n_experts_per_tok} routing: experts must be from "
+                             f"{base.n_experts_per_tok} to {base.n_routed_experts}, got {experts}")
+        cfg = base.replace(n_routed_experts=experts)
+        whole = "full model" if experts == base.n_routed_experts else f"{experts} routed experts"
+        log(f"synthesizing {fc.preset} in the q2 mix, {whole} ({dtype} activations, seed {fc.seed}) ...")
         weights = synthetic_quantized_weights(cfg, "q2", seed=fc.seed, dtype=dtype, device=dev)
-        label = f"synthetic {fc.preset}:q2 (full model), seed {fc.seed}"
+        label = f"synthetic {fc.preset}:q2 ({whole}), seed {fc.seed}"
     elif fc.weights == "bf16":
-        cfg = base.replace(n_routed_experts=fc.experts, n_experts_per_tok=min(base.n_experts_per_tok, fc.experts))
-        log(f"synthesizing {fc.preset} attention shapes with {fc.experts} routed experts ({dtype}, seed {fc.seed}) "
+        experts = fc.experts or 8
+        cfg = base.replace(n_routed_experts=experts, n_experts_per_tok=min(base.n_experts_per_tok, experts))
+        log(f"synthesizing {fc.preset} attention shapes with {experts} routed experts ({dtype}, seed {fc.seed}) "
             "...")
         weights = synthetic_weights(cfg, fc.seed, dtype, dev, generate_on=dev)
-        label = f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {fc.experts} routed experts"
+        label = f"synthetic {fc.preset} attention shapes, seed {fc.seed}, {experts} routed experts"
     else:
         raise ValueError(f"weights must be 'bf16' or 'q2', got {fc.weights!r}")
     model = Transformer(cfg, weights, dtype)

@@ -78,10 +78,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--contexts", default="131072,262144,524288,1048576", help="comma-separated context sizes")
     f.add_argument("--steps", type=int, default=50, help="timed decode steps per context (median reported)")
     f.add_argument("--seed", type=int, default=0, help="synthetic weights and cache seed")
-    f.add_argument("--experts", type=int, default=8, help="routed experts of the shrunk model (Flash: 256)")
+    f.add_argument("--experts", type=int, default=None,
+                   help="routed experts (Flash: 256); default 8 for bf16, all for q2 (128 fits an 80 GB GPU)")
     f.add_argument("--weights", default="bf16", choices=["bf16", "q2"],
-                   help="bf16: attention shapes with the MoE shrunk to --experts; q2: the full model in the ds4 q2 "
-                        "mix (about 81 GiB)")
+                   help="bf16: attention shapes with the MoE shrunk to --experts; q2: the model in the ds4 q2 mix "
+                        "(about 81 GiB with all experts)")
     f.add_argument("--profile", action="store_true", help="also break one decode step down by kernel group (CUDA)")
     f.add_argument("--topk", default="radix", choices=["radix", "blocked", "keys", "threshold"],
                    help="top-k variant")

@@ -42,6 +42,24 @@ def preset_config(name: str) -> ModelConfig:
     return PRESETS[name]() if name in _FIXED_VOCAB else PRESETS[name](ByteTokenizer.vocab_size)
 
 
+def synthetic_quantized_spec(model: str) -> tuple[ModelConfig, str] | None:
+    """The config and type mix of a synthetic quantized model named ``PRESET:POLICY[:EXPERTS]`` (e.g. ``flash:q2``;
+    ``flash:q2:128`` keeps 128 of the 256 routed experts, top-6 kept, so the model fits an 80 GB GPU: 44 GiB
+    against 80.8), or None when ``model`` names no preset with a mix."""
+    preset, _, rest = model.partition(":")
+    policy, _, experts = rest.partition(":")
+    if preset not in PRESETS or not policy:
+        return None
+    cfg = preset_config(preset)
+    if experts:
+        if not experts.isdigit() or not cfg.n_experts_per_tok <= int(experts) <= cfg.n_routed_experts:
+            raise ValueError(f"model {model!r}: the routed experts after the mix must be a whole number from "
+                             f"{cfg.n_experts_per_tok} (the experts a token takes) to {cfg.n_routed_experts}, "
+                             f"got {experts!r}")
+        cfg = cfg.replace(n_routed_experts=int(experts))
+    return cfg, policy
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,14 +93,14 @@ class Engine:
             from ds4x.assets import default_model_path
 
             model = str(default_model_path())
-        preset, _, policy = model.partition(":")
-        if preset in PRESETS and policy:
+        spec = synthetic_quantized_spec(model)
+        if spec is not None:
             # a SYNTHETIC quantized model (benchmarks): the GGUF blocks generated on the device
             from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
-            cfg = preset_config(preset)
-            log.info("synthesizing %s in the %s mix on %s (seed %d; random weights, outputs are noise) ...",
-                     preset, policy, dev, seed)
+            cfg, policy = spec
+            log.info("synthesizing %s (%d routed experts) on %s (seed %d; random weights, outputs are noise) ...",
+                     model, cfg.n_routed_experts, dev, seed)
             weights = synthetic_quantized_weights(cfg, policy, seed=seed, dtype=dt, device=dev)
             tokenizer = ByteTokenizer()
         elif model in PRESETS:
