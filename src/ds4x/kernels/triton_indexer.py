@@ -327,6 +327,11 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         gt = vis & ((u >> low) > (kth >> low))
         eq = vis & ((u >> low) == (kth >> low))
         both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
+        # a program's own ranks before the listing's grid barrier when both phases share the launch: the scan then
+        # runs while the other programs arrive, not after
+        SCAN_FIRST: tl.constexpr = FIRST <= LEVELS and LAST > LEVELS and not LOCAL
+        if SCAN_FIRST:
+            excl = tl.cumsum(both, 0) - both
         if FIRST <= LEVELS:
             total = tl.sum(both, 0)
             if not LOCAL:
@@ -347,7 +352,8 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             mine = tl.load(gt_counts + pid, cache_modifier=".cg")
             mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
         if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
-            excl = tl.cumsum(both, 0) - both
+            if not SCAN_FIRST:
+                excl = tl.cumsum(both, 0) - both
             tie_rank = eq_before + (excl >> 16)
             sel = gt | (eq & (tie_rank < ties_taken))
             slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
