@@ -17,8 +17,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
         [--overlap] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--lane-words 1|4] [--flat]
-        [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--lane-words 1|4] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
 
@@ -70,17 +69,15 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
-def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict, multiples: tuple[str, ...] = ()
-                  ) -> triton.compiler.CompiledKernel:
+def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> triton.compiler.CompiledKernel:
     """A Gluon kernel for sm_90 with ``consts`` as its constexprs, ``pointers`` the types of its pointer arguments
     (``scale`` is fp32, every other argument i32), the pointers 16-byte aligned as Triton specializes them at launch
-    (so vector loads compile as they run), and the integers named in ``multiples`` specialized as multiples of 16
-    (as a launch does with such values)."""
+    (so vector loads compile as they run)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in pointers or a in multiples}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in pointers}
     src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs)
     return triton.compile(src, target=TARGET, options=options)
 
@@ -108,12 +105,10 @@ def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> trit
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
               "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "LANE_WORDS": indexer_wgmma.LANE_WORDS, "FLAT": pipelined and indexer_wgmma.FLAT_LOADS}
+              "LANE_WORDS": indexer_wgmma.LANE_WORDS}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
-    # rows_stride: 0 for one query, a multiple of 16 rows' words for a cache's stores
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
-                         {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})},
-                         multiples=("rows_stride",))
+                         {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> triton.compiler.CompiledKernel:
@@ -250,9 +245,7 @@ def main_indexer(args: argparse.Namespace) -> bool:
 
     if args.lane_words:
         indexer_wgmma.LANE_WORDS = args.lane_words
-    indexer_wgmma.FLAT_LOADS = indexer_wgmma.FLAT_LOADS or args.flat
-    tag = ("indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "") + f"_w{indexer_wgmma.LANE_WORDS}"
-           + ("_flat" if indexer_wgmma.FLAT_LOADS else ""))
+    tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "") + f"_w{indexer_wgmma.LANE_WORDS}"
     return report_all([(tag + ("_pipelined" if p else ""), lambda p=p: compile_indexer(args.maxnreg, p))
                        for p in sorted({False, bool(args.pipelined)})], args.dump, "HGMMA")
 
@@ -288,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
     idx.add_argument("--lane-words", type=int, choices=(1, 4), default=None,
                      help="indexer_wgmma.LANE_WORDS for this compile (default: the module's)")
-    idx.add_argument("--flat", action="store_true", help="indexer_wgmma.FLAT_LOADS on (the pipelined kernel)")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")

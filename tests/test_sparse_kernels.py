@@ -548,14 +548,12 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_rows, per_sm, lane_words, flat", [(64, 3, 4, False), (64, 4, 4, False),
-                                                                   (128, 2, 4, False), (64, 3, 1, False),
-                                                                   (64, 3, 4, True), (128, 2, 4, True)])
-def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, lane_words, flat, monkeypatch):
+@pytest.mark.parametrize("block_rows, per_sm, lane_words", [(64, 3, 4), (64, 4, 4), (128, 2, 4), (64, 3, 1)])
+def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, lane_words, monkeypatch):
     """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode; with LANE_WORDS 4
-    or 1, with FLAT_LOADS) scores every row as the one-tile kernel does, bit for bit: rows ending mid-tile and past
-    a program's last tile, a store only 4-byte aligned and one of 4,095 rows (both read row by row, not flat), a
-    device row count per query, a block scale far from its row's, and a 1M CSA layer's rows."""
+    or 1) scores every row as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last
+    tile, a store only 4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA
+    layer's rows."""
     from ds4x.kernels import indexer as I
     from ds4x.kernels import indexer_wgmma
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -571,14 +569,9 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
     big, qb, wb = _indexer_case(262_144, 64, 13, "cuda")
     qs, ws, counts = torch.stack([q, q.flip(0)]), torch.stack([w, w.flip(0)]), torch.tensor([4096, 777], device="cuda")
 
-    odd = rows[:4095].clone()
-    assert not indexer_wgmma.flat_loads_fit(shifted.view(torch.int32)) and indexer_wgmma.flat_loads_fit(big.view(
-        torch.int32)) and not indexer_wgmma.flat_loads_fit(odd.view(torch.int32))
-
     def calls():
         out = [indexer_scores_triton(q, w, store, n, packed=True) for store in (rows, shifted)
                for n in (4096, 4000, 1000, 63, 1)]
-        out.append(indexer_scores_triton(q, w, odd, 4095, packed=True))
         per_query = indexer_scores_triton(qs, ws, rows, counts, packed=True)  # columns from a count on: not written
         return [*out, per_query[0], per_query[1, :777], indexer_scores_triton(qb, wb, big, 262_144, packed=True)]
 
@@ -588,7 +581,6 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
     monkeypatch.setattr(indexer_wgmma, "PIPELINED", True)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED_BLOCK_N", block_rows)
     monkeypatch.setattr(indexer_wgmma, "LANE_WORDS", lane_words)
-    monkeypatch.setattr(indexer_wgmma, "FLAT_LOADS", flat)
     monkeypatch.setattr(I, "PROGRAMS_PER_SM", per_sm)
     for got, want in zip(calls(), default, strict=True):
         assert torch.equal(got, want)

@@ -60,19 +60,6 @@ PIPELINED_BLOCK_N = 64
 # 55% more instructions in the loop (each lane works out the scales of 8 rows; offline sm_90: 596 against 384, 127
 # registers against 96). Not yet timed (scripts/compressed_kernels_ab.py --parts indexer has it as a variant)
 LANE_WORDS = 4
-# FLAT_LOADS (pipelined kernel only): a tile's rows are one span of 68 x rows bytes, loaded flat by 16-byte vector
-# loads (a warp's load covers 512 contiguous bytes, where the row-wise 4-byte loads touch 8 rows' sectors for 128
-# bytes), stored flat into shared memory and read back as rows through a padded view (17 words a row: the 16 code
-# words, then the scale word as the padding). Taken only where the rows are 16-byte aligned and a store's rows a
-# multiple of 4 (`flat_loads_fit`): the last 16-byte piece of a count's rows may reach up to 3 words past its last
-# row, never past the store. Not yet timed (scripts/compressed_kernels_ab.py --parts indexer has it as a variant).
-FLAT_LOADS = False
-
-
-def flat_loads_fit(words: torch.Tensor) -> bool:
-    """Whether FLAT_LOADS may read the int32 row words [(T,) cap, 17]: 16-byte aligned, cap a multiple of 4 (each
-    store a whole number of 16-byte pieces)."""
-    return words.data_ptr() % 16 == 0 and words.shape[-2] % 4 == 0
 
 
 def block_rows() -> int:
@@ -129,53 +116,6 @@ if HAVE_GLUON:
                 gl.load(base + 16, mask=ok, other=0x7F7F7F7F))
 
     @gluon.jit
-    def _load_tile_flat(tile, rows_ptr, n_rows, BN: gl.constexpr, LP: gl.constexpr):
-        # a tile's 17 x BN words as one flat span of 16-byte pieces [pieces, 4]: the first 16 x BN words, then the
-        # last BN. A piece that starts before the count's last word is loaded whole (up to 3 words past it: see
-        # FLAT_LOADS); pieces past it are zero
-        end = n_rows.to(gl.int64) * 17 - tile.to(gl.int64) * (17 * BN)
-        base = rows_ptr + tile.to(gl.int64) * (17 * BN)
-        head = gl.arange(0, 4 * BN, layout=gl.SliceLayout(1, LP))
-        tail = 4 * BN + gl.arange(0, BN // 4, layout=gl.SliceLayout(1, LP))
-        wi = gl.arange(0, 4, layout=gl.SliceLayout(0, LP))[None, :]
-        return (gl.load(base + (4 * head[:, None] + wi), mask=(4 * head < end)[:, None] & (wi >= 0), other=0),
-                gl.load(base + (4 * tail[:, None] + wi), mask=(4 * tail < end)[:, None] & (wi >= 0), other=0))
-
-    @gluon.jit
-    def _unflatten(flat, head, tail, LW: gl.constexpr):
-        """The code words [rows, 4 blocks, 4 words] (layout LW) and scale words [rows] of a tile loaded flat by
-        `_load_tile_flat`, through the shared buffer ``flat`` (free: every warp is past its last read): stored as
-        loaded, then read back through padded views (a row is 16 code words then its scale word)."""
-        BN: gl.constexpr = head.shape[0] // 4
-        PIECES: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        flat.slice(0, 16 * BN)._reinterpret(gl.int32, [4 * BN, 4], PIECES).store(head)
-        flat.slice(16 * BN, BN)._reinterpret(gl.int32, [BN // 4, 4], PIECES).store(tail)
-        gl.thread_barrier()
-        CODES: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[16, 1]], [BN, 4, 4], [2, 1, 0])
-        SCALES: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[1, 16]], [BN], [0])
-        # LW's elements, each thread's ordered rows first: so no two of a thread's words count as one vector (a
-        # row starts 68 bytes after the last, so 16-byte shared loads would be misaligned); the same elements per
-        # thread as LW, so the conversion moves no data
-        LR: gl.constexpr = gl.BlockedLayout([1, 1, 1], LW.threads_per_warp, LW.warps_per_cta, [0, 2, 1])
-        words = gl.convert_layout(flat._reinterpret(gl.int32, [BN, 4, 4], CODES).load(LR), LW)
-        sw = flat.slice(16, 16)._reinterpret(gl.int32, [BN], SCALES).load(gl.SliceLayout(1, gl.SliceLayout(2, LW)))
-        return words, sw
-
-    @gluon.jit
-    def _load_rows(tile, rows_ptr, n_rows, BN: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr, FLAT: gl.constexpr):
-        if FLAT:
-            return _load_tile_flat(tile, rows_ptr, n_rows, BN, LP)
-        else:
-            return _load_tile(tile, rows_ptr, n_rows, BN, LW)
-
-    @gluon.jit
-    def _rows_words(flat, a, b, LW: gl.constexpr, FLAT: gl.constexpr):
-        if FLAT:
-            return _unflatten(flat, a, b, LW)
-        else:
-            return a, b
-
-    @gluon.jit
     def _largest_scale(sw):
         # the largest of each row's four block scale bytes
         return gl.maximum(gl.maximum(sw & 255, (sw >> 8) & 255), gl.maximum((sw >> 16) & 255, (sw >> 24) & 255))
@@ -223,9 +163,9 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
                      BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False,
-                     LANE_WORDS: gl.constexpr = 4, FLAT: gl.constexpr = False):
+                     LANE_WORDS: gl.constexpr = 4):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT. PIPELINED,
-        LANE_WORDS, FLAT (FLAT_LOADS, with PIPELINED only): see the module's switches of those names."""
+        LANE_WORDS: see the module's switches of those names."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
         # [rows, 4 blocks, 4 words]. With LANE_WORDS 4 a lane holds one block of a row and a warp's lanes run over 8
@@ -237,7 +177,6 @@ if HAVE_GLUON:
             LW: gl.constexpr = gl.BlockedLayout([1, 1, 1], [2, 4, 4], [num_warps, 1, 1], [2, 1, 0])
         else:
             LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
-        LP: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [num_warps, 1], [1, 0])  # FLAT's [pieces, 4 words]
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HP, 16])
@@ -272,26 +211,21 @@ if HAVE_GLUON:
             # ptxas found one's registers read inside the other's wgmma stage (LLVM's copies of the initial zeros)
             # and waited after every wgmma step
             k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, 128], SH16)
-            flat = 0
-            if FLAT:  # the flat pieces' shared buffer (17 x BN of its words used)
-                flat = gl.allocate_shared_memory(gl.int32, [32 * BN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             n_mine = gl.maximum(gl.cdiv(gl.cdiv(n_rows, BN) - pid, n_prog), 0)  # this program's tiles with rows
             if n_mine > 0:
-                # (a, b): the code and scale words, or (FLAT) the tile's flat pieces
-                a, b = _load_rows(pid, rows_ptr, n_rows, BN, LW, LP, FLAT)
-                next_a, next_b = _load_rows(pid + n_prog, rows_ptr, n_rows, BN, LW, LP, FLAT)
-                words, sw = _rows_words(flat, a, b, LW, FLAT)
+                words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
+                next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
                 smax = _pair_keys(k_smem.index(0), words, sw, LW, True)
                 acc = zero
                 for i in range(n_mine):
                     acc = warpgroup_mma(k_smem.index(i % 2), q_smem.permute((1, 0)), acc, use_acc=False,
                                         is_async=True)
-                    words, sw = _rows_words(flat, next_a, next_b, LW, FLAT)
+                    words, sw = next_words, next_sw
                     smax_next = _pair_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine)
                     # loaded after the keys' fence: on sm_90 it is a MEMBAR.ALL.CTA, which by the timings waits for
                     # the thread's loads in flight (loaded before it, 3% slower); issued here they stay in flight
                     # across the product's wait and the scores
-                    next_a, next_b = _load_rows(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW, LP, FLAT)
+                    next_words, next_sw = _load_tile(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows)
                     smax = smax_next
