@@ -203,22 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
         # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), and its PIPELINED variant (tiles of 64 rows
-        # at 3 / 4 an SM, of 128 at 2; LANE_WORDS 1), alternating twice; the same scores bit for bit
+        # at 3 / 4 an SM, of 128 at 2), alternating twice; the same scores bit for bit
         from ds4x.kernels import indexer_wgmma as IW
 
-        saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N, IW.LANE_WORDS
-        idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64, 4),
-                        "Gluon kernel, 3 programs a SM": (3, False, 64, 4),
-                        "pipelined, 64 rows, 3 a SM": (3, True, 64, 4), "pipelined, 64 rows, 4 a SM": (4, True, 64, 4),
-                        "pipelined, 128 rows, 2 a SM": (2, True, 128, 4),
-                        "pipelined, 64 rows, 3 a SM, LANE_WORDS 1": (3, True, 64, 1)}
+        saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N
+        idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64),
+                        "Gluon kernel, 3 programs a SM": (3, False, 64),
+                        "pipelined, 64 rows, 3 a SM": (3, True, 64), "pipelined, 64 rows, 4 a SM": (4, True, 64),
+                        "pipelined, 128 rows, 2 a SM": (2, True, 128)}
         times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
         same: dict[str, bool] = {}
         for _ in range(2):
-            for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N, IW.LANE_WORDS) in idx_variants.items():
+            for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N) in idx_variants.items():
                 same[v] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
                 times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-        I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N, IW.LANE_WORDS = saved
+        I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N = saved
         for v, ts in times_i.items():
             t_i = min(ts)
             print(f"  {v:<30} {t_i:9.1f} us  same bits {same[v]}  ({packed.numel() / t_i / 1e3:.0f} GB/s)")

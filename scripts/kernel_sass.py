@@ -17,7 +17,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
         [--overlap] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--lane-words 1|4] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
 
@@ -104,8 +104,7 @@ def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> trit
     from ds4x.kernels import indexer_wgmma
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
-              "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "LANE_WORDS": indexer_wgmma.LANE_WORDS}
+              "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
                          {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
@@ -241,11 +240,7 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
-    from ds4x.kernels import indexer_wgmma
-
-    if args.lane_words:
-        indexer_wgmma.LANE_WORDS = args.lane_words
-    tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "") + f"_w{indexer_wgmma.LANE_WORDS}"
+    tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
     return report_all([(tag + ("_pipelined" if p else ""), lambda p=p: compile_indexer(args.maxnreg, p))
                        for p in sorted({False, bool(args.pipelined)})], args.dump, "HGMMA")
 
@@ -279,8 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
-    idx.add_argument("--lane-words", type=int, choices=(1, 4), default=None,
-                     help="indexer_wgmma.LANE_WORDS for this compile (default: the module's)")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")

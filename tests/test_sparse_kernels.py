@@ -548,12 +548,11 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_rows, per_sm, lane_words", [(64, 3, 4), (64, 4, 4), (128, 2, 4), (64, 3, 1)])
-def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, lane_words, monkeypatch):
-    """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode; with LANE_WORDS 4
-    or 1) scores every row as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last
-    tile, a store only 4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA
-    layer's rows."""
+@pytest.mark.parametrize("block_rows, per_sm", [(64, 3), (64, 4), (128, 2)])
+def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, monkeypatch):
+    """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode) scores every row
+    as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
+    4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA layer's rows."""
     from ds4x.kernels import indexer as I
     from ds4x.kernels import indexer_wgmma
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -576,11 +575,9 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
         return [*out, per_query[0], per_query[1, :777], indexer_scores_triton(qb, wb, big, 262_144, packed=True)]
 
     monkeypatch.setattr(indexer_wgmma, "PIPELINED", False)
-    monkeypatch.setattr(indexer_wgmma, "LANE_WORDS", 4)
     default = calls()  # one tile, 128 rows (the kernel before PIPELINED)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED", True)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED_BLOCK_N", block_rows)
-    monkeypatch.setattr(indexer_wgmma, "LANE_WORDS", lane_words)
     monkeypatch.setattr(I, "PROGRAMS_PER_SM", per_sm)
     for got, want in zip(calls(), default, strict=True):
         assert torch.equal(got, want)

@@ -54,12 +54,6 @@ WARPS = 4
 # 16.4 at 2; the same bits.
 PIPELINED = True
 PIPELINED_BLOCK_N = 64
-# LANE_WORDS: the words of a row's block that one lane loads and decodes. 4 (the default): a lane holds a whole block
-# (one scale worked out per block), a warp's 4-byte loads span 8 rows (5-6 cache lines each: ncu counts 10.7 of
-# each 32-byte sector used). 1: a warp's loads span 2 rows (2-3 lines) and its key stores stay conflict-free, for
-# 55% more instructions in the loop (each lane works out the scales of 8 rows; offline sm_90: 596 against 384, 127
-# registers against 96). Not yet timed (scripts/compressed_kernels_ab.py --parts indexer has it as a variant)
-LANE_WORDS = 4
 
 
 def block_rows() -> int:
@@ -162,21 +156,18 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
-                     BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False,
-                     LANE_WORDS: gl.constexpr = 4):
-        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT. PIPELINED,
-        LANE_WORDS: see the module's switches of those names."""
+                     BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False):
+        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT. PIPELINED:
+        see the module's switch of that name."""
         wait_upstream(PDL)
         HP: gl.constexpr = 64
-        # [rows, 4 blocks, 4 words]. With LANE_WORDS 4 a lane holds one block of a row and a warp's lanes run over 8
-        # rows first, so that each quarter-warp's 16-byte key stores (8 rows, one block) fall in 8 different bank
-        # groups of the 128-byte swizzle (with 2 rows x 4 blocks, blocks b and b + 2 of a row shared a group: ncu
-        # counted 9.7 wavefronts a store request; H100, 262,144 rows, 15.8 -> 14.7 us, the same bits). With 1, a
-        # quarter-warp stores the 8 words of two blocks of one row: 8 groups too
-        if LANE_WORDS == 1:
-            LW: gl.constexpr = gl.BlockedLayout([1, 1, 1], [2, 4, 4], [num_warps, 1, 1], [2, 1, 0])
-        else:
-            LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
+        # [rows, 4 blocks, 4 words]: a lane holds one block of a row; a warp's lanes run over 8 rows first, so that
+        # each quarter-warp's 16-byte key stores (8 rows, one block) fall in 8 different bank groups of the 128-byte
+        # swizzle (with 2 rows x 4 blocks, blocks b and b + 2 of a row shared a group: ncu counted 9.7 wavefronts a
+        # store request; H100, 262,144 rows, 15.8 -> 14.7 us, the same bits). Lanes over fewer rows (one word a
+        # lane: 2 rows a warp's load) and the rows loaded flat in 16-byte pieces through shared memory were each
+        # slower (21.0 and 16.7-18.9 us; docs/PROFILE.md, eighteenth session)
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, HP, 16])
