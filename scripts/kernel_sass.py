@@ -113,18 +113,16 @@ def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> trit
 def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> triton.compiler.CompiledKernel:
     """``routed_wgmma._routed_wgmma_kernel`` for IQ2_XXS split rows (17) / Q2_K (10) at (BT, BN, warps), as
     ``routed_wgmma`` launches it (int arguments and pointers 16-divisible, as Triton specializes them): the
-    variant ``shared`` (default), ``x async`` (ASYNC_ACTIVATIONS), ``regs`` (REGISTER_WEIGHTS too) or ``rows first``
-    (WORDS_ROWS_FIRST)."""
+    variant ``shared`` (default), ``x async`` (ASYNC_ACTIVATIONS) or ``regs`` (REGISTER_WEIGHTS too)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ds4x.kernels import routed_wgmma
 
     bt, bn, warps = tile
-    reg, xa, rows_first = routed_wgmma.VARIANTS[variant]
+    reg, xa = routed_wgmma.VARIANTS[variant]
     fn = routed_wgmma._routed_wgmma_kernel
     consts = {"X_DIV": 1, "QTYPE": qtype, "BT": bt, "BN": bn, "num_warps": warps, "REG_W": reg, "X_ASYNC": xa,
-              "L4": routed_wgmma.register_words_layout(bn, warps) if reg
-              else routed_wgmma.words_layout(warps, rows_first)}
+              "L4": routed_wgmma.register_words_layout(bn, warps) if reg else routed_wgmma.words_layout(warps)}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i16", "c_expert": "*i32", "c_start": "*i32",
                 "c_len": "*i32", "order_ptr": "*i32", "y_ptr": "*bf16"}
     names = fn.arg_names
@@ -278,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
     rt.add_argument("--tile", nargs="+", default=["16,128,4", "128,64,4", "64,64,4"], help="BT,BN,warps tiles")
-    rt.add_argument("--variant", default="shared,x async,regs,rows first",
-                    help="comma-separated: shared, x async, regs, rows first")
+    rt.add_argument("--variant", default="shared,x async,regs", help="comma-separated: shared, x async, regs")
     rt.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)
     run = {"qmv": main_qmv, "attention": main_attention, "indexer": main_indexer, "routed": main_routed}[args.kernel]

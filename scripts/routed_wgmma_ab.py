@@ -5,14 +5,12 @@ experts, per (BT pairs a chunk, BN rows, warps) tile and per variant of `ds4x.ke
 
 * ``shared``: the weights decoded into a shared tile, the activations through registers (the default);
 * ``x async``: the activations by cp.async into three shared buffers (``ASYNC_ACTIVATIONS``);
-* ``regs``: also the weights decoded straight into the wgmma's register operand (``REGISTER_WEIGHTS``);
-* ``rows first``: the default's decoded weights stored by lanes over 8 rows first (``WORDS_ROWS_FIRST``), at the
-  default's tiles.
+* ``regs``: also the weights decoded straight into the wgmma's register operand (``REGISTER_WEIGHTS``).
 
 Every call of a CUDA graph of 4 picks its own random experts; median of the replays. Each variant's output is
-compared with the default's at the same token count (``x async`` and ``rows first`` give the same bits; ``regs``
-sums each 128-weight step in another order). These are the prompt calls' and prefill chunks' routed products (2-96
-pairs an expert); docs/PROFILE.md "Routed experts on the tensor cores" has the tiles' history.
+compared with the default's at the same token count (``x async`` alone gives the same bits; ``regs`` sums each
+128-weight step in another order). These are the prompt calls' and prefill chunks' routed products (2-96 pairs an
+expert); docs/PROFILE.md "Routed experts on the tensor cores" has the tiles' history.
 
     PYTHONPATH=src python scripts/routed_wgmma_ab.py [--tokens 130,1024,4096] [--ledger benchmarks/ledger.jsonl]
 """
@@ -62,8 +60,8 @@ def main() -> int:
     }
     env = environment()
     rows = []
-    saved = rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS, rw.WORDS_ROWS_FIRST
-    print(f"{'product':>8} {'tokens':>6} {'variant':>10} {'tile':>10} {'us':>9} {'GB/s':>6} {'of copy':>8}  "
+    saved = rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS
+    print(f"{'product':>8} {'tokens':>6} {'variant':>8} {'tile':>10} {'us':>9} {'GB/s':>6} {'of copy':>8}  "
           "max rel diff to the default")
     try:
         for t in (int(v) for v in args.tokens.split(",")):
@@ -72,17 +70,17 @@ def main() -> int:
                 id_sets = [torch.stack([torch.randperm(n_exp, generator=g, device=dev)[:k] for _ in range(t)])
                            .to(torch.int32) for _ in range(4)]
                 nbytes = t * k * w.shape[1] * w.row_bytes
-                rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS, rw.WORDS_ROWS_FIRST = rw.VARIANTS["shared"]
+                rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = rw.VARIANTS["shared"]
                 default_tile = rw.wgmma_config(w.qtype, t * k / n_exp)
                 ref = rw.routed_wgmma(x, w, id_sets[0], k).float()
-                for variant, tile in [("shared", default_tile), ("rows first", default_tile)] + CANDIDATES[name]:
-                    rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS, rw.WORDS_ROWS_FIRST = rw.VARIANTS[variant]
+                for variant, tile in [("shared", default_tile)] + CANDIDATES[name]:
+                    rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = rw.VARIANTS[variant]
                     out = rw.routed_wgmma(x, w, id_sets[0], k, tile).float()
                     diff = float((out - ref).abs().max() / ref.abs().max())
                     us = graph_replay_us([lambda i=i, c=tile, x=x, w=w: rw.routed_wgmma(x, w, i, k, c)
                                           for i in id_sets], rep_ms=60)
                     gbs = nbytes / (us * 1e-6) / 1e9
-                    print(f"{name:>8} {t:6d} {variant:>10} {','.join(map(str, tile)):>10} {us:9.1f} {gbs:6.0f} "
+                    print(f"{name:>8} {t:6d} {variant:>8} {','.join(map(str, tile)):>10} {us:9.1f} {gbs:6.0f} "
                           f"{gbs / COPY_GB_S:8.1%}  {diff:.1e}")
                     rows.append({"bench": "quant_matmul", **env, "qtype": name,
                                  "shape": f"{name} {w.shape[1]}x{w.shape[2]} x{k} routed, {t} tokens",
@@ -93,7 +91,7 @@ def main() -> int:
                                  "model": f"random GGML blocks, seed {args.seed}",
                                  **({} if variant == "shared" and tile == default_tile else {"status": "variant"})})
     finally:
-        rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS, rw.WORDS_ROWS_FIRST = saved
+        rw.REGISTER_WEIGHTS, rw.ASYNC_ACTIVATIONS = saved
     if args.ledger:
         append(rows, args.ledger)
     return 0

@@ -78,10 +78,9 @@ def test_not_available_without_a_hopper_gpu() -> None:
 
 
 def _use_variant(monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
-    reg, xa, rows_first = rw.VARIANTS[variant]
+    reg, xa = rw.VARIANTS[variant]
     monkeypatch.setattr(rw, "REGISTER_WEIGHTS", reg)
     monkeypatch.setattr(rw, "ASYNC_ACTIVATIONS", xa)
-    monkeypatch.setattr(rw, "WORDS_ROWS_FIRST", rows_first)
 
 
 def _hopper() -> bool:

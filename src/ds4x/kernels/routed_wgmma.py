@@ -335,12 +335,8 @@ REGISTER_WEIGHTS = False
 # the activations by cp.async into shared memory (`_routed_wgmma_kernel` X_ASYNC) instead of through registers; off
 # until timed on a GPU
 ASYNC_ACTIVATIONS = False
-# the decoded weight tile's stores by lanes over 8 rows of one group / unit first (`words_layout`); off until timed on
-# a GPU (the indexer's key stores had the same 2-way bank conflicts: docs/PROFILE.md, seventeenth session)
-WORDS_ROWS_FIRST = False
-# the kernel's variants by name: (REGISTER_WEIGHTS, ASYNC_ACTIVATIONS, WORDS_ROWS_FIRST), for A/Bs and tests
-VARIANTS = {"shared": (False, False, False), "x async": (False, True, False), "regs": (True, True, False),
-            "rows first": (False, False, True)}
+# the kernel's variants by name: (REGISTER_WEIGHTS, ASYNC_ACTIVATIONS), for A/Bs and tests
+VARIANTS = {"shared": (False, False), "x async": (False, True), "regs": (True, True)}
 
 
 def register_weights_fit(bn: int, warps: int) -> bool:
@@ -361,12 +357,13 @@ def register_words_layout(bn: int, warps: int):
                                       block_bases=[], shape=[bn, 4, 4, 4])
 
 
-@lru_cache(maxsize=8)
-def words_layout(warps: int, rows_first: bool = False):
-    """The layout of the decoded words when they go through shared memory: a thread holds a group / unit of a row, a
-    warp's lanes run over 2 rows x 4 groups (a quarter-warp's 16-byte stores then meet groups g and g + 2 of a row in
-    one bank group of the 128-byte swizzle), or with ``rows_first`` over 8 rows of a group first (8 bank groups)."""
-    return gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [warps, 1, 1, 1], [3, 2, 0, 1] if rows_first else [3, 2, 1, 0])
+@lru_cache(maxsize=4)
+def words_layout(warps: int):
+    """The layout of the decoded words when they go through shared memory: a thread holds a group / unit of a row,
+    and a warp's lanes run over 8 rows of one group first, so a quarter-warp's 16-byte stores meet 8 bank groups of
+    the 128-byte swizzle (lanes over 2 rows x 4 groups met groups g and g + 2 of a row in one: H100,
+    `scripts/routed_wgmma_ab.py`, the default tiles 4-6% faster at 1,024 / 4,096 tokens, Q2_K at 130 18%)."""
+    return gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [warps, 1, 1, 1], [3, 2, 0, 1])
 
 
 def wgmma_config(qtype: GGMLQuantizationType, pairs_per_expert: float) -> tuple[int, int, int]:
@@ -422,7 +419,7 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
                                n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
                                QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn,
-                               L4=register_words_layout(bn, nw) if reg_w else words_layout(nw, WORDS_ROWS_FIRST),
-                               REG_W=reg_w, X_ASYNC=ASYNC_ACTIVATIONS, num_warps=nw)
+                               L4=register_words_layout(bn, nw) if reg_w else words_layout(nw), REG_W=reg_w,
+                               X_ASYNC=ASYNC_ACTIVATIONS, num_warps=nw)
     return y
 
