@@ -4,7 +4,7 @@
 #
 #   bash scripts/device_ab.sh kernels   # GPU tests of the quantized products, routed matvec sweep, the Q8_0 matvecs
 #                                       # with and without their weights loaded before the PDL wait (at most ~9 min)
-#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: PRELOAD_WEIGHTS on as the variant (<10 min)
+#   bash scripts/device_ab.sh step      # batched decode, 1 and 8 sessions: PRELOAD_WEIGHTS off as the variant (<10 min)
 #   bash scripts/device_ab.sh serve     # `ds4x serve -m flash:q2` under `ds4x bench serve` at 1, 8 and 32 streams (~5 min;
 #                                       # DS4X_SERVE_OVERLAP=0: the host reads each step's tokens before the next
 #                                       # step, the baseline of the overlapped reads; DS4X_SERVE_ARGS: more
@@ -101,7 +101,7 @@ kernels)
 step)
     piece batched.log 560 python scripts/batched_decode.py -m "$model" --batches 1,8 --rounds 2 \
         --ledger "$out/ledger.jsonl" \
-        --variant "preload: $qm.PRELOAD_WEIGHTS=True"
+        --variant "no preload: $qm.PRELOAD_WEIGHTS=False"
     ;;
 step32)
     # (32 sessions' 192 gate / up pairs take the expert-pairs kernel, EXPERT_PAIRS_MIN)

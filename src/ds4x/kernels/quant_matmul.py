@@ -1612,9 +1612,11 @@ PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launc
 # it waits for the kernels upstream (PDL): they write x, never the weights, so the first wave's weight bytes arrive
 # while the previous kernel finishes. wq_a (4096 -> 1024, 4.5 MB) took 3.95 us, 27% of copy bandwidth (f663748),
 # about one DRAM round trip more than its bytes. An L2 prefetch of each program's rows before the wait (see
-# ds4x.formats.pdl) sped wq_a up and slowed the shared expert, wo_b and the step: those bytes crossed twice. Off until
-# measured on a GPU (the same bits either way)
-PRELOAD_WEIGHTS = False
+# ds4x.formats.pdl) sped wq_a up and slowed the shared expert, wo_b and the step: those bytes crossed twice. Loaded
+# into registers instead (the same bits either way), H100: wq_a 4.39 -> 3.04 us (int8 activations), wq_b at its
+# int8 tile 15.65 -> 16.60 (slower alone); the replayed step (`scripts/batched_decode.py -m flash:q2:128`, two
+# alternating rounds) 6.13 -> 6.06 ms at one session, 13.97 / 13.98 at eight
+PRELOAD_WEIGHTS = True
 # The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
 # once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
 # (512 at Flash's 4096 rows); the same bits. H200 (9fa0861, flash:q2 seed 0): routed down at 8 tokens 46.3 against
