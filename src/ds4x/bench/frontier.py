@@ -205,13 +205,11 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
     base = PRESETS[fc.preset]()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if fc.weights == "q2":
+        from ds4x.runtime.engine import synthetic_quantized_spec
         from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
-        experts = fc.experts or base.n_routed_experts
-        if not base.n_experts_per_tok <= experts <= base.n_routed_experts:
-            raise ValueError(f"the q2 model keeps top-{base.n_experts_per_tok} routing: experts must be from "
-                             f"{base.n_experts_per_tok} to {base.n_routed_experts}, got {experts}")
-        cfg = base.replace(n_routed_experts=experts)
+        cfg, _ = synthetic_quantized_spec(f"{fc.preset}:q2" + (f":{fc.experts}" if fc.experts else ""))
+        experts = cfg.n_routed_experts
         whole = "full model" if experts == base.n_routed_experts else f"{experts} routed experts"
         log(f"synthesizing {fc.preset} in the q2 mix, {whole} ({dtype} activations, seed {fc.seed}) ...")
         weights = synthetic_quantized_weights(cfg, "q2", seed=fc.seed, dtype=dtype, device=dev)
