@@ -48,7 +48,8 @@
 #                                       # 26 s: one machine start instead of three)
 #
 # Run from the repository root on a CUDA machine; logs and ledger rows go to $OUT (default ./ab-out), the ledger
-# rows' commit comes from DS4X_COMMIT. Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
+# rows' commit comes from DS4X_COMMIT. The stages that load a model take DS4X_AB_MODEL, by default flash:q2 where
+# the GPU holds it (an H200) and flash:q2:128 elsewhere (an H100: 128 of the 256 routed experts). Wheels the machine lacks (gguf; fastapi, uvicorn, httpx) are installed from
 # .whl/ when that folder is there; it is git-ignored, so make it here and name it in the device call's carry:
 #   pip download -q gguf==0.19.0 --no-deps -d .whl
 #   pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
@@ -59,9 +60,17 @@ set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
 stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|ncu|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
-# the model of the stages that load one: DS4X_AB_MODEL=flash:q2:128 (128 of the 256 routed experts, 44 GiB) fits
-# an H100 of 80 GB where the whole flash:q2 (80.8 GiB) does not
-model=${DS4X_AB_MODEL:-flash:q2}
+# the model of the stages that load one: DS4X_AB_MODEL, else flash:q2 (80.8 GiB) on a GPU that holds it and
+# flash:q2:128 (128 of the 256 routed experts, 44 GiB) on one of less memory (an H100's 80 GB)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ -n "${DS4X_AB_MODEL:-}" ]; then
+    model=$DS4X_AB_MODEL
+elif [ "${gpu_mib:-0}" -ge 100000 ] 2>/dev/null; then
+    model=flash:q2
+else
+    model=flash:q2:128
+fi
+echo "model: $model" >&2
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 if [ "$stage" = all ]; then  # each stage installs the wheels and keeps its pieces' limits; the call's own limit
     # (600 s) bounds the sum
@@ -241,7 +250,7 @@ PY
     ;;
 *)
     echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier, candidates," \
-        "tests or all)" >&2
+        "tests, ncu or all)" >&2
     exit 2
     ;;
 esac
