@@ -21,9 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
                     reason="Triton's bundled ptxas is not here")
 @pytest.mark.skipif(importlib.util.find_spec("triton.experimental.gluon") is None, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("args", [["indexer", "--pipelined"],
-                                  ["attention", "--query", "bf16", "--two-phase", "5", "--overlap"]],
-                         ids=["indexer", "attention"])
+@pytest.mark.parametrize("args", [["indexer", "--pipelined"], ["attention", "--query", "bf16", "--two-phase", "5",
+                                                                "--overlap"]], ids=["indexer", "attention"])
 def test_overlapped_products_stay_asynchronous(args: list[str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")

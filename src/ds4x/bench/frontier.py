@@ -208,14 +208,14 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
         from ds4x.runtime.engine import synthetic_quantized_spec
         from ds4x.weights.synthetic_gguf import synthetic_quantized_weights
 
-        cfg, _ = synthetic_quantized_spec(f"{fc.preset}:q2" + (f":{fc.experts}" if fc.experts else ""))
+        cfg, _ = synthetic_quantized_spec(f"{fc.preset}:q2" + ("" if fc.experts is None else f":{fc.experts}"))
         experts = cfg.n_routed_experts
         whole = "full model" if experts == base.n_routed_experts else f"{experts} routed experts"
         log(f"synthesizing {fc.preset} in the q2 mix, {whole} ({dtype} activations, seed {fc.seed}) ...")
         weights = synthetic_quantized_weights(cfg, "q2", seed=fc.seed, dtype=dtype, device=dev)
         label = f"synthetic {fc.preset}:q2 ({whole}), seed {fc.seed}"
     elif fc.weights == "bf16":
-        experts = fc.experts or 8
+        experts = 8 if fc.experts is None else fc.experts
         cfg = base.replace(n_routed_experts=experts, n_experts_per_tok=min(base.n_experts_per_tok, experts))
         log(f"synthesizing {fc.preset} attention shapes with {experts} routed experts ({dtype}, seed {fc.seed}) "
             "...")
