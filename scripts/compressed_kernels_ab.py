@@ -3,8 +3,9 @@
 (Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
 variant, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query, and the top-k as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to
-32,768 scores (the better of two alternating runs each).
+the model's bf16 query (and on it with the rows from DRAM, EARLY_PREFETCH flipped as the variant), and the top-k
+as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores (the better of two
+alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -150,6 +151,35 @@ def main(argv: list[str] | None = None) -> int:
                f"Gluon kernel, bf16 query, default with TWO_PHASE_OVERLAP={not overlap_default}", t_overlap,
                {"same_bits": same_overlap, "status": "variant"})
     qb = q.bfloat16()
+
+    # one query's cases on the bf16 query with their rows from DRAM as in the model (a graph of one call on each of 24
+    # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead), with
+    # A.EARLY_PREFETCH (HCA's compressed rows asked of L2 before the PDL wait) as the variant, alternating twice
+    if "attention" in parts:
+        from ds4x.bench.timing import graph_replay_us
+
+        early_default = A.EARLY_PREFETCH
+        print(f"\n{'attention, rows from DRAM':<26} {f'early {int(early_default)}':>9} "
+              f"{f'early {int(not early_default)}':>9}  (us, bf16 query)")
+        for name, sources in cases.items():
+            copies = [sources] + [[(data.clone(), slots) for data, slots in sources] for _ in range(23)]
+            times_e: dict[bool, list[float]] = {early_default: [], not early_default: []}
+            outs_e: dict[bool, torch.Tensor] = {}
+            for _ in range(2):
+                for flag in times_e:
+                    A.EARLY_PREFETCH = flag
+                    outs_e[flag] = attention_decode_triton(qb, sources, sinks, scale, nope, True)
+                    times_e[flag].append(graph_replay_us(
+                        [lambda c=c: attention_decode_triton(qb, c, sinks, scale, nope, True) for c in copies],
+                        rep_ms=100))
+            A.EARLY_PREFETCH = early_default
+            same_e = torch.equal(outs_e[True], outs_e[False])
+            del copies
+            print(f"{name:<26} " + " ".join(f"{min(times_e[f]):9.1f}" for f in times_e) + f"  same bits {same_e}")
+            for flag, t_e in times_e.items():
+                record("decode attention", f"{name} from DRAM", f"Gluon kernel, bf16 query, EARLY_PREFETCH={flag}",
+                       min(t_e), {"same_bits": same_e, "rows": "DRAM",
+                                  **({} if flag == early_default else {"status": "variant"})})
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

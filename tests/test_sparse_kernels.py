@@ -683,7 +683,8 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
     """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
     against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
     compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
-    native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP gives the same bits."""
+    native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP and EARLY_PREFETCH either way
+    give the same bits."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
@@ -702,6 +703,10 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
         assert float((out - online).abs().max() / online.abs().max()) < 1e-5
         monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", True)  # the next block decoded beside the score product
         assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), out)
+        early = A.EARLY_PREFETCH  # HCA's rows asked of L2 before the PDL wait, or not: a hint, the same bits
+        for flag in (not early, early):
+            monkeypatch.setattr(A, "EARLY_PREFETCH", flag)
+            assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), out)
         for b in range(3):
             alone = [(r[b], s[b] if isinstance(s, torch.Tensor) else
                       Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]

@@ -90,6 +90,10 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
+# A program over HCA's compressed rows (slot mode 2: row j is slot j, found without the query's position) asks L2 for
+# all its blocks' rows before its PDL wait, so that they come from DRAM while the kernels before it finish
+# (`attention_wgmma.partial_kernel` EARLY_PREFETCH); the same bits. Not yet measured.
+EARLY_PREFETCH = True
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -216,7 +220,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, EARLY_PREFETCH=EARLY_PREFETCH, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

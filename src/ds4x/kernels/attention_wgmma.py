@@ -93,14 +93,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _prefetch_rows(rows_ptr, idx, stride, ROW: gl.constexpr):
-        # ask L2 for the bytes of rows ``idx`` (-1: row 0, harmless): one bulk prefetch per row over the 16-byte
-        # granules it touches (the address aligned here: a batch's stores need not be), so that the decode of the
-        # next block reads L2 instead of waiting on DRAM
+        # ask L2 for the bytes of rows ``idx`` (-1: none): one bulk prefetch per row over the 16-byte granules it
+        # touches (the address aligned here: a batch's stores need not be), so that the decode of the next block
+        # reads L2 instead of waiting on DRAM
         gl.inline_asm_elementwise(
-            "{ .reg .b64 a, e; .reg .b32 n; and.b64 a, $1, -16; add.s64 e, $1, $2; and.b64 e, e, -16; "
-            "sub.s64 e, e, a; cvt.u32.u64 n, e; cp.async.bulk.prefetch.L2.global [a], n; mov.u32 $0, 0; }",
-            "=r,l,l", [rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride,
-                       gl.full_like(idx, ROW + 15).to(gl.int64)],
+            "{ .reg .b64 a, e; .reg .b32 n; .reg .pred p; setp.ge.s32 p, $3, 0; and.b64 a, $1, -16; "
+            "add.s64 e, $1, $2; and.b64 e, e, -16; sub.s64 e, e, a; cvt.u32.u64 n, e; "
+            "@p cp.async.bulk.prefetch.L2.global [a], n; mov.u32 $0, 0; }",
+            "=r,l,l,r", [rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride,
+                         gl.full_like(idx, ROW + 15).to(gl.int64), idx.to(gl.int32)],
             dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
@@ -253,18 +254,35 @@ if HAVE_GLUON:
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False):
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
+                       EARLY_PREFETCH: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
         TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
-        instead of the online loop; the same state to float rounding."""
-        wait_upstream(PDL)
+        instead of the online loop; the same state to float rounding. EARLY_PREFETCH (source B in slot mode 2, the
+        compressed rows 0 .. n - 1): a program of B asks L2 for all its blocks' rows before its PDL wait."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
+        split = gl.program_id(0)
+        b = gl.program_id(2).to(gl.int64)
+        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        if EARLY_PREFETCH and MODE_B == 2 and not WHOLE:
+            # A split's compressed rows are found without its position (slot j is row j), so their bytes are on
+            # their way from DRAM while the kernels before this one finish. A prefetch only warms L2, the point of
+            # coherence, so a row this step's compressor writes after it is still read as written
+            # (a row a thread: the blocks' layout holds each row in every lane of a warp, 32 prefetches of it)
+            PL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            if split >= splits_a:
+                first = (split - splits_a) * blocks_b * BLOCK
+                for c in range(0, blocks_b * BLOCK, 32 * num_warps):
+                    j = c + gl.arange(0, 32 * num_warps, layout=PL)
+                    ok = (j < blocks_b * BLOCK) & (first + j < n_b)
+                    _prefetch_rows(rows_b + b * store_b, gl.where(ok, first + j, -1), stride_b, ROW)
+        wait_upstream(PDL)
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
         # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
         S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -280,8 +298,6 @@ if HAVE_GLUON:
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
-        split = gl.program_id(0)
-        b = gl.program_id(2).to(gl.int64)
         # the program's blocks: na of source A from block a0, then nb of source B from block b0
         zero = split * 0  # a runtime zero: both branches below define tensors
         if WHOLE:
@@ -308,7 +324,6 @@ if HAVE_GLUON:
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
         dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
         q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
-        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
                           BLOCK, MODE_A, MODE_B)
         if na > 0:
