@@ -266,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
 
         # the select as dispatched (one program a row up to SMALL_ROWS scores, SMALL_ROWS_BATCHED from 8 rows on, else
         # the multi-program select) against one program a row forced (the histogram select, SMALL_WARPS warps) up to
-        # 32,768 scores, alternating twice; exact: the same set as the composite-key topk for every row
+        # 32,768 scores, and the multi-program select without its candidates (RADIX_CANDIDATES = 0: the digit levels
+        # to the end), alternating twice; exact: the same set as the composite-key topk for every row
         from ds4x.kernels import select as S
 
-        variants = {"as dispatched": (None, None), "one program, 8 warps": (True, 8),
-                    "one program, 16 warps": (True, 16), "one program, 32 warps": (True, 32)}
-        default_warps = S.SMALL_WARPS
+        default_warps, default_cand = S.SMALL_WARPS, S.RADIX_CANDIDATES
+        variants = {"as dispatched": (None, None, default_cand), "levels only (RADIX_CANDIDATES=0)": (None, None, 0),
+                    "one program, 8 warps": (True, 8, default_cand), "one program, 16 warps": (True, 16, default_cand),
+                    "one program, 32 warps": (True, 32, default_cand)}
         print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
         sizes = ((262_144, 1), (32_768, 1), (16_384, 1), (8_192, 1), (4_160, 1), (2_048, 1), (1_024, 1), (1_024, 32),
                  (8_192, 8), (16_384, 8), (32_768, 8))
@@ -281,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             times_v: dict[str, list[float]] = {v: [] for v in variants}
             exact: dict[str, bool] = {}
             for _ in range(2):
-                for name, (small, warps) in variants.items():
+                for name, (small, warps, cand) in variants.items():
                     if small and rows_n > 32_768:
                         continue
-                    S.SMALL_WARPS = warps
+                    S.SMALL_WARPS, S.RADIX_CANDIDATES = warps, cand
                     try:
                         index, valid = select_topk_radix(s, count, 512, small=small)
                         exact[name] = all(set(index[b][valid[b]].tolist())
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as exc:  # (a configuration the GPU cannot launch is reported, not fatal)
                         print(f"  {name} at {batch} x {rows_n:,}: {type(exc).__name__}: {str(exc)[:80]}")
                         times_v[name].append(float("nan"))
-            S.SMALL_WARPS = default_warps
+            S.SMALL_WARPS, S.RADIX_CANDIDATES = default_warps, default_cand
             print(f"{f'{batch} x {rows_n:,}':<20} "
                   + " ".join(f"{min(times_v[v], default=float('nan')):21.1f} {str(exact.get(v, '-')):>6}"
                              for v in variants))

@@ -148,6 +148,41 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
+def _bucket_size(scores: torch.Tensor, n_vis: int, k: int) -> int:
+    """Rows sharing the top 16 bits of the k-th largest order-preserving code (the radix select's candidates)."""
+    bits = (scores[:n_vis].float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    codes = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+    kth = codes.sort(descending=True).values[min(k, n_vis) - 1]
+    return int(((codes >> 16) == (kth >> 16)).sum())
+
+
+@pytest.mark.parametrize("candidates", [0, 4, 256])
+def test_radix_select_finds_the_kth_among_listed_candidates(candidates, monkeypatch):
+    """RADIX_CANDIDATES: the multi-program select (3 programs here) lists the rows of the k-th code's 16-bit bucket
+    and sorts them instead of counting two more digit levels when there are at most that many; the same exact
+    selection in row order either way: Gaussian scores (small buckets), exact ties at the k-th inside a small
+    bucket, and one bucket of all rows (the levels go on)."""
+    from ds4x.kernels import select
+
+    monkeypatch.setattr(select, "RADIX_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(11)
+    n = 3000
+    gauss = torch.randn(n, generator=g)
+    tied = gauss.clone()
+    tied[::50] = tied.sort(descending=True).values[500]
+    wide = (torch.tensor(1.5).view(torch.int32) + torch.randint(0, 1 << 16, (n,), generator=g,
+                                                                dtype=torch.int32)).view(torch.float32)
+    cases = [(gauss, n, 512), (gauss, 2500, 512), (gauss, n, 64), (tied, n, 512), (wide, n, 512)]
+    sizes = [_bucket_size(s, n_vis, k) for s, n_vis, k in cases]
+    assert max(sizes[:4]) <= 256 < sizes[4]  # both ways are taken at the default
+    for scores, n_vis, k in cases:
+        scores = scores.to(_device())
+        ref = selection_mask(*select_topk(scores[None], (torch.arange(n) < n_vis).to(_device())[None], k), n)[0]
+        index, valid = select_topk_radix(scores, n_vis, k, small=False)
+        assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
+        assert valid.tolist() == [True] * min(k, n_vis) and bool((index.diff() > 0).all())
+
+
 @pytest.mark.parametrize(("bits", "by_histogram"), [(8, True), (4, True), (2, True), (2, False)])
 def test_small_rows_by_one_program(bits, by_histogram, monkeypatch):
     """Rows of up to SMALL_ROWS scores by one program, of the histogram select (``SMALL_BY_HISTOGRAM``: its own

@@ -134,10 +134,18 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
 # 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
 
-# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
-# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
+# Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~40 of 262,144
+# Gaussian scores) are listed as (code, row) candidates if there are at most RADIX_CANDIDATES of them, and the listing
+# finds the k-th among them by one sort, in place of the later levels and the count phase (each a grid barrier);
+# else the levels go on. 0: off. Not yet measured.
+RADIX_CANDIDATES = 256
+
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3] the
+# candidates listed; from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above
+# / equal to the k-th score; then the candidates' (code, row) pairs
 _MAX_PROGRAMS = 1024
-_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
+_MAX_CANDIDATES = 1024
+_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS + 2 * _MAX_CANDIDATES
 _MAX_TILE = 8192  # a program's scores stay in registers
 
 
@@ -270,6 +278,10 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     ws = _workspace(scores.device, B)
     pdl = launch_options(scores.device)
     _check_digit_bits("RADIX_BITS", RADIX_BITS)
+    if RADIX_CANDIDATES and (RADIX_CANDIDATES & (RADIX_CANDIDATES - 1) or RADIX_CANDIDATES > _MAX_CANDIDATES
+                             or 16 % RADIX_BITS):
+        raise ValueError(f"RADIX_CANDIDATES must be 0 or a power of two up to {_MAX_CANDIDATES}, with RADIX_BITS "
+                         f"dividing 16; got {RADIX_CANDIDATES} at {RADIX_BITS} bits")
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
     for r0 in range(0, B, per_launch):
@@ -281,5 +293,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
-                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
+                                            CAND=RADIX_CANDIDATES, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
