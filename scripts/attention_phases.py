@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where one decode attention call's time goes on Hopper (CUDA, sm_90): the Gluon partial pass's phases and the
 merge, at Flash shapes on the model's bf16 query (window 128, CSA window + top-512 at 1M, HCA at 4K and 1M), with
-the blocks in the online loop (``TWO_PHASE_BLOCKS = 0``).
+the blocks in the online loop (``TWO_PHASE_BLOCKS = 0``), or with ``--two-phase`` in the two phases a bf16 query's
+short programs take (each block's score product, then each block's output products, stamped).
 
 A copy of `ds4x.kernels.attention_wgmma` is written to a temporary directory with time stamps added
 (``%globaltimer`` in ns, ``%clock64`` in cycles, thread values of each program's first warp) at the kernel's start,
@@ -13,11 +14,12 @@ and latest over programs), cycles per row block, and the prologue's and epilogue
 stores; compare "plain" and "stamped". Needs the kernel's text as the copy expects it (it stops if a marker line
 moved).
 
-    PYTHONPATH=src python scripts/attention_phases.py
+    PYTHONPATH=src python scripts/attention_phases.py [--two-phase]
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 import sys
@@ -30,10 +32,10 @@ REPS = 20  # calls per graph
 STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before (-) it)
     ("                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,",
      "+stamps_ptr,"),
-    ("        wait_upstream(PDL)\n        HP: gl.constexpr = 64",
+    ("        HP: gl.constexpr = 64\n",
      "-        srow = gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)\n"
      "        _stamp(stamps_ptr, srow, 0, num_warps)\n"),
-    ("        HP: gl.constexpr = 64", "-        _stamp(stamps_ptr, srow, 1, num_warps)\n"),
+    ("        wait_upstream(PDL)\n", "+        _stamp(stamps_ptr, srow, 1, num_warps)\n"),
     ("            q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))\n",
      "+            _stamp(stamps_ptr, srow, 2, num_warps)\n"),
     ("                m = m_new\n",
@@ -57,16 +59,40 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
      "        gl.store(stamps_ptr + row * 64 + 2 * slot + o, t)\n"
      "        gl.store(stamps_ptr + row * 64 + 2 * slot + 1 + o, c)\n\n"),
 )
+# the two phases' stamps (``--two-phase``; `attention_wgmma._two_phase_blocks`, which gets the stamps' buffer): the
+# query stored (slot 2), each block's scores stored (8 + j), every block's scores stored (6), each block's products
+# issued (16 + j), the products waited for (7)
+TWO_PHASE_STAMPS = (
+    ("    def _two_phase_blocks(", "+stamps_ptr, srow, "),
+    ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
+    ("        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))\n",
+     "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
+    ("            m = gl.maximum(m, gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, S_L)))\n",
+     "+            _stamp(stamps_ptr, srow, 8 + j, num_warps)\n"),
+    ("        gl.thread_barrier()  # every block's scores are stored\n",
+     "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),
+    ("            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)\n",
+     "+            _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
+    ("        return m, l, o, o_r\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
+)
+# a program's stamps in the order they are taken: (slot, label of the time since the stamp before it)
+TIMELINE = {False: [(1, "PDL wait"), (2, "query"), *[(8 + i, "a row block") for i in range(20)],
+                    (3, "after the blocks"), (4, "state stores"), (5, "RoPE atomics")],
+            True: [(1, "PDL wait"), (2, "query"), *[(8 + j, "phase 1: a block's scores") for j in range(5)],
+                   (6, "phase 1: last barrier"), *[(16 + j, "phase 2: a block's products issued") for j in range(5)],
+                   (7, "phase 2: products waited for"), (3, "after the blocks"), (4, "state stores"),
+                   (5, "RoPE atomics")]}
 PHASES = ((0, "start"), (1, "after the wait"), (2, "query stored"), (3, "blocks done"), (4, "state stored"),
           (5, "atomics issued"))
 
 
-def stamped_module(directory: Path):
-    """The stamped copy of ds4x.kernels.attention_wgmma, imported from ``directory``."""
+def stamped_module(directory: Path, two_phase: bool = False):
+    """The stamped copy of ds4x.kernels.attention_wgmma, imported from ``directory`` (``two_phase``: with the two
+    phases' stamps too)."""
     from ds4x.kernels import attention_wgmma
 
     text = Path(attention_wgmma.__file__).read_text()
-    for marker, insert in STAMPS:
+    for marker, insert in STAMPS + (TWO_PHASE_STAMPS if two_phase else ()):
         if text.count(marker) != 1:
             raise SystemExit(f"attention_phases: marker not found once in attention_wgmma.py: {marker!r}")
         text = text.replace(marker, marker + insert[1:] if insert[0] == "+" else insert[1:] + marker)
@@ -78,7 +104,11 @@ def stamped_module(directory: Path):
     return module
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--two-phase", action="store_true",
+                    help="the blocks in two phases as a bf16 query runs them (TWO_PHASE_BLOCKS as set), stamped")
+    two_phase = ap.parse_args(argv).two_phase
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -89,12 +119,13 @@ def main() -> int:
     from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
-    A.TWO_PHASE_BLOCKS = 0  # the stamps sit in the online loop (the default takes two phases for a bf16 query)
+    if not two_phase:
+        A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448
     g = torch.Generator(device=dev).manual_seed(0)
     stamps = torch.zeros(4096, 64, dtype=torch.int64, device=dev)
     plain = attention_wgmma.partial_kernel
-    stamped = stamped_module(Path(tempfile.mkdtemp())).partial_kernel
+    stamped = stamped_module(Path(tempfile.mkdtemp()), two_phase).partial_kernel
 
     class Stamped:  # stands in for the kernel: the same launch with the stamps' buffer added
         def __getitem__(self, grid):
@@ -162,19 +193,19 @@ def main() -> int:
         for k, label in PHASES:
             v = [int(s[r, 2 * k]) - t0 for r in used]
             print(f"    {label:<15} {statistics.median(v):8.0f} {max(v):8.0f}")
-        blocks = []
+        # cycles between consecutive stamps of a program, by what they time (medians over programs and blocks)
+        spans: dict[str, list[int]] = {}
         for r in used:
-            prev = int(s[r, 2 * 2 + 1])  # the query stored (cycles)
-            for i in range(20):
-                c = int(s[r, 2 * (8 + i) + 1])
+            prev = None
+            for slot, label in TIMELINE[two_phase]:
+                c = int(s[r, 2 * slot + 1])
                 if c == 0:
-                    break
-                blocks.append(c - prev)
+                    continue
+                if prev is not None:
+                    spans.setdefault(label, []).append(c - prev)
                 prev = c
-        query = [int(s[r, 2 * 2 + 1]) - int(s[r, 2 * 1 + 1]) for r in used]
-        tail = [int(s[r, 2 * 5 + 1]) - int(s[r, 2 * 3 + 1]) for r in used]
-        print(f"    cycles: a row block {statistics.median(blocks):.0f} (median of {len(blocks)}); the query "
-              f"{statistics.median(query):.0f}; state + atomics {statistics.median(tail):.0f}")
+        print("    cycles, median (count): " + "; ".join(f"{label} {statistics.median(v):.0f} ({len(v)})"
+                                                      for label, v in spans.items()))
     return 0
 
 
