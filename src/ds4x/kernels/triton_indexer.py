@@ -402,7 +402,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
                 tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
                 tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
-    elif LAST == LEVELS + 1:  # the rows above the bucket and the candidates at or above the k-th one's key
+    elif CAND_LEVEL < LEVELS and LAST == LEVELS + 1:  # the rows above the bucket and the candidates from the k-th
         bound, ckey, crow = candidates_threshold(cand_ptr, bucket, need - above, CAND)
         p = tl.arange(0, MAX_PROGRAMS)
         gt_before = tl.sum(tl.load(gt_counts + p, mask=p < pid, other=0, cache_modifier=".cg"), 0)
