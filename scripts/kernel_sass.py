@@ -100,13 +100,16 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
 
 
 def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> triton.compiler.CompiledKernel:
-    """``indexer_wgmma.score_kernel`` as a decode step launches it (64 heads, a device row count, PDL on), with a
-    register ceiling if given; ``pipelined``: the PIPELINED variant at its tile."""
-    from ds4x.kernels import indexer_wgmma
+    """``indexer_wgmma.score_kernel`` as a decode step at 1M launches it (64 heads, a device row count, PDL on, the
+    select's first level counted where FIRST_LEVEL_IN_INDEXER says), with a register ceiling if given;
+    ``pipelined``: the PIPELINED variant at its tile."""
+    from ds4x.kernels import indexer_wgmma, select
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
-              "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N}
-    pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32"}
+              "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
+              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0}
+    pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32",
+                "hist_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
                          {"num_warps": indexer_wgmma.WARPS, **({"maxnreg": maxnreg} if maxnreg else {})})
 

@@ -183,6 +183,47 @@ def test_radix_select_finds_the_kth_among_listed_candidates(candidates, monkeypa
         assert valid.tolist() == [True] * min(k, n_vis) and bool((index.diff() > 0).all())
 
 
+def _first_digits(scores: torch.Tensor, bits: int) -> torch.Tensor:
+    """Counts of the top ``bits`` bits of the scores' order-preserving codes (-0.0 as +0.0), as the select's level 0."""
+    raw = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    codes = torch.where(raw >= 0x80000000, 0xFFFFFFFF - raw, raw | 0x80000000)
+    return torch.bincount((codes >> (32 - bits)).cpu(), minlength=1 << bits).int()
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_indexer_counts_the_selects_first_level(queries):
+    """``first_level`` (`radix_first_level`): the indexer adds to each query's bins the first radix digits of its
+    scored rows (those below its count; zero scores, from all-zero rows under negative weights, as +0.0), and the
+    multi-program select started at its second level from them selects exactly and leaves them zero. One query, and
+    a batch of 3 each with its own store and count."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+    from ds4x.kernels.select import RADIX_BITS, radix_first_level
+
+    n, k, dev = 3000, 512, _device()
+    cases = [_indexer_case(n, 16, 20 + i, dev) for i in range(queries)]
+    rows = torch.stack([r for r, _, _ in cases])
+    rows[0, 100:160] = 0  # zero keys: every head's product 0, so a score of -0.0 under negative weights
+    q = torch.stack([c[1] for c in cases])
+    w = -torch.stack([c[2] for c in cases]).abs()
+    count = torch.tensor([2900, 3000, 1800][:queries], device=dev)
+    bins = radix_first_level(n, queries, torch.device(dev))
+    assert bins is not None and bins.shape == (queries, 1 << RADIX_BITS) and int(bins.abs().sum()) == 0
+    if queries == 1:
+        scores = indexer_scores_triton(q[0], w[0], rows[0], count, True, first_level=bins)[None]
+    else:
+        scores = indexer_scores_triton(q, w, rows, count, True, first_level=bins)
+    assert bool((scores[0, 100:160] == 0).all())  # (a sum of -0.0 products is -0.0 on the GPU's reductions)
+    for b in range(queries):
+        assert torch.equal(bins[b].cpu(), _first_digits(scores[b, : int(count[b])], RADIX_BITS))
+    picked, valid = select_topk_radix(scores if queries > 1 else scores[0], count, k, first_level_counted=True)
+    assert int(bins.abs().sum()) == 0
+    for b in range(queries):
+        visible = (torch.arange(n) < int(count[b])).to(dev)[None]
+        ref = selection_mask(*select_topk(scores[b][None], visible, k), n)[0]
+        got = (picked[b], valid[b]) if queries > 1 else (picked, valid)
+        assert torch.equal(selection_mask(got[0][None], got[1][None], n)[0], ref)
+
+
 @pytest.mark.parametrize(("bits", "by_histogram"), [(8, True), (4, True), (2, True), (2, False)])
 def test_small_rows_by_one_program(bits, by_histogram, monkeypatch):
     """Rows of up to SMALL_ROWS scores by one program, of the histogram select (``SMALL_BY_HISTOGRAM``: its own

@@ -52,7 +52,8 @@ def num_sms(device: torch.device) -> int:
 
 
 def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int | torch.Tensor,
-                          packed: bool, block_n: int = 128, ptx: bool | None = None) -> torch.Tensor:
+                          packed: bool, block_n: int = 128, ptx: bool | None = None,
+                          first_level: torch.Tensor | None = None) -> torch.Tensor:
     """One query q [H, 128] float32 (rotated, MXFP4 values), weights [H] -> scores [n_rows]; or T queries
     q [T, H, 128], weights [T, H] -> scores [T, n_rows] (a prefill chunk: the same per-row bits as T decode calls).
 
@@ -64,6 +65,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     scores then have ``cap`` columns and those from a query's count on are not written.
     ``ptx`` picks the Triton kernel with (True) or without (False) the inline-PTX code decode; by default the Gluon
     kernel on Hopper GPUs (`ds4x.kernels.indexer_wgmma`), else the Triton kernel with PTX on the GPU.
+    ``first_level`` (int32 [T, 2^bits], from `ds4x.kernels.select.radix_first_level`): each query's scored rows
+    counted by the first radix digit of their scores into its row, the top-k's first level done here.
     """
     single = q.dim() == 2
     qs, ws = (q[None], weights[None]) if single else (q, weights)
@@ -96,18 +99,25 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
         persistent = q.is_cuda
         # persistent programs walk a query's row tiles with its query tiles prepared once (PROGRAMS_PER_SM)
         n_prog = min(n_tiles, max(1, PROGRAMS_PER_SM * num_sms(q.device) // T)) if persistent else n_tiles
+        hist_bits = 0
+        if first_level is not None:
+            hist_bits = first_level.shape[-1].bit_length() - 1
+            if first_level.shape != (T, 1 << hist_bits) or first_level.dtype != torch.int32:
+                raise ValueError(f"first_level: int32 [{T}, 2^bits] bins, got {first_level.dtype} "
+                                 f"{tuple(first_level.shape)}")
         args = (qs.contiguous().float(), ws.contiguous().float(), words, words.stride(0) if per_query else 0, out,
                 n_rows, out if count is None else count, 0 if count is None or count.numel() == 1 else 1,
-                -(-n_tiles // n_prog), n_prog, D**-0.5)
+                -(-n_tiles // n_prog), n_prog, D**-0.5, out if first_level is None else first_level,
+                0 if first_level is None else first_level.stride(0))
         if wide:
             from ds4x.formats.pdl import launch_options
 
             pdl = launch_options(q.device)
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
                                                     num_warps=indexer_wgmma.WARPS, BN=indexer_wgmma.block_rows(),
-                                                    PIPELINED=indexer_wgmma.PIPELINED)
+                                                    PIPELINED=indexer_wgmma.PIPELINED, HIST_BITS=hist_bits)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,
-                                      DEVICE_COUNT=count is not None, num_warps=4)
+                                      DEVICE_COUNT=count is not None, HIST_BITS=hist_bits, num_warps=4)
     return out[0] if single else out

@@ -63,7 +63,9 @@ def block_rows() -> int:
 
 if HAVE_GLUON:
     from ds4x.formats.pdl import wait_upstream
-    from ds4x.kernels.triton_indexer import exp2_f32  # a Triton helper: elementwise, so Gluon code may call it
+
+    # Triton helpers: elementwise, so Gluon code may call them
+    from ds4x.kernels.triton_indexer import exp2_f32, first_digit
 
     @gluon.jit
     def _scale_pair(e):
@@ -142,24 +144,76 @@ if HAVE_GLUON:
         return smax
 
     @gluon.jit
-    def _store_scores(acc, smax, wq, tile, out_ptr, n_rows):
-        # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
+    def _thread_index(like):
+        # the thread's index in the program, as a tensor shaped and laid out as ``like``
+        return gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like.to(gl.int32)], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _shared_bins(BINS: gl.constexpr, num_warps: gl.constexpr):
+        # the program's histogram bins (BINS <= 256 words of static shared memory, declared here: once per kernel),
+        # zeroed -> their shared address
+        gl.static_assert(BINS <= 256, "the first level's bins: at most 256")
+        BL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        at = gl.inline_asm_elementwise(".shared .align 16 .b32 ds4x_index_bins[256];\n\t"
+                                       "mov.u32 $0, ds4x_index_bins;", "=r,r", [gl.full([1], 0, gl.int32, BL)],
+                                       dtype=gl.int32, is_pure=False, pack=1)
+        base = gl.max(at, axis=0)
+        b = gl.arange(0, BINS, layout=BL)
+        gl.inline_asm_elementwise("st.shared.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,r", [base + 4 * b],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
+        return base
+
+    @gluon.jit
+    def _count_digits(bins, score, r, n_rows, BITS: gl.constexpr, num_warps: gl.constexpr):
+        # the scores' first radix digits (`first_digit`) counted into the shared ``bins``, each row once: in a layout
+        # of one row a thread, which repeats a tile of fewer rows than threads in the threads past its length
+        BN: gl.constexpr = score.shape[0]
+        BL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        digit = first_digit(gl.convert_layout(score, BL), BITS)
+        rows = gl.convert_layout(r, BL)
+        live = ((rows < n_rows) & (_thread_index(rows) < BN)).to(gl.int32)
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p red.shared.add.u32 [$1], 1; "
+                                  "mov.u32 $0, 0; }", "=r,r,r", [bins + 4 * digit, live], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _flush_bins(bins, hist_ptr, BINS: gl.constexpr, num_warps: gl.constexpr):
+        # the program's counts added to the row's histogram in global memory (most bins stay empty)
+        BL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        gl.thread_barrier()
+        b = gl.arange(0, BINS, layout=BL)
+        h = gl.inline_asm_elementwise("ld.shared.u32 $0, [$1];", "=r,r", [bins + 4 * b], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        gl.atomic_add(hist_ptr + b, h, mask=h > 0, sem="relaxed")
+
+    @gluon.jit
+    def _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS: gl.constexpr):
+        # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU. HIST_BITS: the
+        # scores' first radix digits counted into ``bins``
         BN: gl.constexpr = acc.shape[0]
         ACC: gl.constexpr = acc.type.layout
         row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
         score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
         r = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
         gl.store(out_ptr + r, score, mask=r < n_rows)
+        if HIST_BITS > 0:
+            _count_digits(bins, score, r, n_rows, HIST_BITS, gl.num_warps())
 
     # counts change from call to call (prefill chunks): not specialized, as in triton_indexer (measured: a 16K
     # prefill compiled a second variant for 0.6 s in its timed part when the row count became a multiple of 16)
     @gluon.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
-                     scale, H: gl.constexpr, DEVICE_COUNT: gl.constexpr, num_warps: gl.constexpr,
-                     BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False, PDL: gl.constexpr = False):
-        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT. PIPELINED:
-        see the module's switch of that name."""
+                     scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
+                     num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0):
+        """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
+        too). PIPELINED: see the module's switch of that name."""
         wait_upstream(PDL)
+        bins = 0
+        if HIST_BITS > 0:
+            bins = _shared_bins(1 << HIST_BITS, num_warps)
         HP: gl.constexpr = 64
         # [rows, 4 blocks, 4 words]: a lane holds one block of a row; a warp's lanes run over 8 rows first, so that
         # each quarter-warp's 16-byte key stores (8 rows, one block) fall in 8 different bank groups of the 128-byte
@@ -180,6 +234,7 @@ if HAVE_GLUON:
         rows_ptr += t * rows_stride
         w_ptr += t * H
         out_ptr += t * n_rows
+        hist_ptr += t * hist_stride
         if DEVICE_COUNT:
             n_rows = gl.minimum(gl.load(count_ptr + t * count_stride).to(gl.int32), n_rows)
 
@@ -218,7 +273,7 @@ if HAVE_GLUON:
                     # across the product's wait and the scores
                     next_words, next_sw = _load_tile(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows)
+                    _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows, bins, HIST_BITS)
                     smax = smax_next
         else:
             k_smem = gl.allocate_shared_memory(gl.float16, [BN, 128], SH16)
@@ -236,9 +291,11 @@ if HAVE_GLUON:
                     fence_async_shared()
                     gl.thread_barrier()
                     _store_scores(warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero), smax, wq, tile, out_ptr,
-                                  n_rows)
+                                  n_rows, bins, HIST_BITS)
                 words = next_words
                 sw = next_sw
+        if HIST_BITS > 0:
+            _flush_bins(bins, hist_ptr, 1 << HIST_BITS, num_warps)
 
 
 def available(q: torch.Tensor, heads: int) -> bool:

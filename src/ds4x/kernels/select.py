@@ -208,6 +208,27 @@ def _check_digit_bits(name: str, bits: int) -> None:
         raise ValueError(f"{name} must divide 32 with at most 1,024 histogram bins in all, got {bits}")
 
 
+# The multi-program select's first digit level counted by the indexer kernel where it writes the scores
+# (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. Not yet measured.
+FIRST_LEVEL_IN_INDEXER = True
+
+
+def _multi_program(n: int, rows: int, small: bool | None) -> bool:
+    """Whether `select_topk_radix` runs the multi-program select on ``rows`` rows of ``n`` scores."""
+    return not ((n <= (SMALL_ROWS_BATCHED if rows >= 8 else SMALL_ROWS)) if small is None else small)
+
+
+def radix_first_level(n: int, rows: int, device: torch.device) -> torch.Tensor | None:
+    """The bins [rows, 2^RADIX_BITS] (int32, zero between calls) of the multi-program select's first digit level
+    for ``rows`` rows of ``n`` scores, for the kernel that makes the scores to count into
+    (`ds4x.kernels.indexer.indexer_scores_triton`'s ``first_level``); the select then starts at the second level
+    (``first_level_counted``). None where that select would not read them (one program a row) or
+    FIRST_LEVEL_IN_INDEXER is off."""
+    if not FIRST_LEVEL_IN_INDEXER or not _multi_program(n, rows, None):
+        return None
+    return _workspace(device, rows)[:, 64 : 64 + (1 << RADIX_BITS)]
+
+
 def radix_tiling(n: int, rows: int, sms: int) -> tuple[int, int]:
     """Scores per program and programs per row of the multi-program select over ``rows`` rows of ``n`` scores on
     ``sms`` multiprocessors: the rows' programs together about fill the GPU."""
@@ -216,7 +237,8 @@ def radix_tiling(n: int, rows: int, sms: int) -> tuple[int, int]:
 
 
 def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: int, fused: bool | None = None,
-                      small: bool | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                      small: bool | None = None, pad: int = 0, first_level_counted: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-time selection (rows 0..n_visible-1 visible) by an exact radix select in Triton; the same set as
     `select_topk_keys`, listed in ascending row order. ``n_visible`` may be an integer tensor on the device (CUDA
     graphs: the count is read when the kernel runs). Scores [B, n] (a batched decode step) with ``n_visible`` a
@@ -224,7 +246,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     there; or with ``small``) one program selects each row; otherwise ``fused`` (default: on the GPU) runs the
     phases of the multi-program select (``RADIX_BITS``) in one launch with grid barriers, or one launch per
     phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
-    masking after)."""
+    masking after). ``first_level_counted``: the scores' kernel counted the first digit level into
+    `radix_first_level`'s bins (the multi-program select only)."""
     from ds4x.formats.pdl import launch_options
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
@@ -242,7 +265,9 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         return (index, valid) if batched else (index[0], valid[0])
     flat = scores2.contiguous().float()
     kp = 1 << (kk - 1).bit_length()
-    if (n <= (SMALL_ROWS_BATCHED if B >= 8 else SMALL_ROWS)) if small is None else small:
+    if first_level_counted and not _multi_program(n, B, small):
+        raise ValueError("first_level_counted: the first level is counted only for the multi-program select")
+    if not _multi_program(n, B, small):
         tile = max(16, 1 << (n - 1).bit_length())
         visible = n if count is not None else min(n_visible, n)
         counts = index if count is None else count  # an unread pointer without a count
@@ -283,7 +308,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         raise ValueError(f"RADIX_CANDIDATES must be 0 or a power of two up to {_MAX_CANDIDATES}, with RADIX_BITS "
                          f"dividing 16; got {RADIX_CANDIDATES} at {RADIX_BITS} bits")
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
-    phases = [(0, listing)] if fused else [(i, i) for i in range(listing + 1)]
+    first = 1 if first_level_counted else 0
+    phases = [(first, listing)] if fused else [(i, i) for i in range(first, listing + 1)]
     for r0 in range(0, B, per_launch):
         r1 = min(B, r0 + per_launch)
         counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count

@@ -82,8 +82,18 @@ def load_tile(tile, rows_ptr, n_rows, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N: tl.constexpr,
-               PTX: tl.constexpr):
+def first_digit(score, BITS: tl.constexpr):
+    """The top BITS bits of each score's order-preserving 32-bit code (radix_kernel's digit of level 0; -0.0 taken as
+    +0.0, as the select reads it). Elementwise, so Gluon kernels call it too."""
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    top = (bits >> (32 - BITS)) & ((1 << BITS) - 1)
+    return tl.where(bits < 0, (1 << BITS) - 1 - top, top | (1 << (BITS - 1)))
+
+
+@triton.jit
+def score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, hist_ptr, BLOCK_N: tl.constexpr,
+               PTX: tl.constexpr, HIST_BITS: tl.constexpr):
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     s0, s1, s2, s3 = sw & 255, (sw >> 8) & 255, (sw >> 16) & 255, (sw >> 24) & 255
     smax = tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3))
@@ -104,6 +114,9 @@ def score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N: tl.constexpr
     # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU
     score = tl.sum(tl.maximum(acc, 0.0) * wq[None, :], axis=1) * exp2_f32(tl.reshape(smax, [BLOCK_N]) - 128)
     tl.store(out_ptr + offs_n, score, mask=offs_n < n_rows)
+    if HIST_BITS > 0:  # the select's first digit level, counted here (see score_kernel)
+        h = tl.histogram(first_digit(score, HIST_BITS), 1 << HIST_BITS, mask=offs_n < n_rows)
+        tl.atomic_add(hist_ptr + tl.arange(0, 1 << HIST_BITS), h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
@@ -120,14 +133,18 @@ def interleave8(t0, t1, t2, t3, t4, t5, t6, t7):
 # multiple of 16 does not compile a second variant in the middle of a prefill
 @triton.jit(do_not_specialize=["n_rows", "n_iter", "n_prog"])
 def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog, scale,
-                 H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
-                 PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr):
+                 hist_ptr, hist_stride, H: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, PTX: tl.constexpr,
+                 PERSISTENT: tl.constexpr, DEVICE_COUNT: tl.constexpr, HIST_BITS: tl.constexpr = 0):
+    """Program (row tile, or persistent over them; query): the scores of rows 0 .. n_rows - 1. HIST_BITS > 0: the
+    counts of their first radix digits (`first_digit`) added to the query's row of ``hist_ptr``, the select's
+    level 0 done here (`ds4x.kernels.select.radix_first_level`)."""
     pid = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)  # the query (a prefill chunk has many; decode one per session)
     q_ptr += t * H * 128
     rows_ptr += t * rows_stride  # a batched decode step: each query's own store (else 0: one store)
     w_ptr += t * H
     out_ptr += t * n_rows
+    hist_ptr += t * hist_stride
     if DEVICE_COUNT:  # rows in use counted on the device (CUDA graphs; per query in a prefill chunk)
         n_rows = tl.minimum(tl.load(count_ptr + t * count_stride).to(tl.int32), n_rows)
     offs_h = tl.arange(0, HP)
@@ -152,11 +169,11 @@ def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr
             tile = pid + it * n_prog
             next_words, next_sw = load_tile(tile + n_prog, rows_ptr, n_rows, BLOCK_N)
             if tile * BLOCK_N < n_rows:
-                score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
+                score_tile(tile, words, sw, out_ptr, n_rows, q_op, wq, hist_ptr, BLOCK_N, PTX, HIST_BITS)
             words, sw = next_words, next_sw
     else:
         words, sw = load_tile(pid, rows_ptr, n_rows, BLOCK_N)
-        score_tile(pid, words, sw, out_ptr, n_rows, q_op, wq, BLOCK_N, PTX)
+        score_tile(pid, words, sw, out_ptr, n_rows, q_op, wq, hist_ptr, BLOCK_N, PTX, HIST_BITS)
 
 
 @triton.jit
