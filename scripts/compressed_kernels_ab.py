@@ -4,7 +4,8 @@
 variant, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
 the model's bf16 query (and on it with the rows from DRAM, EARLY_PREFETCH flipped as the variant), and the top-k
-as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores (the better of two
+as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k
+as a CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER and RADIX_CANDIDATES flipped (the better of two
 alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
@@ -303,6 +304,40 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants:
                 if times_v[v] and v in exact:
                     record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
+        # scoring then the top-512 of 262,144 rows as a CSA layer at 1M pairs them, from DRAM (one pair on each of 24
+        # copies of the store per graph), with the select's first level counted by the indexer or by itself
+        # (FIRST_LEVEL_IN_INDEXER) and the k-th found among candidates or by the levels (RADIX_CANDIDATES),
+        # alternating twice; exact against the composite-key topk
+        if "select" in parts:
+            from ds4x.bench.timing import graph_replay_us
+
+            copies = [packed] + [packed.clone() for _ in range(23)]
+            count = torch.full((1,), n, dtype=torch.int32, device=dev)
+            want = set(select_topk_keys(scores[1], n, 512)[0].tolist())
+            saved = S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES
+            pairs = {f"first level in indexer {int(fl)}, candidates {c}": (fl, c)
+                     for fl in (saved[0], not saved[0]) for c in (saved[1], 0 if saved[1] else 256)}
+
+            def pair(rows):
+                bins = S.radix_first_level(n, 1, torch.device(dev))
+                sc = indexer_scores_triton(qi, wi, rows, count, True, first_level=bins)
+                return select_topk_radix(sc, count, 512, first_level_counted=bins is not None)
+
+            times_p: dict[str, list[float]] = {v: [] for v in pairs}
+            exact_p: dict[str, bool] = {}
+            for _ in range(2):
+                for v, (S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES) in pairs.items():
+                    index, valid = pair(packed)
+                    exact_p[v] = set(index[valid].tolist()) == want and bool(valid.all())
+                    times_p[v].append(graph_replay_us([lambda c=c: pair(c) for c in copies], rep_ms=100))
+            S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES = saved
+            del copies
+            print(f"\n{'scoring + top-512, 262,144 rows from DRAM':<44} {'us':>7}  exact")
+            for v in pairs:
+                print(f"  {v:<42} {min(times_p[v]):7.1f}  {exact_p[v]}")
+                record("indexer scoring + top-512 select", "262,144 rows from DRAM", v, min(times_p[v]),
+                       {"exact": exact_p[v], "rows": "DRAM",
+                        **({} if pairs[v] == saved else {"status": "variant"})})
     if args.ledger is not None:
         append(rows_out, args.ledger)
         print(f"{len(rows_out)} rows appended to {args.ledger}")
