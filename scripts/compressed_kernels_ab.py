@@ -49,8 +49,8 @@ def attention_cases(g: torch.Generator, dev: str) -> tuple[torch.Tensor, torch.T
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
-    ap.add_argument("--parts", default="attention,indexer,select,merge",
-                    help="comma-separated parts to run: attention, indexer, select, merge")
+    ap.add_argument("--parts", default="attention,indexer,select,merge,pair",
+                    help="comma-separated parts to run: attention, indexer, select, merge, pair (scoring + top-k)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             record("decode attention merge", name, v, min(times_m[v]), {"rel_diff": diff})
     A.COMBINE_CHUNKS, A.COMBINE_ROWS_WAVES = default_merge
 
-    if parts & {"indexer", "select"}:  # (the select times the indexer's scores: it runs the indexer part too)
+    if parts & {"indexer", "select", "pair"}:  # (the select times the indexer's scores: it runs the indexer too)
         n = 262_144
         keys = mxfp4_roundtrip(hadamard128(torch.randn(n, 128, generator=g, device=dev)), 32)
         packed = pack_indexer_rows(keys)
@@ -233,37 +233,38 @@ def main(argv: list[str] | None = None) -> int:
               f"({packed.numel() / times[1] / 1e3:.0f} GB/s)")
         record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
-        # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), and its PIPELINED variant (tiles of 64 rows
-        # at 3 / 4 an SM, of 128 at 2), alternating twice; the same scores bit for bit. Each twice: the rows in L2
-        # (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in the model (a graph of one call on
-        # each of 24 copies of the store, so L2 holds none at its turn)
-        from ds4x.bench.timing import graph_replay_us
-        from ds4x.kernels import indexer_wgmma as IW
+        if parts & {"indexer", "select"}:
+            # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), and its PIPELINED variant (tiles of 64 rows
+            # at 3 / 4 an SM, of 128 at 2), alternating twice; the same scores bit for bit. Each twice: the rows in L2
+            # (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in the model (a graph of one call on
+            # each of 24 copies of the store, so L2 holds none at its turn)
+            from ds4x.bench.timing import graph_replay_us
+            from ds4x.kernels import indexer_wgmma as IW
 
-        copies = [packed] + [packed.clone() for _ in range(23)]
-        saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N
-        idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64),
-                        "Gluon kernel, 3 programs a SM": (3, False, 64),
-                        "pipelined, 64 rows, 3 a SM": (3, True, 64), "pipelined, 64 rows, 4 a SM": (4, True, 64),
-                        "pipelined, 128 rows, 2 a SM": (2, True, 128)}
-        times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
-        times_d: dict[str, list[float]] = {v: [] for v in idx_variants}
-        same: dict[str, bool] = {}
-        for _ in range(2):
-            for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N) in idx_variants.items():
-                same[v] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
-                times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-                times_d[v].append(graph_replay_us([lambda c=c: indexer_scores_triton(qi, wi, c, n, True)
-                                                   for c in copies], rep_ms=100))
-        I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N = saved
-        del copies
-        print(f"  {'(us; GB/s of rows)':<40} {'rows in L2':>16} {'rows from DRAM':>18}")
-        for v in idx_variants:
-            t_i, t_d = min(times_i[v]), min(times_d[v])
-            gb_i, gb_d = packed.numel() / t_i / 1e3, packed.numel() / t_d / 1e3
-            print(f"  {v:<40} {t_i:7.1f} ({gb_i:5.0f}) {t_d:9.1f} ({gb_d:5.0f})  same bits {same[v]}")
-            record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v], "rows": "L2"})
-            record("indexer scoring", "262,144 rows from DRAM", v, t_d, {"same_bits": same[v], "rows": "DRAM"})
+            copies = [packed] + [packed.clone() for _ in range(23)]
+            saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N
+            idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64),
+                            "Gluon kernel, 3 programs a SM": (3, False, 64),
+                            "pipelined, 64 rows, 3 a SM": (3, True, 64), "pipelined, 64 rows, 4 a SM": (4, True, 64),
+                            "pipelined, 128 rows, 2 a SM": (2, True, 128)}
+            times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
+            times_d: dict[str, list[float]] = {v: [] for v in idx_variants}
+            same: dict[str, bool] = {}
+            for _ in range(2):
+                for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N) in idx_variants.items():
+                    same[v] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
+                    times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+                    times_d[v].append(graph_replay_us([lambda c=c: indexer_scores_triton(qi, wi, c, n, True)
+                                                       for c in copies], rep_ms=100))
+            I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N = saved
+            del copies
+            print(f"  {'(us; GB/s of rows)':<40} {'rows in L2':>16} {'rows from DRAM':>18}")
+            for v in idx_variants:
+                t_i, t_d = min(times_i[v]), min(times_d[v])
+                gb_i, gb_d = packed.numel() / t_i / 1e3, packed.numel() / t_d / 1e3
+                print(f"  {v:<40} {t_i:7.1f} ({gb_i:5.0f}) {t_d:9.1f} ({gb_d:5.0f})  same bits {same[v]}")
+                record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v], "rows": "L2"})
+                record("indexer scoring", "262,144 rows from DRAM", v, t_d, {"same_bits": same[v], "rows": "DRAM"})
 
         # the select as dispatched (one program a row up to SMALL_ROWS scores, SMALL_ROWS_BATCHED from 8 rows on, else
         # the multi-program select) against one program a row forced (the histogram select, SMALL_WARPS warps) up to
@@ -308,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         # copies of the store per graph), with the select's first level counted by the indexer or by itself
         # (FIRST_LEVEL_IN_INDEXER) and the k-th found among candidates or by the levels (RADIX_CANDIDATES),
         # alternating twice; exact against the composite-key topk
-        if "select" in parts:
+        if "pair" in parts:
             from ds4x.bench.timing import graph_replay_us
+            from ds4x.kernels import select as S
 
             copies = [packed] + [packed.clone() for _ in range(23)]
             count = torch.full((1,), n, dtype=torch.int32, device=dev)
