@@ -730,6 +730,22 @@ def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list
     return q, rows, sinks, torch.tensor(positions, device="cuda"), picks
 
 
+def test_split_plan_fits_a_querys_sources_to_the_programs():
+    """The decode attention's splits: each source capped alone, or (with a budget of programs) the shortest longest
+    program whose splits fit the budget, the cap still bounding each source."""
+    from ds4x.kernels.attention import split_plan
+
+    assert split_plan([8, 513], 128) == ([1, 5], [8, 103])  # an HCA layer at 1M, capped: 111 programs, 5 blocks
+    assert split_plan([8, 513], 256, 132) == ([4, 4], [2, 129])  # fitted to 132: 131 programs, 4 blocks
+    assert split_plan([8, 32], 8, 132) == ([1, 4], [8, 8])  # the cap bounds a source within the budget
+    assert split_plan([8, 3], 256, 132) == ([1, 1], [8, 3])
+    for blocks, budget in (([8, 513], 16), ([8, 64], 4), ([1], 1), ([40, 7, 300], 50)):
+        per, n = split_plan(blocks, 10**6, budget)
+        assert sum(n) <= max(budget, len(blocks)) and all(k * c >= b for k, c, b in zip(per, n, blocks, strict=True))
+        longest = max(per)  # one block fewer would not fit
+        assert longest == 1 or sum(-(-b // (longest - 1)) for b in blocks) > budget
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
