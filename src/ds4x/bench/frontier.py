@@ -3,7 +3,9 @@
 per layer (a CUDA graph of the kernel for every layer of its kind, each on its own rows, after clearing L2:
 `_per_layer_ms`), and the attention + indexer scoring + top-k of all compressed layers (each reading its own
 rows) timed as one sequence, both launched eagerly and replayed from a CUDA graph (the GPU time without Python
-launch gaps).
+launch gaps). The top-k is timed paired with its scoring, as the model runs them (the radix select's first digit
+level is counted by the indexer kernel: `ds4x.kernels.select.radix_first_level`), and reported as that pair less
+the scoring alone.
 
 The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 512, indexer 64 x 128,
 top-512, window 128, ratios 4/128, vocab 129280) with its MoE shrunk to fit next to the cache in bf16:
