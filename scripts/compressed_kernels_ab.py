@@ -155,15 +155,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # one query's cases on the bf16 query with their rows from DRAM as in the model (a graph of one call on each of 24
     # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead), with
-    # A.EARLY_PREFETCH (HCA's compressed rows asked of L2 before the PDL wait) flipped and A.FIT_SPLITS off (each
-    # source's splits capped at 128 alone, as before it) as the variants, alternating twice
+    # A.EARLY_PREFETCH (HCA's compressed rows asked of L2 before the PDL wait) and A.FIT_SPLITS (a query's splits
+    # fitted to the multiprocessors, else each source's capped alone) each flipped as the variants, alternating twice
     if "attention" in parts:
         from ds4x.bench.timing import graph_replay_us
 
-        keep = {"EARLY_PREFETCH": A.EARLY_PREFETCH, "FIT_SPLITS": A.FIT_SPLITS, "WGMMA_CONFIG": A.WGMMA_CONFIG}
-        dram_variants = {"default": {},
-                         f"EARLY_PREFETCH={not A.EARLY_PREFETCH}": {"EARLY_PREFETCH": not A.EARLY_PREFETCH},
-                         "FIT_SPLITS=False, cap 128": {"FIT_SPLITS": False, "WGMMA_CONFIG": (16, 128)}}
+        keep = {"EARLY_PREFETCH": A.EARLY_PREFETCH, "FIT_SPLITS": A.FIT_SPLITS}
+        dram_variants = {"default": {}, **{f"{k}={not v}": {k: not v} for k, v in keep.items()}}
         print(f"\n{'attention, rows from DRAM':<26} " + " ".join(f"{v:>26}" for v in dram_variants)
               + "  (us, bf16 query; max rel diff to the default)")
         for name, sources in cases.items():

@@ -731,16 +731,16 @@ def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list
 
 
 def test_split_plan_fits_a_querys_sources_to_the_programs():
-    """The decode attention's splits: each source capped alone, or (with a budget of programs) the shortest longest
-    program whose splits fit the budget, the cap still bounding each source."""
+    """The decode attention's splits: each source capped alone, or (with a budget of programs, in place of the cap)
+    the shortest longest program whose splits fit the budget."""
     from ds4x.kernels.attention import split_plan
 
     assert split_plan([8, 513], 128) == ([1, 5], [8, 103])  # an HCA layer at 1M, capped: 111 programs, 5 blocks
-    assert split_plan([8, 513], 256, 132) == ([4, 4], [2, 129])  # fitted to 132: 131 programs, 4 blocks
-    assert split_plan([8, 32], 8, 132) == ([1, 4], [8, 8])  # the cap bounds a source within the budget
-    assert split_plan([8, 3], 256, 132) == ([1, 1], [8, 3])
+    assert split_plan([8, 513], 128, 132) == ([4, 4], [2, 129])  # fitted to 132: 131 programs, 4 blocks
+    assert split_plan([8, 32], 8) == ([1, 4], [8, 8])
+    assert split_plan([8, 3], 128, 132) == ([1, 1], [8, 3])
     for blocks, budget in (([8, 513], 16), ([8, 64], 4), ([1], 1), ([40, 7, 300], 50)):
-        per, n = split_plan(blocks, 10**6, budget)
+        per, n = split_plan(blocks, 1, budget)
         assert sum(n) <= max(budget, len(blocks)) and all(k * c >= b for k, c, b in zip(per, n, blocks, strict=True))
         longest = max(per)  # one block fewer would not fit
         assert longest == 1 or sum(-(-b // (longest - 1)) for b in blocks) > budget
@@ -774,19 +774,21 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
 def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
     """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
     against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
-    compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
-    native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP and EARLY_PREFETCH either way
-    give the same bits."""
+    compressed rows (HCA at 1M: 4 blocks a program on 132 SMs), a batch of 3 queries (each query's bits alone),
+    packed and native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP and EARLY_PREFETCH
+    either way give the same bits."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(9, True, 8400, [1_048_575, 700_000, 5_000], 8194)
     picks[1, :40] = -1  # a block with no row at all
     window = Slots(128, position=pos, ring=8400)
-    cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),
-             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128))]
-    for sources, config in cases:
+    # (the cap of 8 splits a source, not fitted to the GPU: picks 4 blocks a program)
+    cases = [([(rows, window), (rows, picks)], (16, 128), True), ([(rows, window), (rows, picks)], (16, 8), False),
+             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128), True)]
+    for sources, config, fit in cases:
         monkeypatch.setattr(A, "WGMMA_CONFIG", config)
+        monkeypatch.setattr(A, "FIT_SPLITS", fit)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)
         online = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 5)

@@ -73,9 +73,9 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32 rows spill); the Triton kernel at DECODE_CONFIG 12.1 / 15.9 / 12.4 / 84.7. The earlier Gluon kernel (two
 # programs per split, each half of the columns, 1efc93d) 11.1 / 12.3 / 11.2 / 49.4.
 # Since (16, 128) with the warp-local softmax, asynchronous products and PDL (c53a198): 12.3 / 13.5 / 13.0 / 32.3;
-# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5. The cap 256 goes with FIT_SPLITS (below).
+# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5. FIT_SPLITS (below) replaces the cap.
 WGMMA = True
-WGMMA_CONFIG = (16, 256)
+WGMMA_CONFIG = (16, 128)
 # A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
 # then the products against the final maximum: `attention_wgmma._two_phase_blocks`), not the online loop; 0: off.
 # Shared memory bounds it (5 blocks of 16 rows: 195 KB). H100, scripts/compressed_kernels_ab.py --parts attention,
@@ -98,8 +98,7 @@ EARLY_PREFETCH = True
 # ``batch_splits`` its share of BATCH_SPLIT_WAVES waves): the fewest blocks a program for which a query's sources
 # together fill at most that many programs, instead of each source's splits capped at WGMMA_CONFIG's alone. An HCA
 # layer at 1M on 132 multiprocessors: the window 2 x 4 blocks and the compressed rows 129 x 4 (131 programs, the
-# longest 4 blocks) instead of 8 x 1 and 103 x 5 (111, the longest 5); WGMMA_CONFIG's cap, raised to 256 with it,
-# still bounds each source. Not yet measured; the variant is FIT_SPLITS off with the cap at 128.
+# longest 4 blocks) instead of 8 x 1 and 103 x 5 (111, the longest 5). Not yet measured.
 FIT_SPLITS = True
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
@@ -121,18 +120,21 @@ COMBINE_ROWS_WAVES = 2
 
 
 def split_plan(blocks: list[int], max_splits: int, budget: int = 0) -> tuple[list[int], list[int]]:
-    """Blocks per split and splits of each row source of ``blocks`` blocks: at most ``max_splits`` splits a source, as
-    few blocks each as that allows; with a ``budget``, also at least the fewest blocks per split (the longest program
-    of the launch) for which all sources' splits together fit ``budget`` programs (a source of fewer blocks is one
-    split), so that the sources share the programs by their lengths."""
-    lo, hi = 1, max(blocks)
-    while budget and lo < hi:  # the programs needed fall as the blocks per split grow
-        mid = (lo + hi) // 2
-        if sum(-(-b // mid) for b in blocks) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    per = [min(b, max(lo, -(-b // max_splits))) for b in blocks]
+    """Blocks per split and splits of each row source of ``blocks`` blocks. Without a ``budget``: at most
+    ``max_splits`` splits a source, as few blocks each as that allows. With one (in place of the cap): the fewest
+    blocks per split (the longest program of the launch) for which all sources' splits together fit ``budget``
+    programs (a source of fewer blocks is one split), so that the sources share the programs by their lengths."""
+    if budget:
+        lo, hi = 1, max(blocks)
+        while lo < hi:  # the programs needed fall as the blocks per split grow
+            mid = (lo + hi) // 2
+            if sum(-(-b // mid) for b in blocks) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        per = [min(b, lo) for b in blocks]
+    else:
+        per = [-(-b // max_splits) for b in blocks]
     return per, [-(-b // k) for b, k in zip(blocks, per, strict=True)]
 
 
