@@ -191,14 +191,16 @@ def _first_digits(scores: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("queries", [1, 3])
-def test_indexer_counts_the_selects_first_level(queries):
+def test_indexer_counts_the_selects_first_level(queries, monkeypatch):
     """``first_level`` (`radix_first_level`): the indexer adds to each query's bins the first radix digits of its
     scored rows (those below its count; zero scores, from all-zero rows under negative weights, as +0.0), and the
     multi-program select started at its second level from them selects exactly and leaves them zero. One query, and
     a batch of 3 each with its own store and count."""
+    from ds4x.kernels import select
     from ds4x.kernels.indexer import indexer_scores_triton
     from ds4x.kernels.select import RADIX_BITS, radix_first_level
 
+    monkeypatch.setattr(select, "FIRST_LEVEL_IN_INDEXER", True)
     n, k, dev = 3000, 512, _device()
     cases = [_indexer_case(n, 16, 20 + i, dev) for i in range(queries)]
     rows = torch.stack([r for r, _, _ in cases])
