@@ -174,7 +174,7 @@ def test_radix_select_finds_the_kth_among_listed_candidates(candidates, monkeypa
                                                                 dtype=torch.int32)).view(torch.float32)
     cases = [(gauss, n, 512), (gauss, 2500, 512), (gauss, n, 64), (tied, n, 512), (wide, n, 512)]
     sizes = [_bucket_size(s, n_vis, k) for s, n_vis, k in cases]
-    assert max(sizes[:4]) <= 256 < sizes[4]  # both ways are taken at the default
+    assert max(sizes[:4]) <= 256 < sizes[4]  # at 256 candidates both ways are taken
     for scores, n_vis, k in cases:
         scores = scores.to(_device())
         ref = selection_mask(*select_topk(scores[None], (torch.arange(n) < n_vis).to(_device())[None], k), n)[0]
