@@ -92,14 +92,16 @@ TWO_PHASE_BLOCKS = 5
 TWO_PHASE_OVERLAP = True
 # A program over HCA's compressed rows (slot mode 2: row j is slot j, found without the query's position) asks L2 for
 # all its blocks' rows before its PDL wait, so that they come from DRAM while the kernels before it finish
-# (`attention_wgmma.partial_kernel` EARLY_PREFETCH); the same bits. Not yet measured.
-EARLY_PREFETCH = True
+# (`attention_wgmma.partial_kernel` EARLY_PREFETCH); the same bits. Off: built and compiled for sm_90 (2026-12-06),
+# not yet run on a GPU (no device started that session).
+EARLY_PREFETCH = False
 # The Hopper kernel's splits fitted to the GPU (`split_plan` with a budget of one program a multiprocessor; a batch with
 # ``batch_splits`` its share of BATCH_SPLIT_WAVES waves): the fewest blocks a program for which a query's sources
 # together fill at most that many programs, instead of each source's splits capped at WGMMA_CONFIG's alone. An HCA
 # layer at 1M on 132 multiprocessors: the window 2 x 4 blocks and the compressed rows 129 x 4 (131 programs, the
-# longest 4 blocks) instead of 8 x 1 and 103 x 5 (111, the longest 5). Not yet measured.
-FIT_SPLITS = True
+# longest 4 blocks) instead of 8 x 1 and 103 x 5 (111, the longest 5). Off: built (split_plan tested on the CPU),
+# not yet run on a GPU (no device started on 2026-12-06).
+FIT_SPLITS = False
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.

@@ -137,8 +137,9 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~40 of 262,144
 # Gaussian scores) are listed as (code, row) candidates if there are at most RADIX_CANDIDATES of them, and the listing
 # finds the k-th among them by one sort, in place of the later levels and the count phase (each a grid barrier);
-# else the levels go on. 0: off. Not yet measured.
-RADIX_CANDIDATES = 256
+# else the levels go on. 0: off. Off for now: exact in the CPU interpreter (3 programs) and compiled for sm_90, not
+# yet run on a GPU (no device started on 2026-12-06); 256 is the value to try.
+RADIX_CANDIDATES = 0
 
 # workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3] the
 # candidates listed; from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above
@@ -209,8 +210,10 @@ def _check_digit_bits(name: str, bits: int) -> None:
 
 
 # The multi-program select's first digit level counted by the indexer kernel where it writes the scores
-# (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. Not yet measured.
-FIRST_LEVEL_IN_INDEXER = True
+# (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. Off: exact in the
+# CPU interpreter (the Triton kernel) and compiled for sm_90 (the Gluon kernel), not yet run on a GPU (no device
+# started on 2026-12-06).
+FIRST_LEVEL_IN_INDEXER = False
 
 
 def _multi_program(n: int, rows: int, small: bool | None) -> bool:
