@@ -134,7 +134,7 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
 # 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
 
-# Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~40 of 262,144
+# Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~25 of 262,144
 # Gaussian scores) are listed as (code, row) candidates if there are at most RADIX_CANDIDATES of them, and the listing
 # finds the k-th among them by one sort, in place of the later levels and the count phase (each a grid barrier);
 # else the levels go on. 0: off. Off for now: exact in the CPU interpreter (3 programs) and compiled for sm_90, not
