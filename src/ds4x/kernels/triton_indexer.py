@@ -270,6 +270,13 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
 
 
 @triton.jit
+def composite_key(code, row):
+    """A row's order-preserving code (uint32 values in int64) and its index as one int64 whose order is the
+    selection's: the higher code first, then the lower row (as `ds4x.kernels.select.composite_keys`)."""
+    return ((code - 0x80000000) << 32) | (0xFFFFFFFF - row.to(tl.int64))
+
+
+@triton.jit
 def append_candidates(cand_ptr, count_ptr, u, rows, bucket):
     """This program's rows in the k-th code's bucket (``bucket``) appended to the row's candidate list as (code,
     row) int32 pairs at ``cand_ptr``, their places taken from the list's count at ``count_ptr``."""
@@ -282,14 +289,13 @@ def append_candidates(cand_ptr, count_ptr, u, rows, bucket):
 
 @triton.jit
 def candidates_threshold(cand_ptr, n_cand, take, CAND: tl.constexpr):
-    """The composite key (code << 32 | 2^32 - 1 - row: higher first, then the lower row) of the ``take``-th largest of
-    the ``n_cand`` candidates at ``cand_ptr``, and the candidates' keys and rows [CAND] (keys of empty places: the
-    smallest int64)."""
+    """The composite key (`composite_key`) of the ``take``-th largest of the ``n_cand`` candidates at ``cand_ptr``, and
+    the candidates' keys and rows [CAND] (keys of empty places: the smallest int64)."""
     j = tl.arange(0, CAND)
     live = j < n_cand
     code = tl.load(cand_ptr + 2 * j, mask=live, other=0, cache_modifier=".cg").to(tl.int64) & 0xFFFFFFFF
     row = tl.load(cand_ptr + 2 * j + 1, mask=live, other=0, cache_modifier=".cg")
-    key = tl.where(live, (code << 32) | (0xFFFFFFFF - row.to(tl.int64)), -9223372036854775808)
+    key = tl.where(live, composite_key(code, row), -9223372036854775808)
     ordered = tl.sort(key, 0, descending=True)
     return tl.sum(tl.where(j == take - 1, ordered, 0), 0), key, row
 
@@ -424,8 +430,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         p = tl.arange(0, MAX_PROGRAMS)
         gt_before = tl.sum(tl.load(gt_counts + p, mask=p < pid, other=0, cache_modifier=".cg"), 0)
         gt_before += tl.sum(((ckey >= bound) & (crow < pid * TILE)).to(tl.int32), 0)  # candidates before mine
-        key = (u << 32) | (0xFFFFFFFF - rows.to(tl.int64))
-        sel = (vis & ((u >> 16) > (kth >> 16))) | (match & (key >= bound))
+        sel = (vis & ((u >> 16) > (kth >> 16))) | (match & (composite_key(u, rows) >= bound))
         slot = gt_before + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
         tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
