@@ -155,7 +155,10 @@ _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def _workspace(device: torch.device, rows: int) -> torch.Tensor:
     """Scratch of the radix select for ``rows`` rows of scores on ``device`` (zero between calls; one stream at a
-    time; one per row count, so a captured step keeps its own)."""
+    time; one per row count, so a captured step keeps its own). "cuda" is the current CUDA device, so that its
+    caller and a tensor's ``.device`` ("cuda:0") find the same scratch."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, rows)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = torch.zeros(rows, _WORKSPACE, dtype=torch.int32, device=device)

@@ -423,6 +423,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tie_rank = eq_before + (excl >> 16)
                 sel = gt | (eq & (tie_rank < ties_taken))
                 slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
+                sel = sel & (slot < kk)  # (always, when the counts are the scores'; never a write past the row)
                 tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
                 tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
     elif CAND_LEVEL < LEVELS and LAST == LEVELS + 1:  # the rows above the bucket and the candidates from the k-th
@@ -432,6 +433,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         gt_before += tl.sum(((ckey >= bound) & (crow < pid * TILE)).to(tl.int32), 0)  # candidates before mine
         sel = (vis & ((u >> 16) > (kth >> 16))) | (match & (composite_key(u, rows) >= bound))
         slot = gt_before + tl.cumsum(sel.to(tl.int32), 0) - 1
+        sel = sel & (slot < kk)  # (as above)
         tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
         tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
     if LAST == LEVELS + 1:
