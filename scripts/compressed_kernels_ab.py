@@ -3,7 +3,7 @@
 (Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
 variant, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes; microseconds per
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query (and on it with the rows from DRAM, EARLY_PREFETCH and FIT_SPLITS as variants), the top-k
+the model's bf16 query (and on it with the rows from DRAM), the top-k
 as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k
 as a CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER and RADIX_CANDIDATES flipped (the better of two
 alternating runs each).
@@ -154,37 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     qb = q.bfloat16()
 
     # one query's cases on the bf16 query with their rows from DRAM as in the model (a graph of one call on each of 24
-    # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead), with
-    # A.EARLY_PREFETCH (HCA's compressed rows asked of L2 before the PDL wait) and A.FIT_SPLITS (a query's splits
-    # fitted to the multiprocessors, else each source's capped alone) each flipped as the variants, alternating twice
+    # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead)
     if "attention" in parts:
         from ds4x.bench.timing import graph_replay_us
 
-        keep = {"EARLY_PREFETCH": A.EARLY_PREFETCH, "FIT_SPLITS": A.FIT_SPLITS}
-        dram_variants = {"default": {}, **{f"{k}={not v}": {k: not v} for k, v in keep.items()}}
-        print(f"\n{'attention, rows from DRAM':<26} " + " ".join(f"{v:>26}" for v in dram_variants)
-              + "  (us, bf16 query; max rel diff to the default)")
+        print(f"\n{'attention, rows from DRAM':<26} {'us':>7}  (bf16 query)")
         for name, sources in cases.items():
             copies = [sources] + [[(data.clone(), slots) for data, slots in sources] for _ in range(23)]
-            times_e: dict[str, list[float]] = {v: [] for v in dram_variants}
-            outs_e: dict[str, torch.Tensor] = {}
-            for _ in range(2):
-                for v, settings in dram_variants.items():
-                    for attr, value in {**keep, **settings}.items():
-                        setattr(A, attr, value)
-                    outs_e[v] = attention_decode_triton(qb, sources, sinks, scale, nope, True)
-                    times_e[v].append(graph_replay_us(
-                        [lambda c=c: attention_decode_triton(qb, c, sinks, scale, nope, True) for c in copies],
-                        rep_ms=100))
-            for attr, value in keep.items():
-                setattr(A, attr, value)
-            diff_e = max(float((o - outs_e["default"]).abs().max() / outs_e["default"].abs().max())
-                         for o in outs_e.values())
+            t_dram = min(graph_replay_us([lambda c=c: attention_decode_triton(qb, c, sinks, scale, nope, True)
+                                          for c in copies], rep_ms=100) for _ in range(2))
             del copies
-            print(f"{name:<26} " + " ".join(f"{min(times_e[v]):26.1f}" for v in dram_variants) + f"  {diff_e:.1e}")
-            for v, t_e in times_e.items():
-                record("decode attention", f"{name} from DRAM", f"Gluon kernel, bf16 query, {v}", min(t_e),
-                       {"rel_diff": diff_e, "rows": "DRAM", **({} if v == "default" else {"status": "variant"})})
+            print(f"{name:<26} {t_dram:7.1f}")
+            record("decode attention", f"{name} from DRAM", "Gluon kernel, bf16 query", t_dram, {"rows": "DRAM"})
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

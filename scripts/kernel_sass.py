@@ -85,14 +85,14 @@ def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> 
 def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False
                       ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
-    rows by ratio (mode 2), PDL and EARLY_PREFETCH as a step launches them; the query ``fp32`` or ``bf16``;
+    rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``;
     ``two_phase`` its TWO_PHASE (blocks a program, 0: the online loop), ``overlap`` its OVERLAP (the two phases'
     decode beside the score products)."""
-    from ds4x.kernels import attention, attention_wgmma
+    from ds4x.kernels import attention_wgmma
 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
-              "OVERLAP": overlap, "EARLY_PREFETCH": attention.EARLY_PREFETCH}
+              "OVERLAP": overlap}
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}

@@ -158,10 +158,10 @@ def _bucket_size(scores: torch.Tensor, n_vis: int, k: int) -> int:
 
 @pytest.mark.parametrize("candidates", [0, 4, 256])
 def test_radix_select_finds_the_kth_among_listed_candidates(candidates, monkeypatch):
-    """RADIX_CANDIDATES: the multi-program select (3 programs here) lists the rows of the k-th code's 16-bit bucket
-    and sorts them instead of counting two more digit levels when there are at most that many; the same exact
-    selection in row order either way: Gaussian scores (small buckets), exact ties at the k-th inside a small
-    bucket, and one bucket of all rows (the levels go on)."""
+    """RADIX_CANDIDATES: the multi-program select (3 programs in the interpreter, 12 on a GPU of 132 SMs) lists the
+    rows of the k-th code's 16-bit bucket and sorts them instead of counting two more digit levels when there are at
+    most that many; the same exact selection in row order either way: Gaussian scores (small buckets), exact ties at
+    the k-th inside a small bucket, and one bucket of all rows (the levels go on)."""
     from ds4x.kernels import select
 
     monkeypatch.setattr(select, "RADIX_CANDIDATES", candidates)
@@ -732,22 +732,6 @@ def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list
     return q, rows, sinks, torch.tensor(positions, device="cuda"), picks
 
 
-def test_split_plan_fits_a_querys_sources_to_the_programs():
-    """The decode attention's splits: each source capped alone, or (with a budget of programs, in place of the cap)
-    the shortest longest program whose splits fit the budget."""
-    from ds4x.kernels.attention import split_plan
-
-    assert split_plan([8, 513], 128) == ([1, 5], [8, 103])  # an HCA layer at 1M, capped: 111 programs, 5 blocks
-    assert split_plan([8, 513], 128, 132) == ([4, 4], [2, 129])  # fitted to 132: 131 programs, 4 blocks
-    assert split_plan([8, 32], 8) == ([1, 4], [8, 8])
-    assert split_plan([8, 3], 128, 132) == ([1, 1], [8, 3])
-    for blocks, budget in (([8, 513], 16), ([8, 64], 4), ([1], 1), ([40, 7, 300], 50)):
-        per, n = split_plan(blocks, 1, budget)
-        assert sum(n) <= max(budget, len(blocks)) and all(k * c >= b for k, c, b in zip(per, n, blocks, strict=True))
-        longest = max(per)  # one block fewer would not fit
-        assert longest == 1 or sum(-(-b // (longest - 1)) for b in blocks) > budget
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
@@ -776,21 +760,18 @@ def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
 def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
     """TWO_PHASE_BLOCKS (a bf16 query's blocks: all scores first, then the products against the final maximum)
     against the online loop: window + picks with holes at one block a program and at 4, window + 8,194 closed
-    compressed rows (HCA at 1M: 4 blocks a program on 132 SMs), a batch of 3 queries (each query's bits alone),
-    packed and native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP and EARLY_PREFETCH
-    either way give the same bits."""
+    compressed rows (HCA at 1M: 5 blocks a program), a batch of 3 queries (each query's bits alone), packed and
+    native rows bit for bit; the float64 softmax as the reference. TWO_PHASE_OVERLAP gives the same bits."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(9, True, 8400, [1_048_575, 700_000, 5_000], 8194)
     picks[1, :40] = -1  # a block with no row at all
     window = Slots(128, position=pos, ring=8400)
-    # (the cap of 8 splits a source, not fitted to the GPU: picks 4 blocks a program)
-    cases = [([(rows, window), (rows, picks)], (16, 128), True), ([(rows, window), (rows, picks)], (16, 8), False),
-             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128), True)]
-    for sources, config, fit in cases:
+    cases = [([(rows, window), (rows, picks)], (16, 128)), ([(rows, window), (rows, picks)], (16, 8)),
+             ([(rows, window), (rows, Slots(8194, position=pos, ratio=128))], (16, 128))]
+    for sources, config in cases:
         monkeypatch.setattr(A, "WGMMA_CONFIG", config)
-        monkeypatch.setattr(A, "FIT_SPLITS", fit)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 0)
         online = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         monkeypatch.setattr(A, "TWO_PHASE_BLOCKS", 5)
@@ -799,10 +780,6 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
         assert float((out - online).abs().max() / online.abs().max()) < 1e-5
         monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", True)  # the next block decoded beside the score product
         assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), out)
-        early = A.EARLY_PREFETCH  # HCA's rows asked of L2 before the PDL wait, or not: a hint, the same bits
-        for flag in (not early, early):
-            monkeypatch.setattr(A, "EARLY_PREFETCH", flag)
-            assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), out)
         for b in range(3):
             alone = [(r[b], s[b] if isinstance(s, torch.Tensor) else
                       Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]

@@ -73,7 +73,10 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32 rows spill); the Triton kernel at DECODE_CONFIG 12.1 / 15.9 / 12.4 / 84.7. The earlier Gluon kernel (two
 # programs per split, each half of the columns, 1efc93d) 11.1 / 12.3 / 11.2 / 49.4.
 # Since (16, 128) with the warp-local softmax, asynchronous products and PDL (c53a198): 12.3 / 13.5 / 13.0 / 32.3;
-# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5. FIT_SPLITS (below) replaces the cap.
+# (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5. Splits fitted to one program a
+# multiprocessor instead (an HCA layer at 1M: the window 2 x 4 blocks and the compressed rows 129 x 4, 131 programs
+# against 8 x 1 and 103 x 5) were slower: 29.5 against 26.9 us with the rows from DRAM (H100, cd6ca52,
+# scripts/compressed_kernels_ab.py; more partial states to store, each ~4,000-8,000 cycles a program).
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
 # A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
@@ -90,18 +93,6 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
-# A program over HCA's compressed rows (slot mode 2: row j is slot j, found without the query's position) asks L2 for
-# all its blocks' rows before its PDL wait, so that they come from DRAM while the kernels before it finish
-# (`attention_wgmma.partial_kernel` EARLY_PREFETCH); the same bits. Off: built and compiled for sm_90 (2026-12-06),
-# not yet run on a GPU (no device started that session).
-EARLY_PREFETCH = False
-# The Hopper kernel's splits fitted to the GPU (`split_plan` with a budget of one program a multiprocessor; a batch with
-# ``batch_splits`` its share of BATCH_SPLIT_WAVES waves): the fewest blocks a program for which a query's sources
-# together fill at most that many programs, instead of each source's splits capped at WGMMA_CONFIG's alone. An HCA
-# layer at 1M on 132 multiprocessors: the window 2 x 4 blocks and the compressed rows 129 x 4 (131 programs, the
-# longest 4 blocks) instead of 8 x 1 and 103 x 5 (111, the longest 5). Off: built (split_plan tested on the CPU),
-# not yet run on a GPU (no device started on 2026-12-06).
-FIT_SPLITS = False
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -119,25 +110,6 @@ BATCH_SPLIT_WAVES = 1
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
-
-
-def split_plan(blocks: list[int], max_splits: int, budget: int = 0) -> tuple[list[int], list[int]]:
-    """Blocks per split and splits of each row source of ``blocks`` blocks. Without a ``budget``: at most
-    ``max_splits`` splits a source, as few blocks each as that allows. With one (in place of the cap): the fewest
-    blocks per split (the longest program of the launch) for which all sources' splits together fit ``budget``
-    programs (a source of fewer blocks is one split), so that the sources share the programs by their lengths."""
-    if budget:
-        lo, hi = 1, max(blocks)
-        while lo < hi:  # the programs needed fall as the blocks per split grow
-            mid = (lo + hi) // 2
-            if sum(-(-b // mid) for b in blocks) <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        per = [min(b, lo) for b in blocks]
-    else:
-        per = [-(-b // max_splits) for b in blocks]
-    return per, [-(-b // k) for b, k in zip(blocks, per, strict=True)]
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -205,18 +177,15 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             raise ValueError("one_pass runs the Hopper kernel (config None, WGMMA on, a query it serves) and "
                              "leaves the inverse RoPE to the caller")
         max_splits = 1
-    budget = 0  # programs a query's splits together fill (0: each source's splits capped at max_splits alone)
-    if not one_pass and (wide and FIT_SPLITS or batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0):
+    elif batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0:
         from ds4x.kernels.indexer import num_sms
 
-        sms = num_sms(q.device)
-        if batch_splits and B > 1 and BATCH_SPLIT_WAVES > 0:
-            budget = max(1, BATCH_SPLIT_WAVES * sms // B)
-            if not (wide and FIT_SPLITS):  # a budget per source
-                max_splits, budget = min(max_splits, max(1, budget // len(slots))), 0
-        else:
-            budget = sms
-    per_split, n_splits = split_plan([max(1, -(-s.n // block)) for s in slots], max_splits, budget)
+        max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * num_sms(q.device) // (B * len(slots))))
+    per_split, n_splits = [], []
+    for s in slots:
+        n_blocks = max(1, -(-s.n // block))
+        per_split.append(-(-n_blocks // max_splits))
+        n_splits.append(-(-n_blocks // per_split[-1]))
     if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
@@ -250,7 +219,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, EARLY_PREFETCH=EARLY_PREFETCH, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -254,15 +254,13 @@ if HAVE_GLUON:
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
-                       EARLY_PREFETCH: gl.constexpr = False):
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
         TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
-        instead of the online loop; the same state to float rounding. EARLY_PREFETCH (source B in slot mode 2, the
-        compressed rows 0 .. n - 1): a program of B asks L2 for all its blocks' rows before its PDL wait."""
+        instead of the online loop; the same state to float rounding."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -270,18 +268,6 @@ if HAVE_GLUON:
         split = gl.program_id(0)
         b = gl.program_id(2).to(gl.int64)
         slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        if EARLY_PREFETCH and MODE_B == 2 and not WHOLE:
-            # A split's compressed rows are found without its position (slot j is row j), so their bytes are on
-            # their way from DRAM while the kernels before this one finish. A prefetch only warms L2, the point of
-            # coherence, so a row this step's compressor writes after it is still read as written
-            # (a row a thread: the blocks' layout holds each row in every lane of a warp, 32 prefetches of it)
-            PL: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            if split >= splits_a:
-                first = (split - splits_a) * blocks_b * BLOCK
-                for c in range(0, blocks_b * BLOCK, 32 * num_warps):
-                    j = c + gl.arange(0, 32 * num_warps, layout=PL)
-                    ok = (j < blocks_b * BLOCK) & (first + j < n_b)
-                    _prefetch_rows(rows_b + b * store_b, gl.where(ok, first + j, -1), stride_b, ROW)
         wait_upstream(PDL)
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
         # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'

@@ -137,8 +137,9 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~25 of 262,144
 # Gaussian scores) are listed as (code, row) candidates if there are at most RADIX_CANDIDATES of them, and the listing
 # finds the k-th among them by one sort, in place of the later levels and the count phase (each a grid barrier);
-# else the levels go on. 0: off. Off for now: exact in the CPU interpreter (3 programs) and compiled for sm_90, not
-# yet run on a GPU (no device started on 2026-12-06); 256 is the value to try.
+# else the levels go on. 0: off. Exact in the interpreter and on an H100 (cd6ca52: the fused launch of 12 programs,
+# test_radix_select_finds_the_kth_among_listed_candidates); not yet timed (that run's A/B of it was spoilt by the
+# workspace bug below), so off; 256 is the value to time.
 RADIX_CANDIDATES = 0
 
 # workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3] the
@@ -214,8 +215,9 @@ def _check_digit_bits(name: str, bits: int) -> None:
 
 # The multi-program select's first digit level counted by the indexer kernel where it writes the scores
 # (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. Off: exact in the
-# CPU interpreter (the Triton kernel) and compiled for sm_90 (the Gluon kernel), not yet run on a GPU (no device
-# started on 2026-12-06).
+# CPU interpreter (the Triton kernel); on an H100 (cd6ca52) its test failed because the indexer counted into the
+# scratch of torch.device("cuda") and the select read that of "cuda:0" (one scratch for both since f93174c); not
+# yet run on a GPU since.
 FIRST_LEVEL_IN_INDEXER = False
 
 
