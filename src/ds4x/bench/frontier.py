@@ -4,7 +4,7 @@ per layer (a CUDA graph of the kernel for every layer of its kind, each on its o
 `_per_layer_ms`), and the attention + indexer scoring + top-k of all compressed layers (each reading its own
 rows) timed as one sequence, both launched eagerly and replayed from a CUDA graph (the GPU time without Python
 launch gaps). The top-k is timed paired with its scoring, as the model runs them (the radix select's first digit
-level is counted by the indexer kernel: `ds4x.kernels.select.radix_first_level`), and reported as that pair less
+level counted by the indexer kernel: `ds4x.kernels.select.scored_topk_radix`), and reported as that pair less
 the scoring alone.
 
 The model is DeepSeek-V4-Flash at full attention shapes (43 layers, 64 heads x 512, indexer 64 x 128,
@@ -31,7 +31,7 @@ from ds4x.kernels.attention import Slots, attention_decode_triton
 from ds4x.kernels.indexer import indexer_scores_triton
 from ds4x.kernels.quant_matmul import int8_activation_types
 from ds4x.kernels.select import (
-    radix_first_level,
+    scored_topk_radix,
     select_topk_blocked,
     select_topk_keys,
     select_topk_radix,
@@ -148,15 +148,13 @@ def _layer_kernels(cache: ModelCache, layer: int, topk: str, g: torch.Generator)
 
 
 def _scored_selection(qi: torch.Tensor, wi: torch.Tensor, rows: torch.Tensor, n_rows: int, select, k: int):
-    """A closure scoring ``n_rows`` indexer rows and selecting the top ``k`` of them as the model does (for the radix
-    select: its first digit level counted by the indexer, where it takes that) -> the selected rows (-1: none)."""
-    first_level = radix_first_level(n_rows, 1, rows.device) if select is select_topk_radix else None
+    """A closure scoring ``n_rows`` indexer rows and selecting the top ``k`` of them as the model does (the radix
+    select by `scored_topk_radix`) -> the selected rows (-1: none)."""
 
     def run() -> torch.Tensor:
-        scores = indexer_scores_triton(qi, wi, rows, n_rows, True, first_level=first_level)
         if select is select_topk_radix:
-            return select(scores, n_rows, k, pad=-1, first_level_counted=first_level is not None)[0]
-        index, valid = select(scores, n_rows, k)
+            return scored_topk_radix(qi, wi, rows, n_rows, True, k)
+        index, valid = select(indexer_scores_triton(qi, wi, rows, n_rows, True), n_rows, k)
         return torch.where(valid, index, -1)
 
     return run

@@ -154,13 +154,18 @@ _MAX_TILE = 8192  # a program's scores stay in registers
 _WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _workspace(device: torch.device, rows: int) -> torch.Tensor:
     """Scratch of the radix select for ``rows`` rows of scores on ``device`` (zero between calls; one stream at a
     time; one per row count, so a captured step keeps its own). "cuda" is the current CUDA device, so that its
     caller and a tensor's ``.device`` ("cuda:0") find the same scratch."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device, rows)
+    key = (_indexed(device), rows)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = torch.zeros(rows, _WORKSPACE, dtype=torch.int32, device=device)
     return _WORKSPACES[key]
@@ -168,8 +173,7 @@ def _workspace(device: torch.device, rows: int) -> torch.Tensor:
 
 def radix_barrier_timeouts(device: torch.device) -> int:
     """Grid barriers that gave up waiting since start-up (0 unless programs were not all resident)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     return sum(int(ws[:, 2].sum()) for (dev, _), ws in _WORKSPACES.items() if dev == device)
 
 
@@ -330,3 +334,16 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
                                             SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
                                             CAND=RADIX_CANDIDATES, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
+
+
+def scored_topk_radix(q: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, n_rows: int | torch.Tensor,
+                      packed: bool, k: int, pad: int = -1) -> torch.Tensor:
+    """The indexer's scores of the rows (`ds4x.kernels.indexer.indexer_scores_triton`, arguments as there) and the
+    rows of their top ``k`` by `select_topk_radix` (slots no row fills: ``pad``), the select's first digit level
+    counted by the indexer where the select takes it (`radix_first_level`): how a decode step pairs them."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    width = rows.shape[-2] if isinstance(n_rows, torch.Tensor) else n_rows
+    first_level = radix_first_level(width, q.shape[0] if q.dim() == 3 else 1, rows.device)
+    scores = indexer_scores_triton(q, weights, rows, n_rows, packed, first_level=first_level)
+    return select_topk_radix(scores, n_rows, k, pad=pad, first_level_counted=first_level is not None)[0]

@@ -33,7 +33,7 @@ from ds4x.kernels.branches import Branch, fork_point
 from ds4x.kernels.dispatch import use_triton
 from ds4x.kernels.indexer import indexer_scores, indexer_scores_triton
 from ds4x.kernels.linear import grouped_linear, linear, rowwise_enabled
-from ds4x.kernels.select import radix_first_level, select_topk, select_topk_radix
+from ds4x.kernels.select import scored_topk_radix, select_topk
 from ds4x.model.cache import LayerState, ModelCache, RowStore, batch_layer
 from ds4x.model.norms import rms_norm
 from ds4x.model.projections import project, stacked_name
@@ -360,12 +360,8 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
         assert st.idx_rows is not None and st.idx_proj is not None and n_rows is not None  # [B]: closed windows
         _compress(idx[rows], st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
                   w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg, rope)
-        # the select's first digit level counted by the indexer as it scores (where the select takes it)
-        first_level = radix_first_level(st.idx_rows.data.shape[-2], n_rows.numel(), n_rows.device)
-        scores = indexer_scores_triton(cache.indexer_query(inputs.index_q[rows]), index_w[rows], st.idx_rows.data,
-                                       n_rows, packed, first_level=first_level)
-        index = select_topk_radix(scores, n_rows, cfg.index_topk, pad=-1,  # unfilled slots: no row
-                                  first_level_counted=first_level is not None)[0]
+        index = scored_topk_radix(cache.indexer_query(inputs.index_q[rows]), index_w[rows], st.idx_rows.data,
+                                  n_rows, packed, cfg.index_topk)  # unfilled slots: -1, no row
     for b in writes:
         b.join()
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
