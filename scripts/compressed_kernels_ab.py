@@ -5,8 +5,7 @@ variant, each with its rows in L2 and from DRAM), and the exact top-512 select a
 call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
 the model's bf16 query (and on it with the rows from DRAM), the top-k
 as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k
-as a CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER and RADIX_CANDIDATES flipped (the better of two
-alternating runs each).
+as a CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER flipped (the better of two alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -253,14 +252,12 @@ def main(argv: list[str] | None = None) -> int:
 
         # the select as dispatched (one program a row up to SMALL_ROWS scores, SMALL_ROWS_BATCHED from 8 rows on, else
         # the multi-program select) against one program a row forced (the histogram select, SMALL_WARPS warps) up to
-        # 32,768 scores, and the multi-program select without its candidates (RADIX_CANDIDATES = 0: the digit levels
-        # to the end), alternating twice; exact: the same set as the composite-key topk for every row
+        # 32,768 scores, alternating twice; exact: the same set as the composite-key topk for every row
         from ds4x.kernels import select as S
 
-        default_warps, default_cand = S.SMALL_WARPS, S.RADIX_CANDIDATES
-        variants = {"as dispatched": (None, None, default_cand), "levels only (RADIX_CANDIDATES=0)": (None, None, 0),
-                    "one program, 8 warps": (True, 8, default_cand), "one program, 16 warps": (True, 16, default_cand),
-                    "one program, 32 warps": (True, 32, default_cand)}
+        default_warps = S.SMALL_WARPS
+        variants = {"as dispatched": (None, None), "one program, 8 warps": (True, 8),
+                    "one program, 16 warps": (True, 16), "one program, 32 warps": (True, 32)}
         print(f"\n{'top-512 select':<20} " + " ".join(f"{v:>28}" for v in variants) + "  (us, exact)")
         sizes = ((262_144, 1), (32_768, 1), (16_384, 1), (8_192, 1), (4_160, 1), (2_048, 1), (1_024, 1), (1_024, 32),
                  (8_192, 8), (16_384, 8), (32_768, 8))
@@ -270,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             times_v: dict[str, list[float]] = {v: [] for v in variants}
             exact: dict[str, bool] = {}
             for _ in range(2):
-                for name, (small, warps, cand) in variants.items():
+                for name, (small, warps) in variants.items():
                     if small and rows_n > 32_768:
                         continue
-                    S.SMALL_WARPS, S.RADIX_CANDIDATES = warps, cand
+                    S.SMALL_WARPS = warps
                     try:
                         index, valid = select_topk_radix(s, count, 512, small=small)
                         exact[name] = all(set(index[b][valid[b]].tolist())
@@ -283,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as exc:  # (a configuration the GPU cannot launch is reported, not fatal)
                         print(f"  {name} at {batch} x {rows_n:,}: {type(exc).__name__}: {str(exc)[:80]}")
                         times_v[name].append(float("nan"))
-            S.SMALL_WARPS, S.RADIX_CANDIDATES = default_warps, default_cand
+            S.SMALL_WARPS = default_warps
             print(f"{f'{batch} x {rows_n:,}':<20} "
                   + " ".join(f"{min(times_v[v], default=float('nan')):21.1f} {str(exact.get(v, '-')):>6}"
                              for v in variants))
@@ -292,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     record("top-512 select", f"{batch} x {rows_n:,} scores", v, min(times_v[v]), {"exact": exact[v]})
         # scoring then the top-512 of 262,144 rows as a CSA layer at 1M pairs them, from DRAM (one pair on each of 24
         # copies of the store per graph), with the select's first level counted by the indexer or by itself
-        # (FIRST_LEVEL_IN_INDEXER) and the k-th found among candidates or by the levels (RADIX_CANDIDATES),
-        # alternating twice; exact against the composite-key topk
+        # (FIRST_LEVEL_IN_INDEXER), alternating twice; exact against the composite-key topk
         if "pair" in parts:
             from ds4x.bench.timing import graph_replay_us
             from ds4x.kernels import select as S
@@ -301,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             copies = [packed] + [packed.clone() for _ in range(23)]
             count = torch.full((1,), n, dtype=torch.int32, device=dev)
             want = set(select_topk_keys(scores[1], n, 512)[0].tolist())
-            saved = S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES
-            pairs = {f"first level in indexer {int(fl)}, candidates {c}": (fl, c)
-                     for fl in (saved[0], not saved[0]) for c in (saved[1], 0 if saved[1] else 256)}
+            saved = S.FIRST_LEVEL_IN_INDEXER
+            pairs = {f"first level in indexer {int(fl)}": fl for fl in (saved, not saved)}
 
             def pair(rows):
                 return S.scored_topk_radix(qi, wi, rows, count, True, 512)
@@ -311,11 +306,11 @@ def main(argv: list[str] | None = None) -> int:
             times_p: dict[str, list[float]] = {v: [] for v in pairs}
             exact_p: dict[str, bool] = {}
             for _ in range(2):
-                for v, (S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES) in pairs.items():
+                for v, S.FIRST_LEVEL_IN_INDEXER in pairs.items():
                     index = pair(packed)
                     exact_p[v] = set(index.tolist()) == want
                     times_p[v].append(graph_replay_us([lambda c=c: pair(c) for c in copies], rep_ms=100))
-            S.FIRST_LEVEL_IN_INDEXER, S.RADIX_CANDIDATES = saved
+            S.FIRST_LEVEL_IN_INDEXER = saved
             del copies
             print(f"\n{'scoring + top-512, 262,144 rows from DRAM':<44} {'us':>7}  exact")
             for v in pairs:

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Where the multi-program radix top-k's time goes (CUDA): the fused select launched with LAST = -1 (the scores
 loaded, nothing else), 0, 1, ... (each launch runs the phases up to LAST), so consecutive figures differ by one
-phase: a level's histogram with the grid barrier before it (or, with RADIX_CANDIDATES, the candidates' listing
-after 16 bits), the count, the listing with its barrier. Each call
+phase: a level's histogram with the grid barrier before it, the count, the listing with its barrier. Each call
 follows a zeroing of the workspace (a select cut short leaves it dirty), whose own time is subtracted. Gaussian
 scores; ``--ledger PATH`` appends each figure as a ``kernel`` row.
 
@@ -34,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     env, rows = environment(), []
-    # with RADIX_CANDIDATES the level after 16 bits lists the candidates instead (a small bucket), and the later
-    # levels and the count then do nothing
-    cand_level = 16 // S.RADIX_BITS if S.RADIX_CANDIDATES else -1
-    phases = (["load only"] + [f"+ level {i}" + (" or candidates" if i == cand_level else "")
-                               for i in range(32 // S.RADIX_BITS)] + ["+ count", "+ listing"])
+    phases = ["load only"] + [f"+ level {i}" for i in range(32 // S.RADIX_BITS)] + ["+ count", "+ listing"]
     for n in (int(v) for v in args.sizes.split(",")):
         scores = torch.randn(1, n, generator=g, device="cuda") * 0.3
         tile, n_prog = S.radix_tiling(n, 1, num_sms(dev))  # as the select lays out one row
@@ -54,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             radix_kernel[(n_prog, 1)](scores, n, n, count, 512, n_prog, ws, index, valid, 0, TILE=tile, KP=512,
                                       BITS=S.RADIX_BITS, FIRST=0, LAST=last, DEVICE_COUNT=True, WS=S._WORKSPACE,
                                       MAX_PROGRAMS=S._MAX_PROGRAMS, num_warps=S.RADIX_WARPS,
-                                      SHARED_BINS=S.SHARED_HISTOGRAM, CAND=S.RADIX_CANDIDATES,
-                                      **launch_options(dev))
+                                      SHARED_BINS=S.SHARED_HISTOGRAM, **launch_options(dev))
 
         times = []
         for last in range(-1, len(phases) - 1):

@@ -148,41 +148,6 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
-def _bucket_size(scores: torch.Tensor, n_vis: int, k: int) -> int:
-    """Rows sharing the top 16 bits of the k-th largest order-preserving code (the radix select's candidates)."""
-    bits = (scores[:n_vis].float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    codes = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
-    kth = codes.sort(descending=True).values[min(k, n_vis) - 1]
-    return int(((codes >> 16) == (kth >> 16)).sum())
-
-
-@pytest.mark.parametrize("candidates", [0, 4, 256])
-def test_radix_select_finds_the_kth_among_listed_candidates(candidates, monkeypatch):
-    """RADIX_CANDIDATES: the multi-program select (3 programs in the interpreter, 12 on a GPU of 132 SMs) lists the
-    rows of the k-th code's 16-bit bucket and sorts them instead of counting two more digit levels when there are at
-    most that many; the same exact selection in row order either way: Gaussian scores (small buckets), exact ties at
-    the k-th inside a small bucket, and one bucket of all rows (the levels go on)."""
-    from ds4x.kernels import select
-
-    monkeypatch.setattr(select, "RADIX_CANDIDATES", candidates)
-    g = torch.Generator().manual_seed(11)
-    n = 3000
-    gauss = torch.randn(n, generator=g)
-    tied = gauss.clone()
-    tied[::50] = tied.sort(descending=True).values[500]
-    wide = (torch.tensor(1.5).view(torch.int32) + torch.randint(0, 1 << 16, (n,), generator=g,
-                                                                dtype=torch.int32)).view(torch.float32)
-    cases = [(gauss, n, 512), (gauss, 2500, 512), (gauss, n, 64), (tied, n, 512), (wide, n, 512)]
-    sizes = [_bucket_size(s, n_vis, k) for s, n_vis, k in cases]
-    assert max(sizes[:4]) <= 256 < sizes[4]  # at 256 candidates both ways are taken
-    for scores, n_vis, k in cases:
-        scores = scores.to(_device())
-        ref = selection_mask(*select_topk(scores[None], (torch.arange(n) < n_vis).to(_device())[None], k), n)[0]
-        index, valid = select_topk_radix(scores, n_vis, k, small=False)
-        assert torch.equal(selection_mask(index[None], valid[None], n)[0], ref)
-        assert valid.tolist() == [True] * min(k, n_vis) and bool((index.diff() > 0).all())
-
-
 def _first_digits(scores: torch.Tensor, bits: int) -> torch.Tensor:
     """Counts of the top ``bits`` bits of the scores' order-preserving codes (-0.0 as +0.0), as the select's level 0."""
     raw = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -190,17 +155,20 @@ def _first_digits(scores: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.bincount((codes >> (32 - bits)).cpu(), minlength=1 << bits).int()
 
 
+@pytest.mark.parametrize("in_indexer", [True, False], ids=["first level in the indexer", "first level in the select"])
 @pytest.mark.parametrize("queries", [1, 3])
-def test_indexer_counts_the_selects_first_level(queries, monkeypatch):
-    """``first_level`` (`radix_first_level`): the indexer adds to each query's bins the first radix digits of its
-    scored rows (those below its count; zero scores, from all-zero rows under negative weights, as +0.0), and the
-    multi-program select started at its second level from them selects exactly and leaves them zero. One query, and
-    a batch of 3 each with its own store and count."""
+def test_indexer_counts_the_selects_first_level(queries, in_indexer, monkeypatch):
+    """``first_level`` (`radix_first_level`, FIRST_LEVEL_IN_INDEXER on): the indexer adds to each query's bins the
+    first radix digits of its scored rows (those below its count; zero scores, from all-zero rows under negative
+    weights, as +0.0), and the multi-program select started at its second level from them selects exactly and
+    leaves them zero; off, there are no bins and the select counts all its levels. Either way `scored_topk_radix`,
+    the pairing the model calls, picks the same rows. One query, and a batch of 3 each with its own store and
+    count."""
     from ds4x.kernels import select
     from ds4x.kernels.indexer import indexer_scores_triton
-    from ds4x.kernels.select import RADIX_BITS, radix_first_level
+    from ds4x.kernels.select import RADIX_BITS, radix_first_level, scored_topk_radix
 
-    monkeypatch.setattr(select, "FIRST_LEVEL_IN_INDEXER", True)
+    monkeypatch.setattr(select, "FIRST_LEVEL_IN_INDEXER", in_indexer)
     n, k, dev = 3000, 512, _device()
     cases = [_indexer_case(n, 16, 20 + i, dev) for i in range(queries)]
     rows = torch.stack([r for r, _, _ in cases])
@@ -209,21 +177,26 @@ def test_indexer_counts_the_selects_first_level(queries, monkeypatch):
     w = -torch.stack([c[2] for c in cases]).abs()
     count = torch.tensor([2900, 3000, 1800][:queries], device=dev)
     bins = radix_first_level(n, queries, torch.device(dev))
-    assert bins is not None and bins.shape == (queries, 1 << RADIX_BITS) and int(bins.abs().sum()) == 0
-    if queries == 1:
-        scores = indexer_scores_triton(q[0], w[0], rows[0], count, True, first_level=bins)[None]
+    if in_indexer:
+        assert bins is not None and bins.shape == (queries, 1 << RADIX_BITS) and int(bins.abs().sum()) == 0
     else:
-        scores = indexer_scores_triton(q, w, rows, count, True, first_level=bins)
+        assert bins is None
+    one = (lambda t: t[0]) if queries == 1 else (lambda t: t)  # one query: its own shapes, no batch dimension
+    scores = indexer_scores_triton(one(q), one(w), one(rows), count, True, first_level=bins).reshape(queries, n)
     assert bool((scores[0, 100:160] == 0).all())  # (a sum of -0.0 products is -0.0 on the GPU's reductions)
-    for b in range(queries):
-        assert torch.equal(bins[b].cpu(), _first_digits(scores[b, : int(count[b])], RADIX_BITS))
-    picked, valid = select_topk_radix(scores if queries > 1 else scores[0], count, k, first_level_counted=True)
-    assert int(bins.abs().sum()) == 0
+    if bins is not None:
+        for b in range(queries):
+            assert torch.equal(bins[b].cpu(), _first_digits(scores[b, : int(count[b])], RADIX_BITS))
+    picked, valid = select_topk_radix(one(scores), count, k, first_level_counted=in_indexer)
+    if bins is not None:
+        assert int(bins.abs().sum()) == 0
+    picked, valid = picked.reshape(queries, -1), valid.reshape(queries, -1)
     for b in range(queries):
         visible = (torch.arange(n) < int(count[b])).to(dev)[None]
         ref = selection_mask(*select_topk(scores[b][None], visible, k), n)[0]
-        got = (picked[b], valid[b]) if queries > 1 else (picked, valid)
-        assert torch.equal(selection_mask(got[0][None], got[1][None], n)[0], ref)
+        assert torch.equal(selection_mask(picked[b][None], valid[b][None], n)[0], ref)
+    paired = scored_topk_radix(one(q), one(w), one(rows), count, True, k)
+    assert torch.equal(paired.reshape(queries, -1), torch.where(valid, picked, -1))
 
 
 @pytest.mark.parametrize(("bits", "by_histogram"), [(8, True), (4, True), (2, True), (2, False)])

@@ -134,20 +134,14 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # bin number, then a popcount per bin and lane): H200, 128 programs x 2,048 scores, one launch: 256 bins 3.1 us,
 # 1,024 bins 8.0 us, 2,048 bins 12.0 us; a grid barrier (one per level) ~0.7 us.
 
-# Once the k-th code's top 16 bits are settled (two 8-bit levels), the rows sharing them (its bucket: ~25 of 262,144
-# Gaussian scores) are listed as (code, row) candidates if there are at most RADIX_CANDIDATES of them, and the listing
-# finds the k-th among them by one sort, in place of the later levels and the count phase (each a grid barrier);
-# else the levels go on. 0: off. Exact in the interpreter and on an H100 (cd6ca52: the fused launch of 12 programs,
-# test_radix_select_finds_the_kth_among_listed_candidates); not yet timed (that run's A/B of it was spoilt by the
-# workspace bug below), so off; 256 is the value to time.
-RADIX_CANDIDATES = 0
+# The k-th code's bucket listed and sorted once 16 bits are settled (RADIX_CANDIDATES, 256) measured slower and was
+# removed (H100, e8b13f3, scripts/compressed_kernels_ab.py --parts pair, scoring + top-512 of 262,144 rows from DRAM,
+# us without / with it: 30.7 / 32.6, first level in the indexer 30.1 / 32.1).
 
-# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3] the
-# candidates listed; from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above
-# / equal to the k-th score; then the candidates' (code, row) pairs
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
+# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
-_MAX_CANDIDATES = 1024
-_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS + 2 * _MAX_CANDIDATES
+_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
 
 
@@ -218,11 +212,12 @@ def _check_digit_bits(name: str, bits: int) -> None:
 
 
 # The multi-program select's first digit level counted by the indexer kernel where it writes the scores
-# (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. Off: exact in the
-# CPU interpreter (the Triton kernel); on an H100 (cd6ca52) its test failed because the indexer counted into the
-# scratch of torch.device("cuda") and the select read that of "cuda:0" (one scratch for both since f93174c); not
-# yet run on a GPU since.
-FIRST_LEVEL_IN_INDEXER = False
+# (`radix_first_level`), so that the select starts at the second level, one grid barrier fewer. H100 (e8b13f3), off
+# / on: scripts/compressed_kernels_ab.py --parts pair (scoring + top-512 of 262,144 rows from DRAM, every selection
+# exact) 30.7 / 30.1 us; `ds4x bench frontier --weights q2 --experts 128 --contexts 1048576 --steps 50`, two
+# alternating runs each: top-k 13.3, 13.3 / 12.7, 12.7 us, the 41 compressed layers' sum 1.455, 1.456 / 1.440, 1.441
+# ms, their graph 1.513, 1.515 / 1.501, 1.505 ms.
+FIRST_LEVEL_IN_INDEXER = True
 
 
 def _multi_program(n: int, rows: int, small: bool | None) -> bool:
@@ -315,10 +310,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     ws = _workspace(scores.device, B)
     pdl = launch_options(scores.device)
     _check_digit_bits("RADIX_BITS", RADIX_BITS)
-    if RADIX_CANDIDATES and (RADIX_CANDIDATES & (RADIX_CANDIDATES - 1) or RADIX_CANDIDATES > _MAX_CANDIDATES
-                             or 16 % RADIX_BITS):
-        raise ValueError(f"RADIX_CANDIDATES must be 0 or a power of two up to {_MAX_CANDIDATES}, with RADIX_BITS "
-                         f"dividing 16; got {RADIX_CANDIDATES} at {RADIX_BITS} bits")
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     first = 1 if first_level_counted else 0
     phases = [(first, listing)] if fused else [(i, i) for i in range(first, listing + 1)]
@@ -331,8 +322,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
-                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
-                                            CAND=RADIX_CANDIDATES, **pdl)
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
 
 

@@ -270,41 +270,10 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
 
 
 @triton.jit
-def composite_key(code, row):
-    """A row's order-preserving code (uint32 values in int64) and its index as one int64 whose order is the
-    selection's: the higher code first, then the lower row (as `ds4x.kernels.select.composite_keys`)."""
-    return ((code - 0x80000000) << 32) | (0xFFFFFFFF - row.to(tl.int64))
-
-
-@triton.jit
-def append_candidates(cand_ptr, count_ptr, u, rows, bucket):
-    """This program's rows in the k-th code's bucket (``bucket``) appended to the row's candidate list as (code,
-    row) int32 pairs at ``cand_ptr``, their places taken from the list's count at ``count_ptr``."""
-    mine = tl.sum(bucket.to(tl.int32), 0)
-    if mine > 0:  # most programs hold none
-        at = tl.atomic_add(count_ptr, mine, sem="relaxed") + tl.cumsum(bucket.to(tl.int32), 0) - 1
-        tl.store(cand_ptr + 2 * at, u.to(tl.int32), mask=bucket)  # (the low 32 bits: the code)
-        tl.store(cand_ptr + 2 * at + 1, rows, mask=bucket)
-
-
-@triton.jit
-def candidates_threshold(cand_ptr, n_cand, take, CAND: tl.constexpr):
-    """The composite key (`composite_key`) of the ``take``-th largest of the ``n_cand`` candidates at ``cand_ptr``, and
-    the candidates' keys and rows [CAND] (keys of empty places: the smallest int64)."""
-    j = tl.arange(0, CAND)
-    live = j < n_cand
-    code = tl.load(cand_ptr + 2 * j, mask=live, other=0, cache_modifier=".cg").to(tl.int64) & 0xFFFFFFFF
-    row = tl.load(cand_ptr + 2 * j + 1, mask=live, other=0, cache_modifier=".cg")
-    key = tl.where(live, composite_key(code, row), -9223372036854775808)
-    ordered = tl.sort(key, 0, descending=True)
-    return tl.sum(tl.where(j == take - 1, ordered, 0), 0), key, row
-
-
-@triton.jit
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
-                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False, CAND: tl.constexpr = 0):
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
@@ -312,10 +281,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     the ones still needed, the remaining digit levels are skipped (all of those rows are selected). SHARED_BINS
     (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
     program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
-    counts stay its own). CAND (> 0, not LOCAL): once 16 bits are settled, if the rows matching them (the k-th
-    code's bucket) are at most CAND, phase 16 / BITS lists them as candidates instead of counting the next digit,
-    and the listing finds the k-th among them: the later levels and the count phase, each a grid barrier, are
-    skipped."""
+    counts stay its own)."""
     wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
@@ -332,8 +298,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     valid_ptr += r * kk
     gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
     eq_counts = gt_counts + MAX_PROGRAMS
-    cand_ptr = eq_counts + MAX_PROGRAMS  # CAND (code, row) pairs; their count at ws_ptr[3]
-    CAND_LEVEL: tl.constexpr = 16 // BITS if CAND > 0 and not LOCAL else LEVELS  # LEVELS: never
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
@@ -351,92 +315,68 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
     known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
     done = known != 0  # the rows matching the settled bits are exactly the ones still needed
-    cand = known != 0  # the k-th is found among the listed candidates (CAND)
-    bucket = known  # their count
     barriers = tl.zeros([], tl.int32)  # grid barriers passed
     for level in tl.static_range(LEVELS):
         if LAST >= level:
             if level > 0:
-                if not (done | cand):
+                if not done:
                     t, a, c = digit_threshold(ws_ptr, level - 1, need - above, h, BINS, LOCAL)
                     kth = kth | (t.to(tl.int64) << (32 - BITS * level))
                     above += a
                     known = BITS * level
                     match = match & (digit == t)  # noqa: F821 - the previous level's digit
                     done = c == need - above
-                    if level == CAND_LEVEL:  # the same on every program: from the row's histogram
-                        cand = (c <= CAND) & (c != need - above)
-                        bucket = c
             digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
-                if level == CAND_LEVEL:
-                    if cand:  # this program's rows above the bucket counted, its rows in it listed
-                        tl.store(gt_counts + pid, tl.sum((vis & ((u >> 16) > (kth >> 16))).to(tl.int32), 0))
-                        append_candidates(cand_ptr, ws_ptr + 3, u, rows, match)
-                        if LAST > level:
-                            grid_sync(ws_ptr, barriers + 1, nprog)
-                        barriers += 1
-                if not (done | cand):
+                if not done:
                     h = digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS,
                                         bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
-    # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it.
+    # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
+    if LAST >= LEVELS:
+        if not done:
+            t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, h, BINS, LOCAL)
+            kth = kth | t.to(tl.int64)
+            above += a
+            known = 32
+        ties_taken = need - above  # rows equal to the k-th code (in its settled bits) that are selected
+        low = 32 - known
+        gt = vis & ((u >> low) > (kth >> low))
+        eq = vis & ((u >> low) == (kth >> low))
+        both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
+        # a program's own ranks before the listing's grid barrier when both phases share the launch: the scan then
+        # runs while the other programs arrive, not after
+        SCAN_FIRST: tl.constexpr = FIRST <= LEVELS and LAST > LEVELS and not LOCAL
+        if SCAN_FIRST:
+            excl = tl.cumsum(both, 0) - both
+        if FIRST <= LEVELS:
+            total = tl.sum(both, 0)
+            if not LOCAL:
+                tl.store(gt_counts + pid, total & 0xFFFF)
+                tl.store(eq_counts + pid, total >> 16)
+                if LAST > LEVELS:
+                    grid_sync(ws_ptr, barriers + 1, nprog)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
-    if not cand:
-        if LAST >= LEVELS:
-            if not done:
-                t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, h, BINS, LOCAL)
-                kth = kth | t.to(tl.int64)
-                above += a
-                known = 32
-            ties_taken = need - above  # rows equal to the k-th code (in its settled bits) that are selected
-            low = 32 - known
-            gt = vis & ((u >> low) > (kth >> low))
-            eq = vis & ((u >> low) == (kth >> low))
-            both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)  # both counts in one scan (a program has < 2^16 rows)
-            # a program's own ranks before the listing's grid barrier when both phases share the launch: the scan then
-            # runs while the other programs arrive, not after
-            SCAN_FIRST: tl.constexpr = FIRST <= LEVELS and LAST > LEVELS and not LOCAL
-            if SCAN_FIRST:
-                excl = tl.cumsum(both, 0) - both
-            if FIRST <= LEVELS:
-                total = tl.sum(both, 0)
-                if not LOCAL:
-                    tl.store(gt_counts + pid, total & 0xFFFF)
-                    tl.store(eq_counts + pid, total >> 16)
-                    if LAST > LEVELS:
-                        grid_sync(ws_ptr, barriers + 1, nprog)
-        if LAST == LEVELS + 1:
-            if LOCAL:  # the only program
-                gt_before, eq_before = 0, 0
-                mine, mine_eq = total & 0xFFFF, total >> 16  # noqa: F821 - counted in the phase above (same launch)
-            else:
-                p = tl.arange(0, MAX_PROGRAMS)
-                before = p < pid
-                gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
-                eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
-                mine = tl.load(gt_counts + pid, cache_modifier=".cg")
-                mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
-            if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
-                if not SCAN_FIRST:
-                    excl = tl.cumsum(both, 0) - both
-                tie_rank = eq_before + (excl >> 16)
-                sel = gt | (eq & (tie_rank < ties_taken))
-                slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
-                sel = sel & (slot < kk)  # (always, when the counts are the scores'; never a write past the row)
-                tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
-                tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
-    elif CAND_LEVEL < LEVELS and LAST == LEVELS + 1:  # the rows above the bucket and the candidates from the k-th
-        bound, ckey, crow = candidates_threshold(cand_ptr, bucket, need - above, CAND)
-        p = tl.arange(0, MAX_PROGRAMS)
-        gt_before = tl.sum(tl.load(gt_counts + p, mask=p < pid, other=0, cache_modifier=".cg"), 0)
-        gt_before += tl.sum(((ckey >= bound) & (crow < pid * TILE)).to(tl.int32), 0)  # candidates before mine
-        sel = (vis & ((u >> 16) > (kth >> 16))) | (match & (composite_key(u, rows) >= bound))
-        slot = gt_before + tl.cumsum(sel.to(tl.int32), 0) - 1
-        sel = sel & (slot < kk)  # (as above)
-        tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
-        tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
     if LAST == LEVELS + 1:
+        if LOCAL:  # the only program
+            gt_before, eq_before = 0, 0
+            mine, mine_eq = total & 0xFFFF, total >> 16  # noqa: F821 - counted in the phase above (same launch)
+        else:
+            p = tl.arange(0, MAX_PROGRAMS)
+            before = p < pid
+            gt_before = tl.sum(tl.load(gt_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+            eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
+            mine = tl.load(gt_counts + pid, cache_modifier=".cg")
+            mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
+        if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
+            if not SCAN_FIRST:
+                excl = tl.cumsum(both, 0) - both
+            tie_rank = eq_before + (excl >> 16)
+            sel = gt | (eq & (tie_rank < ties_taken))
+            slot = gt_before + (excl & 0xFFFF) + tl.minimum(tie_rank, ties_taken)
+            sel = sel & (slot < kk)  # (always, when the counts are the scores'; never a write past the row)
+            tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
+            tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
         if pid == 0:  # slots no visible row fills: index `pad`, not valid
             rest = need + tl.arange(0, KP)
             tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
@@ -447,7 +387,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
                 tl.atomic_xchg(ws_ptr, 0)
                 tl.atomic_xchg(ws_ptr + 1, 0)
-                tl.store(ws_ptr + 3, 0)  # the candidates' count
 
 
 @triton.jit
