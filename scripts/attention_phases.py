@@ -67,7 +67,7 @@ TWO_PHASE_STAMPS = (
     ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
     ("        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))\n",
      "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
-    ("            m = gl.maximum(m, gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, S_L)))\n",
+    ("            top = gl.maximum(top, s)\n",
      "+            _stamp(stamps_ptr, srow, 8 + j, num_warps)\n"),
     ("        gl.thread_barrier()  # every block's scores are stored\n",
      "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),

@@ -79,6 +79,9 @@ MAX_HEADS_PER_PROGRAM = 32
 # scripts/compressed_kernels_ab.py; more partial states to store, each ~4,000-8,000 cycles a program).
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
+# Splits of at least 2 or 3 blocks for the short sources (the window's 8 blocks and CSA's 32, one a split now) were
+# slower: us in L2 / from DRAM at 1 / 2 / 3, window 10.9 / 13.1 / 15.1 and 11.3 / 13.6 / 15.8, CSA top-512 at 1M
+# 11.6 / 13.0 / 15.4 and 12.3 / 14.1 / 16.4 (H100, 16317e5 with the row loads' groups loaded a block ahead, not kept).
 # A bf16 query whose programs take at most TWO_PHASE_BLOCKS blocks each runs them in two phases (all scores first,
 # then the products against the final maximum: `attention_wgmma._two_phase_blocks`), not the online loop; 0: off.
 # Shared memory bounds it (5 blocks of 16 rows: 195 KB). H100, scripts/compressed_kernels_ab.py --parts attention,

@@ -45,6 +45,15 @@ HGMMA a block against 40, 118 KB of shared memory against 156) measured level an
 `scripts/compressed_kernels_ab.py`, us split / halves: window 12.2 / 12.3, CSA top-512 at 1M 12.7 / 12.6,
 HCA at 4K 12.2 / 11.9, HCA at 1M 31.9 / 32.4): the score product is not what bounds a block.
 
+A block's rows are loaded by aligned 4-byte words, two a thread's group of 4 codes (three for its 4 RoPE values)
+and a funnel shift, not byte by byte (56 -> 30 loads a thread a block); each block's live rows are found again
+in the scores' layout rather than converted, and the two phases keep the scores' running maximum element-wise,
+reduced once after the blocks (8 -> 3 barriers a block). Bit-identical; H100, 16317e5 against its parent tree,
+us in L2 / from DRAM: HCA at 1M 25.7 / 26.9 -> 24.1 / 25.0 (a phase-1 block ~3,900 -> ~3,300 cycles), the window,
+CSA top-512 and HCA at 4K level (10.3-11.5 / 10.4-12.2). Loading each block's words a block ahead (registers
+carried across the loop, decoded after the next block's loads are issued) measured the same (24.2 / 24.8) and
+was not kept: the row loads' latency is not what a block waits on.
+
 Needs CUDA capability 9.x and Triton's Gluon; ``available`` says whether a call can run here.
 """
 
@@ -75,7 +84,8 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
     from ds4x.formats.pdl import wait_upstream
-    from ds4x.kernels.triton_attention import _e4m3_scaled, _fp16_bytes, online_softmax_step
+    from ds4x.formats.rows_triton import _ue8m0_decode
+    from ds4x.kernels.triton_attention import online_softmax_step
 
     @gluon.jit
     def _slot_rows(idx_ptr, pos, n, ring, offs, live, MODE: gl.constexpr):
@@ -105,25 +115,71 @@ if HAVE_GLUON:
             dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _e4m3_words(at, live, scale):
+        # 4 consecutive E4M3 codes a thread (a group of 4 elements, the first's byte address ``at``, the group
+        # ``live``) x their power-of-two ``scale`` as bf16 (0 where not live): two aligned word loads and a funnel
+        # shift instead of four byte loads (rows start at any byte), the GPU's E4M3 -> FP16 conversion (exact), then
+        # the same float32 product and rounding as `triton_attention._e4m3_scaled`
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b64 a;  .reg .b32 w0, w1, sh, v, h01, h23;  .reg .b16 c01, c23, x0, x1, x2, x3;
+            .reg .f32 f0, f1, f2, f3;  .reg .pred p;
+            setp.ne.s32 p, $6, 0;
+            and.b64 a, $2, -4;  cvt.u32.u64 sh, $2;  and.b32 sh, sh, 3;  shl.b32 sh, sh, 3;
+            mov.b32 w0, 0;  mov.b32 w1, 0;
+            @p ld.global.b32 w0, [a];
+            @p ld.global.b32 w1, [a + 4];
+            shf.r.wrap.b32 v, w0, w1, sh;
+            mov.b32 {c01, c23}, v;
+            cvt.rn.f16x2.e4m3x2 h01, c01;  cvt.rn.f16x2.e4m3x2 h23, c23;
+            mov.b32 {x0, x1}, h01;  mov.b32 {x2, x3}, h23;
+            cvt.f32.f16 f0, x0;  cvt.f32.f16 f1, x1;  cvt.f32.f16 f2, x2;  cvt.f32.f16 f3, x3;
+            mul.rn.f32 f0, f0, $10;  mul.rn.f32 f1, f1, $10;  mul.rn.f32 f2, f2, $10;  mul.rn.f32 f3, f3, $10;
+            cvt.rn.bf16x2.f32 $0, f1, f0;  cvt.rn.bf16x2.f32 $1, f3, f2;
+            }
+            """,
+            constraints="=r,=r,l,l,l,l,r,r,r,r,r,r,r,r",
+            args=[at.to(gl.int64), live.to(gl.int32), scale], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _fp16_words(at, live):
+        # 4 consecutive little-endian FP16 values a thread (8 bytes from ``at``, the group ``live``; 0 where not):
+        # three aligned word loads and two funnel shifts instead of eight byte loads
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b64 a;  .reg .b32 w0, w1, w2, sh;  .reg .pred p;
+            setp.ne.s32 p, $6, 0;
+            and.b64 a, $2, -4;  cvt.u32.u64 sh, $2;  and.b32 sh, sh, 3;  shl.b32 sh, sh, 3;
+            mov.b32 w0, 0;  mov.b32 w1, 0;  mov.b32 w2, 0;
+            @p ld.global.b32 w0, [a];
+            @p ld.global.b32 w1, [a + 4];
+            @p ld.global.b32 w2, [a + 8];
+            shf.r.wrap.b32 $0, w0, w1, sh;  shf.r.wrap.b32 $1, w1, w2, sh;
+            }
+            """,
+            constraints="=r,=r,l,l,l,l,r,r,r,r",
+            args=[at.to(gl.int64), live.to(gl.int32)], dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
     def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
                     D: gl.constexpr, L3: gl.constexpr):
         # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
         # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
         # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
-        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly)
+        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
+        # values (the word loads' groups)
         ok = (idx >= 0)[:, None, None]
         row = (rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride)[:, None, None]
         chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
         nope = ok & (chunk < NOPE // 64)
-        codes = gl.load(row + chunk * 64 + col, mask=nope & (col >= 0), other=0)
-        sbyte = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127)
-        rope_at = row + NOPE + 2 * col
-        lo = gl.load(rope_at, mask=ok & (col >= 0), other=0)
-        hi = gl.load(rope_at + 1, mask=ok & (col >= 0), other=0)
-        rope = _fp16_bytes(lo.to(gl.int32), hi.to(gl.int32)).to(gl.float32)
+        sbyte = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127).to(gl.int32)
+        codes = _e4m3_words(row + chunk * 64 + col, nope & (col >= 0), _ue8m0_decode(sbyte))
+        rope = _fp16_words(row + NOPE + 2 * col, ok & (col >= 0)).to(gl.float32)
         rope_hi = rope.to(gl.bfloat16)
-        keys = gl.where(chunk < NOPE // 64, _e4m3_scaled(codes, sbyte.to(gl.int32), True).to(gl.bfloat16), rope_hi)
+        keys = gl.where(chunk < NOPE // 64, codes, rope_hi)
         k_smem.store(gl.reshape(keys, [BLOCK, D]))
         klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
 
@@ -150,10 +206,13 @@ if HAVE_GLUON:
         ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
         nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
                           i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
+        # the live rows found again in the scores' layout (arithmetic, or an index read from L1) rather than
+        # converted: a conversion is a shared-memory round trip with two barriers a block
+        ok = _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b,
+                         gl.arange(0, BLOCK, layout=OK_L), i < na + nb, BLOCK, MODE_A, MODE_B) >= 0
         if REUSED:
             gl.thread_barrier()
         _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, BLOCK, NOPE, D, L3)
-        ok = gl.convert_layout(idx, OK_L) >= 0
         if i + 1 < na:
             rows_ptr, stride = rows_a, stride_a
         else:
@@ -187,7 +246,7 @@ if HAVE_GLUON:
         keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
         scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
         probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
-        m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+        top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
         s = gl.zeros([HP, BLOCK], gl.float32, S1_ACC)
         if OVERLAP:
@@ -224,7 +283,9 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where(ok_j[None, :], s * scale, float("-inf"))
             scores.index(j).store(s)
-            m = gl.maximum(m, gl.convert_layout(gl.max(s, axis=1), gl.SliceLayout(1, S_L)))
+            top = gl.maximum(top, s)
+        # the heads' maxima reduced once, not per block (a reduction across the warpgroups is four barriers)
+        m = gl.convert_layout(gl.max(top, axis=1), gl.SliceLayout(1, S_L))
         gl.thread_barrier()  # every block's scores are stored
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))

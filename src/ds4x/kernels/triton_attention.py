@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ds4x.formats.pdl import wait_upstream
+from ds4x.formats.rows_triton import _ue8m0_decode
 
 
 @triton.jit
@@ -35,8 +36,7 @@ def _e4m3_scaled(b, sb, HW: tl.constexpr = False):
         mag = tl.where(e == 0, ((b & 7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True),
                        ((b & 0x7F) << 20) + (120 << 23))
         v = (mag | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-    sc = tl.where(sb == 0, 5.877471754111438e-39, (sb << 23).to(tl.float32, bitcast=True))
-    return v * tl.where(sb == 255, float("nan"), sc)
+    return v * _ue8m0_decode(sb)
 
 
 @triton.jit
