@@ -2,7 +2,8 @@
 """Where one decode attention call's time goes on Hopper (CUDA, sm_90): the Gluon partial pass's phases and the
 merge, at Flash shapes on the model's bf16 query (window 128, CSA window + top-512 at 1M, HCA at 4K and 1M), with
 the blocks in the online loop (``TWO_PHASE_BLOCKS = 0``), or with ``--two-phase`` in the two phases a bf16 query's
-short programs take (each block's score product, then each block's output products, stamped).
+short programs take (in phase 1 the next block's decode beside each score product, the barrier after it and the
+score's wait; in phase 2 each block's output products; stamped).
 
 A copy of `ds4x.kernels.attention_wgmma` is written to a temporary directory with time stamps added
 (``%globaltimer`` in ns, ``%clock64`` in cycles, thread values of each program's first warp) at the kernel's start,
@@ -60,8 +61,9 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
      "        gl.store(stamps_ptr + row * 64 + 2 * slot + 1 + o, c)\n\n"),
 )
 # the two phases' stamps (``--two-phase``; `attention_wgmma._two_phase_blocks`, which gets the stamps' buffer): the
-# query stored (slot 2), each block's scores stored (8 + j), every block's scores stored (6), each block's products
-# issued (16 + j), the products waited for (7)
+# query stored (slot 2), the next block decoded beside block j's score product (21 + j; for j = 0 block 0's decode
+# too), the fence and barrier after it (26 + j), block j's scores waited for and stored (8 + j), every block's
+# scores stored (6), each block's products issued (16 + j), the products waited for (7)
 TWO_PHASE_STAMPS = (
     ("    def _two_phase_blocks(", "+stamps_ptr, srow, "),
     ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
@@ -69,6 +71,10 @@ TWO_PHASE_STAMPS = (
      "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
     ("            top = gl.maximum(top, s)\n",
      "+            _stamp(stamps_ptr, srow, 8 + j, num_warps)\n"),
+    ("                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)\n",
+     "+                    _stamp(stamps_ptr, srow, 21 + j, num_warps)\n"),
+    ("            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))\n",
+     "-            _stamp(stamps_ptr, srow, 26 + j, num_warps)\n"),
     ("        gl.thread_barrier()  # every block's scores are stored\n",
      "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),
     ("            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)\n",
@@ -78,7 +84,11 @@ TWO_PHASE_STAMPS = (
 # a program's stamps in the order they are taken: (slot, label of the time since the stamp before it)
 TIMELINE = {False: [(1, "PDL wait"), (2, "query"), *[(8 + i, "a row block") for i in range(20)],
                     (3, "after the blocks"), (4, "state stores"), (5, "RoPE atomics")],
-            True: [(1, "PDL wait"), (2, "query"), *[(8 + j, "phase 1: a block's scores") for j in range(5)],
+            True: [(1, "PDL wait"), (2, "query"),
+                   *[(slot, label) for j in range(5)
+                     for slot, label in ((21 + j, "phase 1: the next block decoded"),
+                                         (26 + j, "phase 1: its fence and barrier"),
+                                         (8 + j, "phase 1: the scores' wait and store"))],
                    (6, "phase 1: last barrier"), *[(16 + j, "phase 2: a block's products issued") for j in range(5)],
                    (7, "phase 2: products waited for"), (3, "after the blocks"), (4, "state stores"),
                    (5, "RoPE atomics")]}
