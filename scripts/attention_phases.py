@@ -15,7 +15,7 @@ and latest over programs), cycles per row block, and the prologue's and epilogue
 stores; compare "plain" and "stamped". Needs the kernel's text as the copy expects it (it stops if a marker line
 moved).
 
-    PYTHONPATH=src python scripts/attention_phases.py [--two-phase]
+    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products]]
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ TWO_PHASE_STAMPS = (
      "+            _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
     ("        return m, l, o, o_r\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
 )
+# ``--no-score-products`` (with --two-phase, TWO_PHASE_OVERLAP on): phase 1's score products and their wait left out
+# of the overlapped loop, so that its stamps time the decode alone (timing only: the outputs are wrong)
+NO_SCORE_PRODUCTS = (
+    ("                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)\n"
+     "                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, "
+     "is_async=True)\n",
+     ""),
+    ("            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))\n", ""),
+)
 # a program's stamps in the order they are taken: (slot, label of the time since the stamp before it)
 TIMELINE = {False: [(1, "PDL wait"), (2, "query"), *[(8 + i, "a row block") for i in range(20)],
                     (3, "after the blocks"), (4, "state stores"), (5, "RoPE atomics")],
@@ -96,9 +105,9 @@ PHASES = ((0, "start"), (1, "after the wait"), (2, "query stored"), (3, "blocks 
           (5, "atomics issued"))
 
 
-def stamped_module(directory: Path, two_phase: bool = False):
+def stamped_module(directory: Path, two_phase: bool = False, no_score_products: bool = False):
     """The stamped copy of ds4x.kernels.attention_wgmma, imported from ``directory`` (``two_phase``: with the two
-    phases' stamps too)."""
+    phases' stamps too; ``no_score_products``: phase 1 without its score products, for timing only)."""
     from ds4x.kernels import attention_wgmma
 
     text = Path(attention_wgmma.__file__).read_text()
@@ -106,6 +115,10 @@ def stamped_module(directory: Path, two_phase: bool = False):
         if text.count(marker) != 1:
             raise SystemExit(f"attention_phases: marker not found once in attention_wgmma.py: {marker!r}")
         text = text.replace(marker, marker + insert[1:] if insert[0] == "+" else insert[1:] + marker)
+    for marker, replacement in NO_SCORE_PRODUCTS if no_score_products else ():  # the stamps around them stay
+        if text.count(marker) != 1:
+            raise SystemExit(f"attention_phases: marker not found once in attention_wgmma.py: {marker!r}")
+        text = text.replace(marker, replacement)
     path = directory / "attention_wgmma_stamped.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("attention_wgmma_stamped", path)
@@ -118,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--two-phase", action="store_true",
                     help="the blocks in two phases as a bf16 query runs them (TWO_PHASE_BLOCKS as set), stamped")
-    two_phase = ap.parse_args(argv).two_phase
+    ap.add_argument("--no-score-products", action="store_true",
+                    help="with --two-phase: phase 1 without its score products (the decode alone; timing only, the "
+                         "outputs are wrong)")
+    args = ap.parse_args(argv)
+    two_phase = args.two_phase
+    if args.no_score_products and not two_phase:
+        ap.error("--no-score-products goes with --two-phase")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -135,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
     stamps = torch.zeros(4096, 64, dtype=torch.int64, device=dev)
     plain = attention_wgmma.partial_kernel
-    stamped = stamped_module(Path(tempfile.mkdtemp()), two_phase).partial_kernel
+    stamped = stamped_module(Path(tempfile.mkdtemp()), two_phase, args.no_score_products).partial_kernel
 
     class Stamped:  # stands in for the kernel: the same launch with the stamps' buffer added
         def __getitem__(self, grid):
