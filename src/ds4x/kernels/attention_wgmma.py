@@ -114,6 +114,14 @@ if HAVE_GLUON:
                          gl.full_like(idx, ROW + 15).to(gl.int64), idx.to(gl.int32)],
             dtype=gl.int32, is_pure=False, pack=1)
 
+    # the inline asm's common start: the aligned address ``a`` of a group's first byte ($2), the funnel shift ``sh``
+    # (bits) to its byte, the predicate ``p`` of the group being live ($6); words w0, w1 declared
+    _ALIGNED_WORDS = gl.constexpr("""
+            .reg .b64 a;  .reg .b32 w0, w1, sh;  .reg .pred p;
+            setp.ne.s32 p, $6, 0;
+            and.b64 a, $2, -4;  cvt.u32.u64 sh, $2;  and.b32 sh, sh, 3;  shl.b32 sh, sh, 3;
+            """)
+
     @gluon.jit
     def _e4m3_words(at, live, scale):
         # 4 consecutive E4M3 codes a thread (a group of 4 elements, the first's byte address ``at``, the group
@@ -123,10 +131,8 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise(
             asm="""
             {
-            .reg .b64 a;  .reg .b32 w0, w1, sh, v, h01, h23;  .reg .b16 c01, c23, x0, x1, x2, x3;
-            .reg .f32 f0, f1, f2, f3;  .reg .pred p;
-            setp.ne.s32 p, $6, 0;
-            and.b64 a, $2, -4;  cvt.u32.u64 sh, $2;  and.b32 sh, sh, 3;  shl.b32 sh, sh, 3;
+            .reg .b32 v, h01, h23;  .reg .b16 c01, c23, x0, x1, x2, x3;  .reg .f32 f0, f1, f2, f3;
+            """ + _ALIGNED_WORDS + """
             mov.b32 w0, 0;  mov.b32 w1, 0;
             @p ld.global.b32 w0, [a];
             @p ld.global.b32 w1, [a + 4];
@@ -149,9 +155,8 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise(
             asm="""
             {
-            .reg .b64 a;  .reg .b32 w0, w1, w2, sh;  .reg .pred p;
-            setp.ne.s32 p, $6, 0;
-            and.b64 a, $2, -4;  cvt.u32.u64 sh, $2;  and.b32 sh, sh, 3;  shl.b32 sh, sh, 3;
+            .reg .b32 w2;
+            """ + _ALIGNED_WORDS + """
             mov.b32 w0, 0;  mov.b32 w1, 0;  mov.b32 w2, 0;
             @p ld.global.b32 w0, [a];
             @p ld.global.b32 w1, [a + 4];

@@ -272,9 +272,10 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
         return (index, valid) if batched else (index[0], valid[0])
     flat = scores2.contiguous().float()
     kp = 1 << (kk - 1).bit_length()
-    if first_level_counted and not _multi_program(n, B, small):
+    multi = _multi_program(n, B, small)
+    if first_level_counted and not multi:
         raise ValueError("first_level_counted: the first level is counted only for the multi-program select")
-    if not _multi_program(n, B, small):
+    if not multi:
         tile = max(16, 1 << (n - 1).bit_length())
         visible = n if count is not None else min(n_visible, n)
         counts = index if count is None else count  # an unread pointer without a count
