@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
-(Gluon) ones for attention and indexer scoring (the Gluon indexer also at 2 / 3 programs an SM and as its PIPELINED
-variant, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes; microseconds per
-call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper attention also on
-the model's bf16 query (and on it with the rows from DRAM), the top-k
-as dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k
-as a CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER flipped (the better of two alternating runs each).
+(Gluon) ones for attention and indexer scoring (the Gluon indexer also as its PIPELINED variant at 3 / 4 programs an
+SM and with FP8_KEYS, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes;
+microseconds per call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper
+attention also on the model's bf16 query (and on it with the rows from DRAM), the top-k as dispatched against one
+program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k as a CSA layer at 1M pairs
+them with FIRST_LEVEL_IN_INDEXER flipped (the better of two alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -218,37 +218,51 @@ def main(argv: list[str] | None = None) -> int:
         record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
         if parts & {"indexer", "select"}:
-            # the Gluon kernel at 2 / 3 programs an SM (PROGRAMS_PER_SM), and its PIPELINED variant (tiles of 64 rows
-            # at 3 / 4 an SM, of 128 at 2), alternating twice; the same scores bit for bit. Each twice: the rows in L2
+            # the Gluon kernel at 3 programs an SM (PROGRAMS_PER_SM), its PIPELINED variant (tiles of 64 rows at 3 / 4
+            # an SM) and FP8_KEYS (FP8_PROMOTE on / off), alternating twice; fp16 operands give the same scores bit for
+            # bit, the E4M3 ones their largest difference from the Triton kernel's. Each twice: the rows in L2
             # (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in the model (a graph of one call on
             # each of 24 copies of the store, so L2 holds none at its turn)
             from ds4x.bench.timing import graph_replay_us
             from ds4x.kernels import indexer_wgmma as IW
 
             copies = [packed] + [packed.clone() for _ in range(23)]
-            saved = I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N
-            idx_variants = {"Gluon kernel, 2 programs a SM": (2, False, 64),
-                            "Gluon kernel, 3 programs a SM": (3, False, 64),
-                            "pipelined, 64 rows, 3 a SM": (3, True, 64), "pipelined, 64 rows, 4 a SM": (4, True, 64),
-                            "pipelined, 128 rows, 2 a SM": (2, True, 128)}
+            switches = ("PIPELINED", "PIPELINED_BLOCK_N", "FP8_KEYS", "FP8_PROMOTE")
+            saved = I.PROGRAMS_PER_SM, *(getattr(IW, k) for k in switches)
+            idx_variants = {"Gluon kernel, 3 programs a SM": (3, False, 64, False, True),
+                            "pipelined, 64 rows, 3 a SM": (3, True, 64, False, True),
+                            "pipelined, 64 rows, 4 a SM": (4, True, 64, False, True),
+                            "fp8 keys, pipelined, 3 a SM": (3, True, 64, True, True),
+                            "fp8 keys, pipelined, 4 a SM": (4, True, 64, True, True),
+                            "fp8 keys, not promoted, 3 a SM": (3, True, 64, True, False),
+                            "fp8 keys, one tile, 3 a SM": (3, False, 64, True, True)}
             times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
             times_d: dict[str, list[float]] = {v: [] for v in idx_variants}
             same: dict[str, bool] = {}
+            err: dict[str, float] = {}
             for _ in range(2):
-                for v, (I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N) in idx_variants.items():
-                    same[v] = torch.equal(indexer_scores_triton(qi, wi, packed, n, True), scores[1])
+                for v, (I.PROGRAMS_PER_SM, *values) in idx_variants.items():
+                    for k, value in zip(switches, values, strict=True):
+                        setattr(IW, k, value)
+                    got = indexer_scores_triton(qi, wi, packed, n, True)
+                    same[v] = torch.equal(got, scores[1])
+                    err[v] = float((got - scores[0]).abs().max() / scores[0].abs().max())
                     times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
                     times_d[v].append(graph_replay_us([lambda c=c: indexer_scores_triton(qi, wi, c, n, True)
                                                        for c in copies], rep_ms=100))
-            I.PROGRAMS_PER_SM, IW.PIPELINED, IW.PIPELINED_BLOCK_N = saved
+            I.PROGRAMS_PER_SM = saved[0]
+            for k, value in zip(switches, saved[1:], strict=True):
+                setattr(IW, k, value)
             del copies
             print(f"  {'(us; GB/s of rows)':<40} {'rows in L2':>16} {'rows from DRAM':>18}")
             for v in idx_variants:
                 t_i, t_d = min(times_i[v]), min(times_d[v])
                 gb_i, gb_d = packed.numel() / t_i / 1e3, packed.numel() / t_d / 1e3
-                print(f"  {v:<40} {t_i:7.1f} ({gb_i:5.0f}) {t_d:9.1f} ({gb_d:5.0f})  same bits {same[v]}")
-                record("indexer scoring", "262,144 rows", v, t_i, {"same_bits": same[v], "rows": "L2"})
-                record("indexer scoring", "262,144 rows from DRAM", v, t_d, {"same_bits": same[v], "rows": "DRAM"})
+                print(f"  {v:<40} {t_i:7.1f} ({gb_i:5.0f}) {t_d:9.1f} ({gb_d:5.0f})  same bits {same[v]}, "
+                      f"from the Triton kernel's {err[v]:.1e}")
+                for rows, t in (("L2", t_i), ("DRAM", t_d)):
+                    record("indexer scoring", "262,144 rows" + (" from DRAM" if rows == "DRAM" else ""), v, t,
+                           {"same_bits": same[v], "rel_diff": err[v], "rows": rows})
 
         # the select as dispatched (one program a row up to SMALL_ROWS scores, SMALL_ROWS_BATCHED from 8 rows on, else
         # the multi-program select) against one program a row forced (the histogram select, SMALL_WARPS warps) up to

@@ -99,15 +99,16 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None, pipelined: bool = False) -> triton.compiler.CompiledKernel:
+def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False,
+                    promote: bool = True) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step at 1M launches it (64 heads, a device row count, PDL on, the
     select's first level counted where FIRST_LEVEL_IN_INDEXER says), with a register ceiling if given;
-    ``pipelined``: the PIPELINED variant at its tile."""
+    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (``promote``: FP8_PROMOTE)."""
     from ds4x.kernels import indexer_wgmma, select
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
               "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0}
+              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8, "PROMOTE": promote}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32",
                 "hist_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
@@ -160,9 +161,9 @@ def count(ops: list[tuple[int, str, str]]) -> Counter:
     return c
 
 
-def loop_ops(ops: list[tuple[int, str, str]], marker: str) -> list[tuple[int, str, str]]:
+def loop_ops(ops: list[tuple[int, str, str]], marker: str | tuple[str, ...]) -> list[tuple[int, str, str]]:
     """The instructions of the K loop: from the target of the first backward branch that closes a range holding the
-    ``marker`` opcode (the kernel's multiplies) through that branch."""
+    ``marker`` opcode (the kernel's multiplies; one of them, if a tuple) through that branch."""
     for addr, op, rest in ops:
         target = re.match(r"\s*(0x[0-9a-f]+)", rest)
         if op == "BRA" and target and int(target.group(1), 16) < addr:
@@ -193,7 +194,8 @@ def wgmma_serialized(kernel: triton.compiler.CompiledKernel) -> str:
     return next((line.strip() for line in text.splitlines() if "C751" in line), "")
 
 
-def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, marker: str) -> tuple[Counter, int]:
+def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str,
+           marker: str | tuple[str, ...]) -> tuple[Counter, int]:
     """Print a kernel's resources and opcode counts (whole, K loop); return the whole kernel's counts and its bytes
     of local memory (spills)."""
     ops = sass_of(kernel, dump, tag)
@@ -208,7 +210,7 @@ def report(kernel: triton.compiler.CompiledKernel, dump: Path | None, tag: str, 
     return whole, spill
 
 
-def report_all(jobs, dump: Path | None, marker: str) -> bool:
+def report_all(jobs, dump: Path | None, marker: str | tuple[str, ...]) -> bool:
     """``report`` each (tag, compile thunk) of ``jobs``; False if any of them spills or has its wgmma serialized."""
     ok = True
     for tag, make in jobs:
@@ -243,8 +245,11 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    return report_all([(tag + ("_pipelined" if p else ""), lambda p=p: compile_indexer(args.maxnreg, p))
-                       for p in sorted({False, bool(args.pipelined)})], args.dump, "HGMMA")
+    keys = [(False, True)] + ([(True, True), (True, False)] if args.fp8 else [])
+    return report_all([(tag + ("_pipelined" if p else "") + ("_fp8" + ("" if pr else "_imprecise") if f else ""),
+                        lambda p=p, f=f, pr=pr: compile_indexer(args.maxnreg, p, f, pr))
+                       for p in sorted({False, bool(args.pipelined)}) for f, pr in keys], args.dump,
+                      ("HGMMA", "QGMMA"))  # fp16 / fp8 products
 
 
 def main_routed(args: argparse.Namespace) -> bool:
@@ -276,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
+    idx.add_argument("--fp8", action="store_true", help="also FP8_KEYS (E4M3 keys), with and without FP8_PROMOTE")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")

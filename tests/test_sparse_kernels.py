@@ -599,20 +599,26 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keys", ["fp16", "fp8", "fp8 not promoted"])
 @pytest.mark.parametrize("block_rows, per_sm", [(64, 3), (64, 4), (128, 2)])
-def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, monkeypatch):
+def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, keys, monkeypatch):
     """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode) scores every row
     as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
-    4-byte aligned, a device row count per query, a block scale far from its row's, and a 1M CSA layer's rows."""
+    4-byte aligned, a device row count per query, block scales far from their row's (one past the E4M3 keys' reach,
+    one at its edge), and a 1M CSA layer's rows; with fp16 or E4M3 operands (FP8_KEYS), each as near the float32
+    reference as the other."""
     from ds4x.kernels import indexer as I
     from ds4x.kernels import indexer_wgmma
     from ds4x.kernels.indexer import indexer_scores_triton
 
     if not indexer_wgmma.available(torch.zeros(1, device="cuda"), 64):
         pytest.skip("needs an sm_90 GPU and Gluon")
+    monkeypatch.setattr(indexer_wgmma, "FP8_KEYS", keys != "fp16")
+    monkeypatch.setattr(indexer_wgmma, "FP8_PROMOTE", keys != "fp8 not promoted")
     rows, q, w = _indexer_case(4096, 64, 12, "cuda")
     x = unpack_indexer_rows(rows)
     x[::5, 64:96] *= 2.0**-20
+    x[1::5, 96:] *= 2.0**13  # the other blocks of those rows 2^13 below it: still exact as E4M3
     rows = pack_indexer_rows(x)
     shifted = torch.empty(4097 * 68, dtype=torch.uint8, device="cuda")[4 : 4 + 4096 * 68].view(4096, 68)
     shifted.copy_(rows)

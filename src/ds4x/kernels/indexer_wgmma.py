@@ -54,6 +54,16 @@ WARPS = 4
 # 16.4 at 2; the same bits.
 PIPELINED = True
 PIPELINED_BLOCK_N = 64
+# FP8_KEYS: keys and query as E4M3 and the product as an 8-bit wgmma (K 32 a step). Every E2M1 value is an E4M3
+# value; a key block scaled relative to its row's largest scale (2^(s - s_max + 6), at most 384) and a query head
+# relative to its largest value (into [128, 256)) stay exact while a block lies within 2^14 of its row's largest
+# (2^12 of a head's) -- the fp16 operands' reach is 2^24. Half the key tile's bytes in shared memory (stores and the
+# product's reads) and a byte-permute decode (a table of the block's 8 magnitudes, then two prmt a word half)
+# instead of paired fp16 multiplies. The products of one 32-value block are exact at any accumulator width
+# (integers below 2^13 times one power of two); FP8_PROMOTE adds each K step into float32 (Triton's
+# max_num_imprecise_acc) rather than leaving the tensor core's reduced-width accumulation across blocks
+FP8_KEYS = False
+FP8_PROMOTE = True
 
 
 def block_rows() -> int:
@@ -98,6 +108,54 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
+    def _e4m3_table(d):
+        # the E4M3 bytes of the 8 E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) times 2^d, entries 0-3 and 4-7 as two
+        # words (d <= 6: no saturation; 0 for d < -126)
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .pred u;  .reg .b32 f, z, a, b, c;  .reg .b16 p, q, r, s;
+            setp.lt.s32 u, $2, -126;  add.s32 f, $2, 127;  shl.b32 f, f, 23;  selp.b32 f, 0, f, u;
+            mov.b32 z, 0;
+            mul.f32 a, f, 0f3F000000;  cvt.rn.satfinite.e4m3x2.f32 p, a, z;
+            mul.f32 a, f, 0f3FC00000;  cvt.rn.satfinite.e4m3x2.f32 q, a, f;
+            add.f32 a, f, f;  mul.f32 b, f, 0f40400000;  cvt.rn.satfinite.e4m3x2.f32 r, b, a;
+            mul.f32 b, f, 0f40800000;  mul.f32 c, f, 0f40C00000;  cvt.rn.satfinite.e4m3x2.f32 s, c, b;
+            mov.b32 $0, {p, q};  mov.b32 $1, {r, s};
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[d],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _e4m3_codes(word, t0, t1):
+        # a word of 8 E2M1 codes (byte j: elements 2j, 2j + 1) as 8 E4M3 bytes in element order, two words: each
+        # nibble's magnitude looked up in the table {t1, t0} by one byte permute per 4 codes, its sign bit moved to
+        # bit 7 of its byte
+        return gl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 m, g, h;
+            and.b32 m, $2, 0x7777;  prmt.b32 m, $3, $4, m;
+            prmt.b32 g, $2, 0, 0x1100;  and.b32 h, g, 0x00080008;  shl.b32 h, h, 4;  and.b32 g, g, 0x80008000;
+            or.b32 m, m, g;  or.b32 $0, m, h;
+            shr.u32 m, $2, 16;  and.b32 m, m, 0x7777;  prmt.b32 m, $3, $4, m;
+            prmt.b32 g, $2, 0, 0x3322;  and.b32 h, g, 0x00080008;  shl.b32 h, h, 4;  and.b32 g, g, 0x80008000;
+            or.b32 m, m, g;  or.b32 $1, m, h;
+            }
+            """,
+            constraints="=r,=r,r,r,r",
+            args=[word, t0, t1],
+            dtype=(gl.int32, gl.int32),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
     def _load_tile(tile, rows_ptr, n_rows, BN: gl.constexpr, LW: gl.constexpr):
         # a tile's code words [rows, 4 blocks, 4 words] (a lane holds one block of a row) and its scale words [rows]
         # (rows past n_rows: zero codes)
@@ -129,16 +187,29 @@ if HAVE_GLUON:
                                   gl.join(_pairs(words, s, 1), _pairs(words, s, 3))), [BN, 64])
 
     @gluon.jit
-    def _pair_keys(keys, words, sw, LW: gl.constexpr, decode):
+    def _key_bytes(words, sw, smax, LW: gl.constexpr):
+        """A tile's keys as E4M3 [rows, 32 words] in row order, each block scaled by 2^(s - smax + 6) (see
+        FP8_KEYS)."""
+        BN: gl.constexpr = words.shape[0]
+        blk8 = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :]
+        t0, t1 = _e4m3_table(((sw[:, None] >> blk8) & 255) - smax[:, None] + 6)
+        lo, hi = _e4m3_codes(words, gl.expand_dims(t0, 2) + 0 * words, gl.expand_dims(t1, 2) + 0 * words)
+        return gl.reshape(gl.join(lo, hi), [BN, 32])
+
+    @gluon.jit
+    def _tile_keys(keys, words, sw, LW: gl.constexpr, decode, FP8: gl.constexpr):
         """Decode a tile into the shared key tile ``keys`` (when ``decode``; the product that last read it has
-        been waited for by every warp) and return its rows' largest scale bytes."""
+        been waited for by every warp) and return its rows' largest scale bytes. FP8: E4M3 keys, else fp16."""
         BN: gl.constexpr = words.shape[0]
         SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         smax = _largest_scale(sw)
         if decode:
-            pairs = _key_pairs(words, sw, smax, LW)
+            if FP8:
+                key_words = _key_bytes(words, sw, smax, LW)
+            else:
+                key_words = _key_pairs(words, sw, smax, LW)
             gl.thread_barrier()
-            keys._reinterpret(gl.int32, [BN, 64], SH32).store(pairs)
+            keys._reinterpret(gl.int32, [BN, 32 if FP8 else 64], SH32).store(key_words)
         fence_async_shared()
         gl.thread_barrier()
         return smax
@@ -189,12 +260,12 @@ if HAVE_GLUON:
         gl.atomic_add(hist_ptr + b, h, mask=h > 0, sem="relaxed")
 
     @gluon.jit
-    def _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS: gl.constexpr):
-        # acc = (q . k) * 2^(128 - smax) * 2^(14 - e_h); both powers of two commute with the ReLU. HIST_BITS: the
-        # scores' first radix digits counted into ``bins``
+    def _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS: gl.constexpr, KD: gl.constexpr):
+        # acc = (q . k) * 2^(127 + KD - smax) * 2^(QD - e_h) (the keys' and query's scalings; wq holds the second);
+        # both powers of two commute with the ReLU. HIST_BITS: the scores' first radix digits counted into ``bins``
         BN: gl.constexpr = acc.shape[0]
         ACC: gl.constexpr = acc.type.layout
-        row_scale = gl.convert_layout(exp2_f32(smax - 128), gl.SliceLayout(1, ACC))
+        row_scale = gl.convert_layout(exp2_f32(smax - 127 - KD), gl.SliceLayout(1, ACC))
         score = gl.sum(gl.maximum(acc, 0.0) * wq[None, :], axis=1) * row_scale
         r = tile * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
         gl.store(out_ptr + r, score, mask=r < n_rows)
@@ -207,9 +278,10 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
                      num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
-                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0):
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False,
+                     PROMOTE: gl.constexpr = True):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
-        too). PIPELINED: see the module's switch of that name."""
+        too). PIPELINED, FP8 (PROMOTE): see the module's switches PIPELINED, FP8_KEYS (FP8_PROMOTE)."""
         wait_upstream(PDL)
         bins = 0
         if HIST_BITS > 0:
@@ -224,9 +296,14 @@ if HAVE_GLUON:
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HP, 16])
-        SH16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+                                                       instr_shape=[16, HP, 32 if FP8 else 16])
+        KD: gl.constexpr = 6 if FP8 else 1  # keys: E2M1 x 2^(s - smax + KD)
+        QD: gl.constexpr = 7 if FP8 else 14  # query heads: values x 2^(QD - e_h), e_h its largest's exponent
+        KT: gl.constexpr = gl.float8e4nv if FP8 else gl.float16
+        SHK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
+        # the 8-bit products' accumulation widened to float32 every K step (32 values: one block) or never (fp16: 0,
+        # Triton's default)
+        IMPRECISE: gl.constexpr = (32 if PROMOTE else 128) if FP8 else 0
 
         pid = gl.program_id(0)
         t = gl.program_id(1).to(gl.int64)
@@ -238,60 +315,56 @@ if HAVE_GLUON:
         if DEVICE_COUNT:
             n_rows = gl.minimum(gl.load(count_ptr + t * count_stride).to(gl.int32), n_rows)
 
-        # the query, per head scaled by 2^(14 - e_h) into fp16 (exact for MXFP4 values), into shared memory once
+        # the query, per head scaled by 2^(QD - e_h) into the keys' type (exact for MXFP4 values), into shared
+        # memory once
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))
         kq = gl.arange(0, 128, layout=gl.SliceLayout(0, LQ))
         q = gl.load(q_ptr + h[:, None] * 128 + kq[None, :], mask=(h < H)[:, None] & (kq >= 0)[None, :], other=0.0)
         qmax = gl.max(gl.abs(q), axis=1)
         e_h = gl.where(qmax > 0, ((qmax.to(gl.int32, bitcast=True) >> 23) & 255) - 127, 0)
         e_h = gl.minimum(gl.maximum(e_h, -110), 127)
-        q_smem = gl.allocate_shared_memory(gl.float16, [HP, 128], SH16)
-        q_smem.store((q * exp2_f32(14 - e_h)[:, None]).to(gl.float16))
+        q_smem = gl.allocate_shared_memory(KT, [HP, 128], SHK)
+        q_smem.store((q * exp2_f32(QD - e_h)[:, None]).to(KT))
         hw = gl.arange(0, HP, layout=gl.SliceLayout(0, ACC))
         e_w = gl.convert_layout(e_h, gl.SliceLayout(0, ACC))
-        wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * exp2_f32(e_w - 14)
+        wq = gl.load(w_ptr + hw, mask=hw < H, other=0.0) * scale * exp2_f32(e_w - QD)
         zero = gl.zeros([BN, HP], gl.float32, ACC)
         if PIPELINED:
             # tile i's product runs while tile i + 1 is decoded into the other key tile. One accumulator, waited
             # for before the scores are formed: with two (tile i's scores formed while tile i + 1's product ran),
             # ptxas found one's registers read inside the other's wgmma stage (LLVM's copies of the initial zeros)
             # and waited after every wgmma step
-            k_smem = gl.allocate_shared_memory(gl.float16, [2, BN, 128], SH16)
+            k_smem = gl.allocate_shared_memory(KT, [2, BN, 128], SHK)
             n_mine = gl.maximum(gl.cdiv(gl.cdiv(n_rows, BN) - pid, n_prog), 0)  # this program's tiles with rows
             if n_mine > 0:
                 words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
                 next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
-                smax = _pair_keys(k_smem.index(0), words, sw, LW, True)
+                smax = _tile_keys(k_smem.index(0), words, sw, LW, True, FP8)
                 acc = zero
                 for i in range(n_mine):
                     acc = warpgroup_mma(k_smem.index(i % 2), q_smem.permute((1, 0)), acc, use_acc=False,
-                                        is_async=True)
+                                        max_num_imprecise_acc=IMPRECISE, is_async=True)
                     words, sw = next_words, next_sw
-                    smax_next = _pair_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine)
+                    smax_next = _tile_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine, FP8)
                     # loaded after the keys' fence: on sm_90 it is a MEMBAR.ALL.CTA, which by the timings waits for
                     # the thread's loads in flight (loaded before it, 3% slower); issued here they stay in flight
                     # across the product's wait and the scores
                     next_words, next_sw = _load_tile(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows, bins, HIST_BITS)
+                    _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows, bins, HIST_BITS, KD)
                     smax = smax_next
         else:
-            k_smem = gl.allocate_shared_memory(gl.float16, [BN, 128], SH16)
-            k_words = k_smem._reinterpret(gl.int32, [BN, 64], SH32)
+            k_smem = gl.allocate_shared_memory(KT, [BN, 128], SHK)
             words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
             for it in range(n_iter):
                 tile = pid + it * n_prog
                 # in flight while this one is scored
                 next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
-                    smax = _largest_scale(sw)
-                    pairs = _key_pairs(words, sw, smax, LW)
-                    gl.thread_barrier()  # every warp is past the previous tile's product
-                    k_words.store(pairs)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    _store_scores(warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero), smax, wq, tile, out_ptr,
-                                  n_rows, bins, HIST_BITS)
+                    smax = _tile_keys(k_smem, words, sw, LW, True, FP8)
+                    acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero,
+                                        max_num_imprecise_acc=IMPRECISE)
+                    _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
                 words = next_words
                 sw = next_sw
         if HIST_BITS > 0:
