@@ -232,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             idx_variants = {"Gluon kernel, 3 programs a SM": (3, False, 64, False, True),
                             "pipelined, 64 rows, 3 a SM": (3, True, 64, False, True),
                             "pipelined, 64 rows, 4 a SM": (4, True, 64, False, True),
-                            "fp8 keys, pipelined, 3 a SM": (3, True, 64, True, True),
-                            "fp8 keys, pipelined, 4 a SM": (4, True, 64, True, True),
-                            "fp8 keys, not promoted, 3 a SM": (3, True, 64, True, False),
+                            "fp8 keys, pipelined, 64 rows, 3 a SM": (3, True, 64, True, True),
+                            "fp8 not promoted, 64 rows, 3 a SM": (3, True, 64, True, False),
+                            "fp8 not promoted, 64 rows, 4 a SM": (4, True, 64, True, False),
+                            "fp8 not promoted, 128 rows, 2 a SM": (2, True, 128, True, False),
+                            "fp8 not promoted, 128 rows, 3 a SM": (3, True, 128, True, False),
                             "fp8 keys, one tile, 3 a SM": (3, False, 64, True, True)}
             times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
             times_d: dict[str, list[float]] = {v: [] for v in idx_variants}

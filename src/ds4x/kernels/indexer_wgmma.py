@@ -215,6 +215,16 @@ if HAVE_GLUON:
         return smax
 
     @gluon.jit
+    def _scores_product(keys, q_smem, acc, zero, PROMOTE: gl.constexpr, ASYNC: gl.constexpr):
+        # keys [rows, 128] x the query -> [rows, heads], into acc's registers (its value unused). PROMOTE (8-bit
+        # operands): each K step of 32 added into float32 (Triton's max_num_imprecise_acc); that sum starts from
+        # the accumulator given whatever use_acc says (measured: the previous tile's scores came through), so zeros
+        if PROMOTE:
+            return warpgroup_mma(keys, q_smem.permute((1, 0)), zero, max_num_imprecise_acc=32, is_async=ASYNC)
+        else:
+            return warpgroup_mma(keys, q_smem.permute((1, 0)), acc, use_acc=False, is_async=ASYNC)
+
+    @gluon.jit
     def _thread_index(like):
         # the thread's index in the program, as a tensor shaped and laid out as ``like``
         return gl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [like.to(gl.int32)], dtype=gl.int32,
@@ -301,9 +311,6 @@ if HAVE_GLUON:
         QD: gl.constexpr = 7 if FP8 else 14  # query heads: values x 2^(QD - e_h), e_h its largest's exponent
         KT: gl.constexpr = gl.float8e4nv if FP8 else gl.float16
         SHK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
-        # the 8-bit products' accumulation widened to float32 every K step (32 values: one block) or never (fp16: 0,
-        # Triton's default)
-        IMPRECISE: gl.constexpr = (32 if PROMOTE else 128) if FP8 else 0
 
         pid = gl.program_id(0)
         t = gl.program_id(1).to(gl.int64)
@@ -342,8 +349,7 @@ if HAVE_GLUON:
                 smax = _tile_keys(k_smem.index(0), words, sw, LW, True, FP8)
                 acc = zero
                 for i in range(n_mine):
-                    acc = warpgroup_mma(k_smem.index(i % 2), q_smem.permute((1, 0)), acc, use_acc=False,
-                                        max_num_imprecise_acc=IMPRECISE, is_async=True)
+                    acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, FP8 and PROMOTE, True)
                     words, sw = next_words, next_sw
                     smax_next = _tile_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine, FP8)
                     # loaded after the keys' fence: on sm_90 it is a MEMBAR.ALL.CTA, which by the timings waits for
@@ -362,8 +368,7 @@ if HAVE_GLUON:
                 next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
                     smax = _tile_keys(k_smem, words, sw, LW, True, FP8)
-                    acc = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zero,
-                                        max_num_imprecise_acc=IMPRECISE)
+                    acc = _scores_product(k_smem, q_smem, zero, zero, FP8 and PROMOTE, False)
                     _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
                 words = next_words
                 sw = next_sw
