@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ledger", type=Path, default=None, help="JSONL benchmark ledger to append kernel rows to")
     ap.add_argument("--parts", default="attention,indexer,select,merge,pair",
-                    help="comma-separated parts to run: attention, indexer, select, merge, pair (scoring + top-k)")
+                    help="comma-separated parts to run: attention, indexer, select, merge, pair (scoring + top-k), "
+                         "attention-variants (of attention, the part --variant adds to)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="'NAME: module.attr=EXPR; ...' (repeatable): one query's attention cases on the bf16 query "
+                         "also with these attributes set, in L2 and from DRAM, alternating with the defaults")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
@@ -58,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing as tt
 
     from ds4x.bench.ledger import append, environment
+    from ds4x.bench.variants import parse_variant, variant_applied
     from ds4x.formats import hadamard128, mxfp4_roundtrip, pack_indexer_rows
     from ds4x.kernels import attention as A
     from ds4x.kernels import indexer as I
@@ -153,18 +158,37 @@ def main(argv: list[str] | None = None) -> int:
     qb = q.bfloat16()
 
     # one query's cases on the bf16 query with their rows from DRAM as in the model (a graph of one call on each of 24
-    # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead)
-    if "attention" in parts:
+    # copies of the case's stores, so L2 holds none at its turn; a replayed call on one store reads L2 instead), and
+    # with each --variant both ways, alternating twice, its output compared bit for bit with the defaults' (this part
+    # alone: --parts attention-variants)
+    if parts & {"attention", "attention-variants"}:
         from ds4x.bench.timing import graph_replay_us
 
-        print(f"\n{'attention, rows from DRAM':<26} {'us':>7}  (bf16 query)")
+        variants = {"defaults": []} | dict(parse_variant(spec) for spec in args.variant)
+        print(f"\n{'attention (bf16 query)':<22} " + " ".join(f"{v[:20]:>20}" for v in variants)
+              + "  (us in L2 / from DRAM; same bits)")
         for name, sources in cases.items():
             copies = [sources] + [[(data.clone(), slots) for data, slots in sources] for _ in range(23)]
-            t_dram = min(graph_replay_us([lambda c=c: attention_decode_triton(qb, c, sinks, scale, nope, True)
-                                          for c in copies], rep_ms=100) for _ in range(2))
+            t_l2: dict[str, list[float]] = {v: [] for v in variants}
+            t_dram: dict[str, list[float]] = {v: [] for v in variants}
+            same: dict[str, bool] = {}
+            base = attention_decode_triton(qb, sources, sinks, scale, nope, True)
+            for _ in range(2):
+                for v, sets in variants.items():
+                    with variant_applied(sets):
+                        same[v] = torch.equal(attention_decode_triton(qb, sources, sinks, scale, nope, True), base)
+                        t_l2[v].append(us(lambda s=sources: attention_decode_triton(qb, s, sinks, scale, nope, True)))
+                        t_dram[v].append(graph_replay_us([lambda c=c: attention_decode_triton(qb, c, sinks, scale,
+                                                                                              nope, True)
+                                                          for c in copies], rep_ms=100))
             del copies
-            print(f"{name:<26} {t_dram:7.1f}")
-            record("decode attention", f"{name} from DRAM", "Gluon kernel, bf16 query", t_dram, {"rows": "DRAM"})
+            print(f"{name:<22} " + " ".join(f"{f'{min(t_l2[v]):.1f} / {min(t_dram[v]):.1f} {str(same[v])[0]}':>20}"
+                                            for v in variants))
+            for v in variants:
+                extra = {} if v == "defaults" else {"status": "variant", "same_bits": same[v]}
+                label = "Gluon kernel, bf16 query" + ("" if v == "defaults" else f", {v}")
+                record("decode attention", name, label, min(t_l2[v]), extra)
+                record("decode attention", f"{name} from DRAM", label, min(t_dram[v]), {"rows": "DRAM", **extra})
 
     # the merge of the splits by (splits per iteration, 64-value chunks per program), each configuration forced as
     # COMBINE_CHUNKS (COMBINE_ROWS_WAVES = 0): one query's cases above on the model's bf16 query, and a batch of 8

@@ -82,17 +82,17 @@ def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> 
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False
+def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False, qreg: int = 0
                       ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``;
     ``two_phase`` its TWO_PHASE (blocks a program, 0: the online loop), ``overlap`` its OVERLAP (the two phases'
-    decode beside the score products)."""
+    decode beside the score products), ``qreg`` its QREG (the query's columns in registers for the score product)."""
     from ds4x.kernels import attention_wgmma
 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
-              "OVERLAP": overlap}
+              "OVERLAP": overlap, "QREG": qreg}
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
@@ -237,10 +237,11 @@ def main_qmv(args: argparse.Namespace) -> bool:
 
 def main_attention(args: argparse.Namespace) -> bool:
     overlaps = sorted({False, bool(args.overlap)})
-    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else ""),
-                        lambda block=block, kind=kind, two=two, ov=ov: compile_attention(block, kind, two, ov))
+    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else "") + (f"_qreg{qr}" if qr else ""),
+                        lambda block=block, kind=kind, two=two, ov=ov, qr=qr: compile_attention(block, kind, two, ov,
+                                                                                                  qr))
                        for block in args.block for kind in args.query.split(",") for two in args.two_phase
-                       for ov in overlaps if two or not ov], args.dump, "HGMMA")
+                       for ov in overlaps if two or not ov for qr in (args.qreg if two else [0])], args.dump, "HGMMA")
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--query", default="fp32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--two-phase", nargs="+", type=int, default=[0], help="TWO_PHASE values (0: the online loop)")
     att.add_argument("--overlap", action="store_true", help="also OVERLAP for TWO_PHASE > 0")
+    att.add_argument("--qreg", nargs="+", type=int, default=[0], help="QREG values for TWO_PHASE > 0")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
