@@ -82,33 +82,33 @@ def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> 
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False, qreg: int = 0
+def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False
                       ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``;
     ``two_phase`` its TWO_PHASE (blocks a program, 0: the online loop), ``overlap`` its OVERLAP (the two phases'
-    decode beside the score products), ``qreg`` its QREG (the query's columns in registers for the score product)."""
+    decode beside the score products)."""
     from ds4x.kernels import attention_wgmma
 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
-              "OVERLAP": overlap, "QREG": qreg}
+              "OVERLAP": overlap}
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False,
-                    promote: bool = True) -> triton.compiler.CompiledKernel:
+def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False
+                    ) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step at 1M launches it (64 heads, a device row count, PDL on, the
     select's first level counted where FIRST_LEVEL_IN_INDEXER says), with a register ceiling if given;
-    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (``promote``: FP8_PROMOTE)."""
+    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (E4M3 operands), else fp16."""
     from ds4x.kernels import indexer_wgmma, select
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
               "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8, "PROMOTE": promote}
+              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32",
                 "hist_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
@@ -237,19 +237,17 @@ def main_qmv(args: argparse.Namespace) -> bool:
 
 def main_attention(args: argparse.Namespace) -> bool:
     overlaps = sorted({False, bool(args.overlap)})
-    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else "") + (f"_qreg{qr}" if qr else ""),
-                        lambda block=block, kind=kind, two=two, ov=ov, qr=qr: compile_attention(block, kind, two, ov,
-                                                                                                  qr))
+    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else ""),
+                        lambda block=block, kind=kind, two=two, ov=ov: compile_attention(block, kind, two, ov))
                        for block in args.block for kind in args.query.split(",") for two in args.two_phase
-                       for ov in overlaps if two or not ov for qr in (args.qreg if two else [0])], args.dump, "HGMMA")
+                       for ov in overlaps if two or not ov], args.dump, "HGMMA")
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    keys = [(False, True)] + ([(True, True), (True, False)] if args.fp8 else [])
-    return report_all([(tag + ("_pipelined" if p else "") + ("_fp8" + ("" if pr else "_imprecise") if f else ""),
-                        lambda p=p, f=f, pr=pr: compile_indexer(args.maxnreg, p, f, pr))
-                       for p in sorted({False, bool(args.pipelined)}) for f, pr in keys], args.dump,
+    return report_all([(tag + ("_pipelined" if p else "") + ("_fp8" if f else "_fp16"),
+                        lambda p=p, f=f: compile_indexer(args.maxnreg, p, f))
+                       for p in sorted({False, bool(args.pipelined)}) for f in (True, False)], args.dump,
                       ("HGMMA", "QGMMA"))  # fp16 / fp8 products
 
 
@@ -278,12 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--query", default="fp32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--two-phase", nargs="+", type=int, default=[0], help="TWO_PHASE values (0: the online loop)")
     att.add_argument("--overlap", action="store_true", help="also OVERLAP for TWO_PHASE > 0")
-    att.add_argument("--qreg", nargs="+", type=int, default=[0], help="QREG values for TWO_PHASE > 0")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
-    idx.add_argument("--fp8", action="store_true", help="also FP8_KEYS (E4M3 keys), with and without FP8_PROMOTE")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
     rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")

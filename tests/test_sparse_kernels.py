@@ -599,9 +599,9 @@ def test_indexer_scores_do_not_depend_on_where_the_rows_end_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("keys", ["fp16", "fp8", "fp8 not promoted"])
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("block_rows, per_sm", [(64, 3), (64, 4), (128, 2)])
-def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, keys, monkeypatch):
+def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per_sm, fp8, monkeypatch):
     """indexer_wgmma.PIPELINED (two key tiles, each tile's product beside the next tile's decode) scores every row
     as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
     4-byte aligned, a device row count per query, block scales far from their row's (one past the E4M3 keys' reach,
@@ -613,8 +613,7 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
 
     if not indexer_wgmma.available(torch.zeros(1, device="cuda"), 64):
         pytest.skip("needs an sm_90 GPU and Gluon")
-    monkeypatch.setattr(indexer_wgmma, "FP8_KEYS", keys != "fp16")
-    monkeypatch.setattr(indexer_wgmma, "FP8_PROMOTE", keys != "fp8 not promoted")
+    monkeypatch.setattr(indexer_wgmma, "FP8_KEYS", fp8)
     rows, q, w = _indexer_case(4096, 64, 12, "cuda")
     x = unpack_indexer_rows(rows)
     x[::5, 64:96] *= 2.0**-20

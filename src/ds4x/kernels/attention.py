@@ -96,11 +96,13 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
-# In the two phases, the query's first TWO_PHASE_QUERY_REGISTERS columns are the score product's register operand
-# rather than re-read from shared memory by every m64n8 step (`attention_wgmma._score_product`); 0: all from shared
-# memory. Stamps (scripts/attention_phases.py --two-phase, H100, 749c900): without the score products a phase-1
-# block decodes in 2,166 cycles against 3,041 with them, and HCA at 1M takes 21.2 us against 25.8
-TWO_PHASE_QUERY_REGISTERS = 0
+# Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
+# re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
+# block's decode from 2,166 to 3,041 cycles (scripts/attention_phases.py --two-phase [--no-score-products], H100,
+# 749c900), but the same bits in registers measured level (H100, 726c635, `compressed_kernels_ab.py --parts
+# attention-variants`, us in L2 / from DRAM, none / 128 / 256 columns: window 10.3 / 10.3, 10.4 / 11.0, 10.6 / 11.0;
+# CSA top-512 at 1M 11.4 / 12.0, 11.4 / 12.0, 11.2 / 11.9; HCA at 1M 24.1 / 24.8, 23.9 / 24.6, 24.2 / 25.1): the
+# A operand's shared-memory reads are not what the products cost
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -227,7 +229,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, QREG=TWO_PHASE_QUERY_REGISTERS if two_phase else 0, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

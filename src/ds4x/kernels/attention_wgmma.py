@@ -226,34 +226,20 @@ if HAVE_GLUON:
         return ok, nxt, rows_ptr, stride
 
     @gluon.jit
-    def _score_product(q1, q_reg, key, key_lo, s, NOPE: gl.constexpr, D: gl.constexpr, QREG: gl.constexpr):
-        # a block's scores, asynchronously: q K^T + q[:, NOPE:] K_lo^T into s's registers (its value unused). Each
-        # product re-reads its A operand from shared memory (m64n8 steps: 2 KB read for 256 products a step), which
-        # bounds the score product; QREG > 0: q's first QREG columns are the register operand q_reg instead
-        if QREG > 0:  # (the rest in chunks of QREG columns: operand widths are powers of two)
-            s = warpgroup_mma(q_reg, key.slice(0, QREG, dim=1).permute((1, 0)), s, use_acc=False, is_async=True)
-            for c in gl.static_range(1, D // QREG):
-                s = warpgroup_mma(q1.slice(c * QREG, QREG, dim=1), key.slice(c * QREG, QREG, dim=1).permute((1, 0)),
-                                  s, is_async=True)
-        else:
-            s = warpgroup_mma(q1, key.permute((1, 0)), s, use_acc=False, is_async=True)
-        return warpgroup_mma(q1.slice(NOPE, D - NOPE, dim=1), key_lo.permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
     def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                           rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False, QREG: gl.constexpr = 0):
+                          OVERLAP: gl.constexpr = False):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
         # against the final maximum and their products with the block's keys added to the accumulator, the
         # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. OVERLAP:
         # block j + 1 is decoded while block j's score product runs (each block has its own key tile; the one
-        # accumulator is waited for within the block, so no wgmma is in flight across the loop). QREG: see
-        # `_score_product`. -> (m, l, o, o_r) as the online loop leaves them (to float rounding)
+        # accumulator is waited for within the block, so no wgmma is in flight across the loop). -> (m, l, o, o_r) as
+        # the online loop leaves them (to float rounding)
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
@@ -268,10 +254,6 @@ if HAVE_GLUON:
         top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
         s = gl.zeros([HP, BLOCK], gl.float32, S1_ACC)
-        q_reg = s  # unused unless QREG
-        if QREG > 0:
-            gl.thread_barrier()  # q1 stored by every thread
-            q_reg = q1.slice(0, QREG, dim=1).load(gl.DotOperandLayout(operand_index=0, parent=S1_ACC, k_width=2))
         if OVERLAP:
             ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, keys.index(0), keys_lo.index(0), na,
                                                       nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
@@ -282,7 +264,8 @@ if HAVE_GLUON:
         for j in range(n_blocks):
             if OVERLAP:
                 ok_j = ok
-                s = _score_product(q1, q_reg, keys.index(j), keys_lo.index(j), s, NOPE, D, QREG)
+                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)
+                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
                 if j + 1 < n_blocks:
                     ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride, keys.index(j + 1),
                                                               keys_lo.index(j + 1), na, nb, a0, b0, rows_a, stride_a,
@@ -299,7 +282,9 @@ if HAVE_GLUON:
                                                             MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
                 fence_async_shared()
                 gl.thread_barrier()
-                s = _score_product(q1, q_reg, keys.index(j), keys_lo.index(j), s, NOPE, D, QREG)
+                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
+                                  is_async=True)
+                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where(ok_j[None, :], s * scale, float("-inf"))
             scores.index(j).store(s)
@@ -335,8 +320,7 @@ if HAVE_GLUON:
                        store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
-                       QREG: gl.constexpr = 0):
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -404,7 +388,7 @@ if HAVE_GLUON:
             m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
                                              pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
                                              scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
-                                             R_ACC, num_warps, OVERLAP, QREG)
+                                             R_ACC, num_warps, OVERLAP)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)

@@ -12,7 +12,10 @@ Queries (MXFP4 values) are scaled per head by a power of two into fp16, also exa
 cores then form the dot products with fp32 accumulation; the powers of two come back per row (after
 the head sum) and per head (folded into the head weights). Only the accumulation order differs from
 the float32 reference. On the GPU an inline-PTX version of the code -> fp16 step (byte permutes,
-paired fp16 multiply) replaces the arithmetic one; both give the same fp16 values.
+paired fp16 multiply) replaces the arithmetic one; both give the same fp16 values. The Hopper kernel takes E4M3
+operands instead (`ds4x.kernels.indexer_wgmma.FP8_KEYS`): every E2M1 value is an E4M3 value, so they are exact
+too while a row's block scales lie within 2^14 of each other (a head's within 2^12), each 32-value block's
+products are exact, and the blocks are summed in float32.
 Unpacked native rows (float32) are packed first: packing them is lossless, so both storages score
 bit-identically (the native mode is the oracle, not the fast path).
 """
@@ -116,7 +119,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
                                                     num_warps=indexer_wgmma.WARPS, BN=indexer_wgmma.block_rows(),
                                                     PIPELINED=indexer_wgmma.PIPELINED, HIST_BITS=hist_bits,
-                                                    FP8=indexer_wgmma.FP8_KEYS, PROMOTE=indexer_wgmma.FP8_PROMOTE)
+                                                    FP8=indexer_wgmma.FP8_KEYS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

@@ -1,13 +1,14 @@
 """Indexer scoring from packed MXFP4 rows on Hopper tensor cores (Gluon, sm_90).
 
-The same scores as `ds4x.kernels.triton_indexer.score_kernel` (same exact fp16 operands, see
-`ds4x.kernels.indexer`; only the float32 accumulation order inside the tensor core differs), with the data
-movement written out: a lane reads the four words of one 32-value block of a row (so a block's scale is worked
-out once), decodes each word into four 32-bit pairs of fp16 values in row order and stores them with 16-byte
-stores into the key tile, and one ``wgmma`` multiplies the tile [rows, 128] by the query [128, 64 heads]
-held in shared memory for the program's whole walk (PIPELINED, the default: two 64-row key tiles, each tile's
-product running while the next is decoded; else one 128-row tile). The Triton kernel moves the words and the
-decoded values through shared memory one 2-byte value at a time (its layouts are the compiler's choice).
+The same scores as `ds4x.kernels.triton_indexer.score_kernel` (exact operands, see `ds4x.kernels.indexer`; only
+the float32 accumulation order inside the tensor core differs), with the data movement written out: a lane reads
+the four words of one 32-value block of a row (so a block's scale is worked out once), decodes each word into E4M3
+bytes (FP8_KEYS, the default: 8 bytes a word, by a table of the block's magnitudes) or fp16 pairs (four 32-bit
+pairs) in row order and stores them with 16-byte stores into the key tile, and one ``wgmma`` multiplies the tile
+[rows, 128] by the query [128, 64 heads] held in shared memory for the program's whole walk (PIPELINED, the
+default: two 64-row key tiles, each tile's product running while the next is decoded; else one 128-row tile). The
+Triton kernel moves the words and the decoded values through shared memory one 2-byte value at a time (its layouts
+are the compiler's choice).
 
 What bounds it (ncu, H100, 262,144 rows, at 84492d5's parent): the L1 / shared-memory pipe (L1/TEX 80% busy) at
 0.47 instructions issued per scheduler. The row loads use 10.7 of each 32-byte sector a lane's load brings (a
@@ -59,11 +60,16 @@ PIPELINED_BLOCK_N = 64
 # relative to its largest value (into [128, 256)) stay exact while a block lies within 2^14 of its row's largest
 # (2^12 of a head's) -- the fp16 operands' reach is 2^24. Half the key tile's bytes in shared memory (stores and the
 # product's reads) and a byte-permute decode (a table of the block's 8 magnitudes, then two prmt a word half)
-# instead of paired fp16 multiplies. The products of one 32-value block are exact at any accumulator width
-# (integers below 2^13 times one power of two); FP8_PROMOTE adds each K step into float32 (Triton's
-# max_num_imprecise_acc) rather than leaving the tensor core's reduced-width accumulation across blocks
-FP8_KEYS = False
-FP8_PROMOTE = True
+# instead of paired fp16 multiplies. Each K step's products (one 32-value block: integers below 2^13 times one power
+# of two) are exact in the tensor core; their sum across blocks is added in float32 (Triton's
+# max_num_imprecise_acc = 32), since the tensor core's own accumulation across steps is narrower: without it rows
+# whose block scales lie 2^13 apart scored 1e-4 off (GPU test), though Hadamard-rotated rows gave the fp16 bits.
+# Measured (H100, 726c635), us, the rows in L2 / from DRAM (`compressed_kernels_ab.py --parts indexer`) and the
+# frontier's indexer at 1M (`ds4x bench frontier --weights q2 --experts 128 --contexts 1048576`): fp16 pipelined
+# 64 rows, 3 an SM 14.7 / 16.7, 17.5; E4M3 the same 14.3 / 15.5, 16.1 (41 layers 1.395 -> 1.368 ms); E4M3 128 rows
+# 21.7 (3 an SM), 17.2 (2); without the float32 sums 13.0 / 15.1 (64 rows) and 12.4 / 14.6, 15.3 (128 rows, 3).
+# Same scores as fp16 operands wherever both are exact (every Hadamard-rotated test row)
+FP8_KEYS = True
 
 
 def block_rows() -> int:
@@ -215,11 +221,11 @@ if HAVE_GLUON:
         return smax
 
     @gluon.jit
-    def _scores_product(keys, q_smem, acc, zero, PROMOTE: gl.constexpr, ASYNC: gl.constexpr):
-        # keys [rows, 128] x the query -> [rows, heads], into acc's registers (its value unused). PROMOTE (8-bit
-        # operands): each K step of 32 added into float32 (Triton's max_num_imprecise_acc); that sum starts from
-        # the accumulator given whatever use_acc says (measured: the previous tile's scores came through), so zeros
-        if PROMOTE:
+    def _scores_product(keys, q_smem, acc, zero, FP8: gl.constexpr, ASYNC: gl.constexpr):
+        # keys [rows, 128] x the query -> [rows, heads], into acc's registers (its value unused). FP8: each K step of
+        # 32 added into float32 (Triton's max_num_imprecise_acc); that sum starts from the accumulator given whatever
+        # use_acc says (measured: the previous tile's scores came through), so from zeros
+        if FP8:
             return warpgroup_mma(keys, q_smem.permute((1, 0)), zero, max_num_imprecise_acc=32, is_async=ASYNC)
         else:
             return warpgroup_mma(keys, q_smem.permute((1, 0)), acc, use_acc=False, is_async=ASYNC)
@@ -288,10 +294,9 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
                      num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
-                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False,
-                     PROMOTE: gl.constexpr = True):
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
-        too). PIPELINED, FP8 (PROMOTE): see the module's switches PIPELINED, FP8_KEYS (FP8_PROMOTE)."""
+        too). PIPELINED, FP8: see the module's switches PIPELINED, FP8_KEYS."""
         wait_upstream(PDL)
         bins = 0
         if HIST_BITS > 0:
@@ -349,7 +354,7 @@ if HAVE_GLUON:
                 smax = _tile_keys(k_smem.index(0), words, sw, LW, True, FP8)
                 acc = zero
                 for i in range(n_mine):
-                    acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, FP8 and PROMOTE, True)
+                    acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, FP8, True)
                     words, sw = next_words, next_sw
                     smax_next = _tile_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine, FP8)
                     # loaded after the keys' fence: on sm_90 it is a MEMBAR.ALL.CTA, which by the timings waits for
@@ -368,7 +373,7 @@ if HAVE_GLUON:
                 next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
                     smax = _tile_keys(k_smem, words, sw, LW, True, FP8)
-                    acc = _scores_product(k_smem, q_smem, zero, zero, FP8 and PROMOTE, False)
+                    acc = _scores_product(k_smem, q_smem, zero, zero, FP8, False)
                     _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
                 words = next_words
                 sw = next_sw
