@@ -71,31 +71,35 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
 
 def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> triton.compiler.CompiledKernel:
     """A Gluon kernel for sm_90 with ``consts`` as its constexprs, ``pointers`` the types of its pointer arguments
-    (``scale`` is fp32, every other argument i32), the pointers 16-byte aligned as Triton specializes them at launch
-    (so vector loads compile as they run)."""
+    (``scale`` is fp32, every other argument i32; a TMA descriptor's type ``tensordesc<...>`` goes there too), the
+    pointers 16-byte aligned as Triton specializes them at launch (so vector loads compile as they run)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "scale" else "i32") for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in pointers}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if pointers.get(a, "").startswith("*")}
     src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()}, attrs)
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False
+def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False, tma_state: bool = False
                       ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``;
     ``two_phase`` its TWO_PHASE (blocks a program, 0: the online loop), ``overlap`` its OVERLAP (the two phases'
-    decode beside the score products)."""
+    decode beside the score products), ``tma_state`` its TMA_STATE (the partial state stored by the TMA unit)."""
+    from triton.experimental.gluon import language as gl
+
     from ds4x.kernels import attention_wgmma
 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
-              "OVERLAP": overlap}
+              "OVERLAP": overlap, "TMA_STATE": tma_state}
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32"}
+                "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
+                "acc_desc": f"tensordesc<fp32[64, 32],{layout!r}>"}
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
@@ -237,10 +241,12 @@ def main_qmv(args: argparse.Namespace) -> bool:
 
 def main_attention(args: argparse.Namespace) -> bool:
     overlaps = sorted({False, bool(args.overlap)})
-    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else ""),
-                        lambda block=block, kind=kind, two=two, ov=ov: compile_attention(block, kind, two, ov))
+    return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else "") + ("_tma" if tm else ""),
+                        lambda block=block, kind=kind, two=two, ov=ov, tm=tm: compile_attention(block, kind, two, ov,
+                                                                                                 tm))
                        for block in args.block for kind in args.query.split(",") for two in args.two_phase
-                       for ov in overlaps if two or not ov], args.dump, "HGMMA")
+                       for ov in overlaps if two or not ov for tm in sorted({False, bool(args.tma_state)})],
+                      args.dump, "HGMMA")
 
 
 def main_indexer(args: argparse.Namespace) -> bool:
@@ -276,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--query", default="fp32,bf16", help="query dtypes, comma-separated")
     att.add_argument("--two-phase", nargs="+", type=int, default=[0], help="TWO_PHASE values (0: the online loop)")
     att.add_argument("--overlap", action="store_true", help="also OVERLAP for TWO_PHASE > 0")
+    att.add_argument("--tma-state", action="store_true", help="also TMA_STATE (the partial state by the TMA unit)")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")

@@ -96,6 +96,10 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
+# The Hopper kernel's partial states (64 x 512 float32 a split) written by the TMA unit from a swizzled shared tile,
+# the RoPE columns' low-part products added there (`attention_wgmma._store_state_tma`), instead of global 8-byte
+# stores over 8 rows a warp instruction and a global atomic add per RoPE element
+TMA_STATE = False
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
 # block's decode from 2,166 to 3,041 cycles (scripts/attention_phases.py --two-phase [--no-score-products], H100,
@@ -227,9 +231,10 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
-            scale, store_a, store_b, index_a, index_b, n_split, sinks, out, H=H, D=D, NOPE=nope, BLOCK=block,
+            scale, store_a, store_b, index_a, index_b, n_split, sinks, out, attention_wgmma.state_descriptor(acc),
+            H=H, D=D, NOPE=nope, BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=TMA_STATE, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -68,10 +68,12 @@ try:  # Gluon is experimental in Triton 3.x; without it the callers use the Trit
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAVE_GLUON = HAVE_TRITON
 except Exception:  # pragma: no cover - depends on the Triton build
@@ -312,15 +314,36 @@ if HAVE_GLUON:
         o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
         return m, l, o, o_r
 
+    @gluon.jit
+    def _store_state_tma(o, o_r, acc_desc, row, NOPE: gl.constexpr):
+        # the partial accumulator [64, 512] stored by the TMA unit: written once to a swizzled shared tile (a warp's
+        # 8-byte pieces of 8 rows fall in different banks), the RoPE columns' low-part products added there, then one
+        # bulk copy per 32 columns (a 128-byte swizzled box), in place of 64 global 8-byte stores a thread over 8 rows
+        # each (~4,300 cycles a program by the stamps) and a global atomic add per RoPE element
+        HP: gl.constexpr = o.shape[0]
+        D: gl.constexpr = o.shape[1]
+        BOX: gl.constexpr = acc_desc.block_type.shape[1]
+        stage = gl.allocate_shared_memory(gl.float32, [HP, D], acc_desc.layout)
+        stage.store(o)
+        gl.thread_barrier()
+        rope = stage.slice(NOPE, D - NOPE, dim=1)
+        rope.store(rope.load(o_r.type.layout) + o_r)
+        fence_async_shared()
+        gl.thread_barrier()
+        for c in gl.static_range(D // BOX):
+            tma.async_copy_shared_to_global(acc_desc, [row, c * BOX], stage.slice(c * BOX, BOX, dim=1))
+        tma.store_wait(0)
+
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
     @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
     def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
                        rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
-                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,
+                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr, acc_desc,
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False):
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
+                       TMA_STATE: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -451,12 +474,23 @@ if HAVE_GLUON:
             base = b * n_split * HP + split * HP
             gl.store(m_ptr + base + hs, m)
             gl.store(l_ptr + base + hs, l)
-            gl.store(acc_ptr + base * D + ho * D + do, o)
+            if TMA_STATE:
+                _store_state_tma(o, o_r, acc_desc, base.to(gl.int32), NOPE)
+            else:
+                gl.store(acc_ptr + base * D + ho * D + do, o)
             at = acc_ptr + base * D + hr * D + dr
             r_ok = (hr >= 0) & (dr >= 0)
-        gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
-        # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
-        gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
+        if WHOLE or not TMA_STATE:
+            gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
+            # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
+            gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
+
+
+def state_descriptor(acc: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of a partial state buffer [..., 64, D] float32 as the partial kernel's TMA_STATE stores it:
+    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 32], layout)
 
 
 def available(q: torch.Tensor, heads: int, dim: int, nope: int) -> bool:
