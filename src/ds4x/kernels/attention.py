@@ -231,10 +231,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
-            scale, store_a, store_b, index_a, index_b, n_split, sinks, out, attention_wgmma.state_descriptor(acc),
-            H=H, D=D, NOPE=nope, BLOCK=block,
+            scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
+            attention_wgmma.state_descriptor(acc) if TMA_STATE and not one_pass else None, H=H, D=D, NOPE=nope,
+            BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=TMA_STATE, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=TMA_STATE and not one_pass, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:
