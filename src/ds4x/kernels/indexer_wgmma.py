@@ -68,7 +68,9 @@ PIPELINED_BLOCK_N = 64
 # frontier's indexer at 1M (`ds4x bench frontier --weights q2 --experts 128 --contexts 1048576`): fp16 pipelined
 # 64 rows, 3 an SM 14.7 / 16.7, 17.5; E4M3 the same 14.3 / 15.5, 16.1 (41 layers 1.395 -> 1.368 ms); E4M3 128 rows
 # 21.7 (3 an SM), 17.2 (2); without the float32 sums 13.0 / 15.1 (64 rows) and 12.4 / 14.6, 15.3 (128 rows, 3).
-# Same scores as fp16 operands wherever both are exact (every Hadamard-rotated test row)
+# Same scores as fp16 operands wherever both are exact (every Hadamard-rotated test row). The float32 sums make each
+# K step wait for its product (ptxas C7517), so PIPELINED no longer runs the product beside the next tile's decode
+# with E4M3 operands; it measured faster than the fp16 pipeline all the same
 FP8_KEYS = True
 
 
