@@ -100,6 +100,7 @@ TWO_PHASE_OVERLAP = True
 # the RoPE columns' low-part products added there (`attention_wgmma._store_state_tma`), instead of global 8-byte
 # stores over 8 rows a warp instruction and a global atomic add per RoPE element (stamps: ~4,300 cycles a program,
 # 7,800 at HCA 1M, and 750-1,270 for the atomics). Built and compiled (sm_90, offline); not yet run on a GPU
+# (its check: test_hopper_attention_state_by_tma_gives_the_same_bits)
 TMA_STATE = False
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
