@@ -287,16 +287,17 @@ if HAVE_GLUON:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _block_products(keys, q_smem, sw, zero):
+    def _block_products(keys, q_smem, sw, zero, AHEAD: gl.constexpr):
         # E5M2 keys [rows, 128] x the query -> [rows, heads] in float32, relative to each row's largest block scale:
-        # one product per block, the next one in flight while each is added times 2^(s - smax + 14)
+        # one product per block, each added times 2^(s - smax + 14); AHEAD: the next one in flight meanwhile (at 128
+        # rows a tile its registers spill)
         ACC: gl.constexpr = zero.type.layout
         swa = gl.convert_layout(sw, gl.SliceLayout(1, ACC))
         smax = _largest_scale(swa)
         cur = _block_product(keys, q_smem, 0, zero)
         acc = zero
         for b in gl.static_range(4):
-            if b < 3:
+            if AHEAD and b < 3:
                 nxt = _block_product(keys, q_smem, b + 1, zero)
                 cur = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
             else:
@@ -307,7 +308,7 @@ if HAVE_GLUON:
             else:
                 acc = acc + scaled
             if b < 3:
-                cur = nxt
+                cur = nxt if AHEAD else _block_product(keys, q_smem, b + 1, zero)
         return acc
 
     @gluon.jit
@@ -440,7 +441,7 @@ if HAVE_GLUON:
                 acc = zero
                 for i in range(n_mine):
                     if KEYS == "e5m2":  # waited for here: the next tile is decoded after it
-                        acc = _block_products(k_smem.index(i % 2), q_smem, sw, zero)
+                        acc = _block_products(k_smem.index(i % 2), q_smem, sw, zero, True)
                     else:
                         acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, KEYS, True)
                     words, sw = next_words, next_sw
@@ -463,7 +464,7 @@ if HAVE_GLUON:
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
                     smax = _tile_keys(k_smem, words, sw, LW, True, KEYS)
                     if KEYS == "e5m2":
-                        acc = _block_products(k_smem, q_smem, sw, zero)
+                        acc = _block_products(k_smem, q_smem, sw, zero, False)
                     else:
                         acc = _scores_product(k_smem, q_smem, zero, zero, KEYS, False)
                     _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
