@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """A/B of the compressed-attention decode kernels at Flash shapes (CUDA): the Triton kernels against the Hopper
-(Gluon) ones for attention and indexer scoring (the Gluon indexer as its PIPELINED variant at 3 / 4 programs an SM
-with each key format, `indexer_wgmma.key_format`, each with its rows in L2 and from DRAM), and the exact top-512
-select at several sizes; microseconds per call from `triton.testing.do_bench_cudagraph`, with each pair's relative
-difference; the Hopper attention also on the model's bf16 query (and on it with the rows from DRAM), the top-k as
-dispatched against one program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k as a
-CSA layer at 1M pairs them with FIRST_LEVEL_IN_INDEXER flipped (the better of two alternating runs each).
+(Gluon) ones for attention and indexer scoring (the Gluon indexer also as its PIPELINED variant at 3 / 4 programs an
+SM and with FP8_KEYS, each with its rows in L2 and from DRAM), and the exact top-512 select at several sizes;
+microseconds per call from `triton.testing.do_bench_cudagraph`, with each pair's relative difference; the Hopper
+attention also on the model's bf16 query (and on it with the rows from DRAM), the top-k as dispatched against one
+program a row forced, at 8 / 16 / 32 warps, up to 32,768 scores, and scoring + top-k as a CSA layer at 1M pairs
+them with FIRST_LEVEL_IN_INDEXER flipped (the better of two alternating runs each).
 ``--ledger PATH`` appends each figure as a ``kernel`` row. The figures behind
 ``ds4x.kernels.attention.WGMMA_CONFIG`` and the kernel rows of the ledger of 2026-12-03.
 
@@ -242,22 +242,23 @@ def main(argv: list[str] | None = None) -> int:
         record("indexer scoring", "262,144 rows", "Triton kernel", times[0])
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
         if parts & {"indexer", "select"}:
-            # the Gluon kernel's PIPELINED variant (tiles of 64 rows at 3 / 4 programs an SM; one tile and tiles of 128
-            # rows measured slower on 2026-12-06), each with E5M2, E4M3 or fp16 operands (`key_format`), alternating
-            # twice: the same scores as the Triton kernel's bit for bit where the operands are exact (as on these
-            # rows). Each twice: the rows in L2 (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in
-            # the model (a graph of one call on each of 24 copies of the store, so L2 holds none at its turn)
+            # the Gluon kernel at 3 programs an SM (PROGRAMS_PER_SM), its PIPELINED variant (tiles of 64 rows at 3 / 4
+            # an SM, of 128 at 2), each with E4M3 or fp16 operands (FP8_KEYS), alternating twice: the same scores as
+            # the Triton kernel's bit for bit where the operands are exact (as on these rows). Each twice: the rows in
+            # L2 (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in the model (a graph of one call
+            # on each of 24 copies of the store, so L2 holds none at its turn)
             from ds4x.bench.timing import graph_replay_us
             from ds4x.kernels import indexer_wgmma as IW
 
             copies = [packed] + [packed.clone() for _ in range(23)]
-            switches = ("PIPELINED", "PIPELINED_BLOCK_N", "FP8_KEYS", "KEY_FORMAT")
+            switches = ("PIPELINED", "PIPELINED_BLOCK_N", "FP8_KEYS")
             saved = I.PROGRAMS_PER_SM, *(getattr(IW, k) for k in switches)
-            idx_variants = {f"{name}, {keys}": (per_sm, pipelined, block, keys != "fp16",
-                                                keys if keys != "fp16" else IW.KEY_FORMAT)
-                            for keys in ("e5m2", "e4m3", "fp16")
-                            for name, per_sm, pipelined, block in (("pipelined, 64 rows, 3 a SM", 3, True, 64),
-                                                                   ("pipelined, 64 rows, 4 a SM", 4, True, 64))}
+            idx_variants = {f"{name}, {'e4m3' if fp8 else 'fp16'}": (per_sm, pipelined, block, fp8)
+                            for fp8 in (True, False)
+                            for name, per_sm, pipelined, block in (("one tile, 3 a SM", 3, False, 64),
+                                                                   ("pipelined, 64 rows, 3 a SM", 3, True, 64),
+                                                                   ("pipelined, 64 rows, 4 a SM", 4, True, 64),
+                                                                   ("pipelined, 128 rows, 2 a SM", 2, True, 128))}
             times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
             times_d: dict[str, list[float]] = {v: [] for v in idx_variants}
             same: dict[str, bool] = {}

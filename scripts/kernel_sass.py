@@ -103,16 +103,16 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, keys: str = "fp16"
+def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False
                     ) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step at 1M launches it (64 heads, a device row count, PDL on, the
     select's first level counted where FIRST_LEVEL_IN_INDEXER says), with a register ceiling if given;
-    ``pipelined``: the PIPELINED variant at its tile; ``keys``: the key format (`indexer_wgmma.key_format`)."""
+    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (E4M3 operands), else fp16."""
     from ds4x.kernels import indexer_wgmma, select
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
               "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "KEYS": keys}
+              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32",
                 "hist_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
@@ -251,9 +251,9 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    return report_all([(tag + ("_pipelined" if p else "") + "_" + k,
-                        lambda p=p, k=k: compile_indexer(args.maxnreg, p, k))
-                       for p in sorted({False, bool(args.pipelined)}) for k in ("e5m2", "e4m3", "fp16")], args.dump,
+    return report_all([(tag + ("_pipelined" if p else "") + ("_fp8" if f else "_fp16"),
+                        lambda p=p, f=f: compile_indexer(args.maxnreg, p, f))
+                       for p in sorted({False, bool(args.pipelined)}) for f in (True, False)], args.dump,
                       ("HGMMA", "QGMMA"))  # fp16 / fp8 products
 
 

@@ -72,19 +72,6 @@ PIPELINED_BLOCK_N = 64
 # K step wait for its product (ptxas C7517), so PIPELINED no longer runs the product beside the next tile's decode
 # with E4M3 operands; it measured faster than the fp16 pipeline all the same
 FP8_KEYS = True
-# KEY_FORMAT (with FP8_KEYS): "e4m3" as above, or "e5m2": each E2M1 code moved bit for bit into an E5M2 byte (sign to
-# bit 7, the three others to bits 1..3: E2M1 x 2^-14, the 0.5 code an E5M2 subnormal), no table and no block scale in
-# the bytes; the even and odd codes of a word land in separate words (the query's columns permuted to match), and
-# each 32-value block is its own K=32 product, added into float32 times its 2^(s - smax + 14). The query is E5M2
-# too (a head's largest into [2^14, 2^15)). Exact while a row's block scales lie within 2^100 of each other (a head's
-# within 2^29). Offline sm_90 (pipelined, 64 rows): 453 instructions a tile's loop against E4M3's 469 (the decode's
-# ~110 down to ~60, the block scales' 128 multiplies against the promotion's 96 adds), 166 registers; not yet timed
-KEY_FORMAT = "e4m3"
-
-
-def key_format() -> str:
-    """The key operand's format as the kernel is configured now: "fp16", "e4m3" or "e5m2"."""
-    return KEY_FORMAT if FP8_KEYS else "fp16"
 
 
 def block_rows() -> int:
@@ -177,26 +164,6 @@ if HAVE_GLUON:
         )
 
     @gluon.jit
-    def _e5m2_codes(word):
-        # a word of 8 E2M1 codes (byte j: elements 2j, 2j + 1) as E5M2 bytes of E2M1 x 2^-14: the even elements' bytes
-        # (0, 2, 4, 6) and the odd ones' (1, 3, 5, 7), each code's sign to bit 7 and its other bits to bits 1..3
-        return gl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, u;
-            shl.b32 t, $2, 1;  and.b32 t, t, 0x0E0E0E0E;  shl.b32 u, $2, 4;  and.b32 u, u, 0x80808080;
-            or.b32 $0, t, u;
-            shr.b32 t, $2, 3;  and.b32 t, t, 0x0E0E0E0E;  and.b32 u, $2, 0x80808080;  or.b32 $1, t, u;
-            }
-            """,
-            constraints="=r,=r,r",
-            args=[word],
-            dtype=(gl.int32, gl.int32),
-            is_pure=True,
-            pack=1,
-        )
-
-    @gluon.jit
     def _load_tile(tile, rows_ptr, n_rows, BN: gl.constexpr, LW: gl.constexpr):
         # a tile's code words [rows, 4 blocks, 4 words] (a lane holds one block of a row) and its scale words [rows]
         # (rows past n_rows: zero codes)
@@ -238,78 +205,32 @@ if HAVE_GLUON:
         return gl.reshape(gl.join(lo, hi), [BN, 32])
 
     @gluon.jit
-    def _key_shifted(words, BN: gl.constexpr):
-        """A tile's keys as E5M2 [rows, 32 words] of E2M1 x 2^-14, a word's even elements before its odd ones (see
-        KEY_FORMAT)."""
-        even, odd = _e5m2_codes(words)
-        return gl.reshape(gl.join(even, odd), [BN, 32])
-
-    @gluon.jit
-    def _tile_keys(keys, words, sw, LW: gl.constexpr, decode, KEYS: gl.constexpr):
+    def _tile_keys(keys, words, sw, LW: gl.constexpr, decode, FP8: gl.constexpr):
         """Decode a tile into the shared key tile ``keys`` (when ``decode``; the product that last read it has
-        been waited for by every warp) and return its rows' largest scale bytes. KEYS: see `key_format`."""
+        been waited for by every warp) and return its rows' largest scale bytes. FP8: E4M3 keys, else fp16."""
         BN: gl.constexpr = words.shape[0]
         SH32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         smax = _largest_scale(sw)
         if decode:
-            if KEYS == "e5m2":
-                key_words = _key_shifted(words, BN)
-            elif KEYS == "e4m3":
+            if FP8:
                 key_words = _key_bytes(words, sw, smax, LW)
             else:
                 key_words = _key_pairs(words, sw, smax, LW)
             gl.thread_barrier()
-            keys._reinterpret(gl.int32, [BN, 64 if KEYS == "fp16" else 32], SH32).store(key_words)
+            keys._reinterpret(gl.int32, [BN, 32 if FP8 else 64], SH32).store(key_words)
         fence_async_shared()
         gl.thread_barrier()
         return smax
 
     @gluon.jit
-    def _scores_product(keys, q_smem, acc, zero, KEYS: gl.constexpr, ASYNC: gl.constexpr):
-        # keys [rows, 128] x the query -> [rows, heads], into acc's registers (its value unused). E4M3: each K step
-        # of 32 added into float32 (Triton's max_num_imprecise_acc); that sum starts from the accumulator given
-        # whatever use_acc says (measured: the previous tile's scores came through), so from zeros
-        if KEYS == "e4m3":
+    def _scores_product(keys, q_smem, acc, zero, FP8: gl.constexpr, ASYNC: gl.constexpr):
+        # keys [rows, 128] x the query -> [rows, heads], into acc's registers (its value unused). FP8: each K step of
+        # 32 added into float32 (Triton's max_num_imprecise_acc); that sum starts from the accumulator given whatever
+        # use_acc says (measured: the previous tile's scores came through), so from zeros
+        if FP8:
             return warpgroup_mma(keys, q_smem.permute((1, 0)), zero, max_num_imprecise_acc=32, is_async=ASYNC)
         else:
             return warpgroup_mma(keys, q_smem.permute((1, 0)), acc, use_acc=False, is_async=ASYNC)
-
-    @gluon.jit
-    def _exp2_normal(e):
-        # 2^e as float32 for integer e <= 127: exact down to 2^-126, 0 below (two instructions, not exp2_f32's
-        # subnormals)
-        return (gl.maximum(e + 127, 0) << 23).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _block_product(keys, q_smem, b: gl.constexpr, zero):
-        # block b's K=32 product of E5M2 keys [rows, 128] and the query, issued (exact in the tensor core)
-        return warpgroup_mma(keys.slice(32 * b, 32, dim=1), q_smem.slice(32 * b, 32, dim=1).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _block_products(keys, q_smem, sw, zero, AHEAD: gl.constexpr):
-        # E5M2 keys [rows, 128] x the query -> [rows, heads] in float32, relative to each row's largest block scale:
-        # one product per block, each added times 2^(s - smax + 14); AHEAD: the next one in flight meanwhile (at 128
-        # rows a tile its registers spill)
-        ACC: gl.constexpr = zero.type.layout
-        swa = gl.convert_layout(sw, gl.SliceLayout(1, ACC))
-        smax = _largest_scale(swa)
-        cur = _block_product(keys, q_smem, 0, zero)
-        acc = zero
-        for b in gl.static_range(4):
-            if AHEAD and b < 3:
-                nxt = _block_product(keys, q_smem, b + 1, zero)
-                cur = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
-            else:
-                cur = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-            scaled = cur * _exp2_normal(((swa >> (8 * b)) & 255) - smax + 14)[:, None]
-            if b == 0:
-                acc = scaled
-            else:
-                acc = acc + scaled
-            if b < 3:
-                cur = nxt if AHEAD else _block_product(keys, q_smem, b + 1, zero)
-        return acc
 
     @gluon.jit
     def _thread_index(like):
@@ -375,9 +296,9 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
                      num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
-                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, KEYS: gl.constexpr = "fp16"):
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
-        too). PIPELINED, KEYS: see the module's PIPELINED and `key_format`."""
+        too). PIPELINED, FP8: see the module's switches PIPELINED, FP8_KEYS."""
         wait_upstream(PDL)
         bins = 0
         if HIST_BITS > 0:
@@ -392,14 +313,11 @@ if HAVE_GLUON:
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 4], [8, 4, 1], [num_warps, 1, 1], [2, 0, 1])
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])  # [64 heads, 128]
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HP, 16 if KEYS == "fp16" else 32])
-        # keys: E2M1 x 2^(s - smax + KD) (e5m2: the block's 2^(s - smax + 14) comes with its product, 2^-14 undone)
-        KD: gl.constexpr = 1 if KEYS == "fp16" else (6 if KEYS == "e4m3" else 0)
-        # query heads: values x 2^(QD - e_h), e_h its largest's exponent
-        QD: gl.constexpr = 7 if KEYS == "e4m3" else 14
-        KT: gl.constexpr = gl.float16 if KEYS == "fp16" else (gl.float8e4nv if KEYS == "e4m3" else gl.float8e5)
-        SHK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16 if KEYS == "fp16" else 8,
-                                                 rank=2)
+                                                       instr_shape=[16, HP, 32 if FP8 else 16])
+        KD: gl.constexpr = 6 if FP8 else 1  # keys: E2M1 x 2^(s - smax + KD)
+        QD: gl.constexpr = 7 if FP8 else 14  # query heads: values x 2^(QD - e_h), e_h its largest's exponent
+        KT: gl.constexpr = gl.float8e4nv if FP8 else gl.float16
+        SHK: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 if FP8 else 16, rank=2)
 
         pid = gl.program_id(0)
         t = gl.program_id(1).to(gl.int64)
@@ -415,8 +333,6 @@ if HAVE_GLUON:
         # memory once
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))
         kq = gl.arange(0, 128, layout=gl.SliceLayout(0, LQ))
-        if KEYS == "e5m2":  # the keys' element order: a word's even elements, then its odd ones
-            kq = (kq & ~7) | ((kq & 3) << 1) | ((kq >> 2) & 1)
         q = gl.load(q_ptr + h[:, None] * 128 + kq[None, :], mask=(h < H)[:, None] & (kq >= 0)[None, :], other=0.0)
         qmax = gl.max(gl.abs(q), axis=1)
         e_h = gl.where(qmax > 0, ((qmax.to(gl.int32, bitcast=True) >> 23) & 255) - 127, 0)
@@ -437,21 +353,17 @@ if HAVE_GLUON:
             if n_mine > 0:
                 words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
                 next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
-                smax = _tile_keys(k_smem.index(0), words, sw, LW, True, KEYS)
+                smax = _tile_keys(k_smem.index(0), words, sw, LW, True, FP8)
                 acc = zero
                 for i in range(n_mine):
-                    if KEYS == "e5m2":  # waited for here: the next tile is decoded after it
-                        acc = _block_products(k_smem.index(i % 2), q_smem, sw, zero, True)
-                    else:
-                        acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, KEYS, True)
+                    acc = _scores_product(k_smem.index(i % 2), q_smem, acc, zero, FP8, True)
                     words, sw = next_words, next_sw
-                    smax_next = _tile_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine, KEYS)
+                    smax_next = _tile_keys(k_smem.index((i + 1) % 2), words, sw, LW, i + 1 < n_mine, FP8)
                     # loaded after the keys' fence: on sm_90 it is a MEMBAR.ALL.CTA, which by the timings waits for
                     # the thread's loads in flight (loaded before it, 3% slower); issued here they stay in flight
                     # across the product's wait and the scores
                     next_words, next_sw = _load_tile(pid + (i + 2) * n_prog, rows_ptr, n_rows, BN, LW)
-                    if KEYS != "e5m2":
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     _store_scores(acc, smax, wq, pid + i * n_prog, out_ptr, n_rows, bins, HIST_BITS, KD)
                     smax = smax_next
         else:
@@ -462,11 +374,8 @@ if HAVE_GLUON:
                 # in flight while this one is scored
                 next_words, next_sw = _load_tile(tile + n_prog, rows_ptr, n_rows, BN, LW)
                 if tile * BN < n_rows:  # uniform: the programs' last tiles may lie past the rows
-                    smax = _tile_keys(k_smem, words, sw, LW, True, KEYS)
-                    if KEYS == "e5m2":
-                        acc = _block_products(k_smem, q_smem, sw, zero, False)
-                    else:
-                        acc = _scores_product(k_smem, q_smem, zero, zero, KEYS, False)
+                    smax = _tile_keys(k_smem, words, sw, LW, True, FP8)
+                    acc = _scores_product(k_smem, q_smem, zero, zero, FP8, False)
                     _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
                 words = next_words
                 sw = next_sw
