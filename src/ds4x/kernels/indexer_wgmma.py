@@ -70,7 +70,10 @@ PIPELINED_BLOCK_N = 64
 # 21.7 (3 an SM), 17.2 (2); without the float32 sums 13.0 / 15.1 (64 rows) and 12.4 / 14.6, 15.3 (128 rows, 3).
 # Same scores as fp16 operands wherever both are exact (every Hadamard-rotated test row). The float32 sums make each
 # K step wait for its product (ptxas C7517), so PIPELINED no longer runs the product beside the next tile's decode
-# with E4M3 operands; it measured faster than the fp16 pipeline all the same
+# with E4M3 operands; it measured faster than the fp16 pipeline all the same. Not kept: E5M2 keys by bit moves alone
+# (E2M1 x 2^-14, no table, no scale in the bytes), each block's K=32 product scaled into float32 by its 2^(s - smax)
+# (reach 2^100): 453 instructions a tile against 469 offline, but 166 registers, and slower (H100, 4adf64c, the
+# same bits, us in L2 / from DRAM: 15.0 / 15.8 against 14.3 / 15.5; at 4 programs an SM 19.0 / 20.1)
 FP8_KEYS = True
 
 
