@@ -31,8 +31,8 @@ import torch
 
 REPS = 20  # calls per graph
 STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before (-) it)
-    ("                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr,",
-     "+stamps_ptr,"),
+    ("                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr, acc_desc,",
+     "+ stamps_ptr,"),
     ("        HP: gl.constexpr = 64\n",
      "-        srow = gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)\n"
      "        _stamp(stamps_ptr, srow, 0, num_warps)\n"),
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
+    A.TMA_STATE_PROGRAMS = None  # the stamps around the state's stores and atomics mark the global-store path
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448
