@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
-    A.TMA_STATE_PROGRAMS = None  # the stamps around the state's stores and atomics mark the global-store path
+    A.TMA_STATE = False  # the stamps around the state's stores and atomics mark the global-store path
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448

@@ -775,8 +775,8 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
-    """The partial states written by the TMA unit from a swizzled shared tile (TMA_STATE_PROGRAMS), the RoPE low parts
-    added there instead of by global atomics, against the global stores: the online loop (float32 query) and the two
+    """TMA_STATE (the partial states written by the TMA unit from a swizzled shared tile, the RoPE low parts added
+    there instead of by global atomics) in every launch against none: the online loop (float32 query) and the two
     phases (bf16), window + picks with holes and window + 8,194 compressed rows, a batch of 3 queries, bit for bit."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
@@ -785,9 +785,9 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
                                                           8194)
     window = Slots(128, position=pos, ring=8400)
     for sources in ([(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
-        monkeypatch.setattr(A, "TMA_STATE_PROGRAMS", None)
+        monkeypatch.setattr(A, "TMA_STATE", False)
         stored = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
-        monkeypatch.setattr(A, "TMA_STATE_PROGRAMS", 1)
+        monkeypatch.setattr(A, "TMA_STATE", True)
         assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), stored)
 
 

@@ -98,15 +98,16 @@ TWO_PHASE_BLOCKS = 5
 TWO_PHASE_OVERLAP = True
 # The Hopper kernel's partial states (64 x 512 float32 a split) written by the TMA unit from a swizzled shared tile,
 # the RoPE columns' low-part products added there (`attention_wgmma._store_state_tma`), instead of global 8-byte
-# stores over 8 rows a warp instruction and a global atomic add per RoPE element, where a query has at least
-# TMA_STATE_PROGRAMS splits (None: never; batched steps, whose splits per query are fewer, keep the global stores:
-# not timed with it); the same bits (GPU test). It pays only where many programs store at once: H100, 4adf64c,
-# `compressed_kernels_ab.py --parts attention-variants`, us in L2 / from DRAM, global stores / TMA: window 128 (8
-# programs) 10.5 / 10.4, 11.1 / 11.9; CSA top-512 at 1M (40) 11.4 / 12.1, 12.5 / 13.1; HCA at 4K (11) 10.4 / 10.9,
-# 11.5 / 12.1; HCA at 1M (111) 24.3 / 24.9, 23.9 / 24.2. The frontier at 1M with it in every launch: CSA attention
-# 12.4 -> 13.4 us, HCA 25.4 -> 24.8, 41 layers 1.366 -> 1.375 ms (sum). At 64, of a decode step's layers only HCA
-# at long contexts takes it (111 splits at 1M); that setting itself was not timed
-TMA_STATE_PROGRAMS: int | None = 64
+# stores over 8 rows a warp instruction and a global atomic add per RoPE element: TMA_STATE True / False in every
+# launch / none; None (the default) in launches of one query with at least TMA_STATE_SPLITS splits (batched steps
+# and prefill chunks were not timed with it). The same bits (GPU test). It pays only where many programs store at
+# once: H100, 4adf64c, `compressed_kernels_ab.py --parts attention-variants`, us in L2 / from DRAM, global stores /
+# TMA: window 128 (8 programs) 10.5 / 10.4, 11.1 / 11.9; CSA top-512 at 1M (40) 11.4 / 12.1, 12.5 / 13.1; HCA at 4K
+# (11) 10.4 / 10.9, 11.5 / 12.1; HCA at 1M (111) 24.3 / 24.9, 23.9 / 24.2. The frontier at 1M with it in every
+# launch: CSA attention 12.4 -> 13.4 us, HCA 25.4 -> 24.8, 41 layers 1.366 -> 1.375 ms (sum). At 64 splits, of a
+# decode step's layers only HCA at long contexts takes it (111 splits at 1M); that setting itself was not timed
+TMA_STATE: bool | None = None
+TMA_STATE_SPLITS = 64
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
 # block's decode from 2,166 to 3,041 cycles (scripts/attention_phases.py --two-phase [--no-score-products], H100,
@@ -236,7 +237,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if wide:
         two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
-        tma_state = not one_pass and TMA_STATE_PROGRAMS is not None and n_split >= TMA_STATE_PROGRAMS
+        tma_state = not one_pass and (TMA_STATE if TMA_STATE is not None else B == 1 and n_split >= TMA_STATE_SPLITS)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
