@@ -31,6 +31,27 @@ def test_frontier_dry_run_writes_ledger_rows_and_report(tmp_path):
     assert "| 300 |" in (tmp_path / "B.md").read_text()
 
 
+def test_frontier_variants_alternate_with_the_defaults_and_are_marked(monkeypatch):
+    # a module switch is set only while its variant is measured (the kernels see it then) and restored after
+    import ds4x.bench.frontier as F
+    from ds4x.kernels import attention as A
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    seen = []
+
+    def attention_seen(*args, **kwargs):
+        seen.append(A.BATCH_SPLIT_WAVES)
+        return A.attention_decode_triton(*args, **kwargs)
+
+    monkeypatch.setattr(F, "attention_decode_triton", attention_seen)
+    spec = "two waves: ds4x.kernels.attention.BATCH_SPLIT_WAVES=2"
+    rows = run_frontier(FrontierConfig(contexts=(300,), steps=1, preset="tiny", device=device, variants=(spec,)),
+                        log=lambda m: None)
+    assert [r.get("status") for r in rows] == [None, "variant", None, "variant"]
+    assert [r.get("variant") for r in rows] == [None, spec, None, spec]
+    assert set(seen) == {1, 2} and A.BATCH_SPLIT_WAVES == 1
+
+
 def test_ledger_commit_named_by_the_caller(monkeypatch):
     # an exported tree's git metadata may belong to another checkout: DS4X_COMMIT names what was measured
     monkeypatch.setenv("DS4X_COMMIT", "feedbee")

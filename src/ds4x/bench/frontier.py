@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ds4x.bench.variants import parse_variant, variant_applied
 from ds4x.config import CSA, HCA, PRESETS, SLIDING, ModelConfig
 from ds4x.formats import INDEXER_ROW_BYTES, kv_row_bytes
 from ds4x.kernels.attention import Slots, attention_decode_triton
@@ -58,6 +59,9 @@ class FrontierConfig:
     profile: bool = False  # also break one decode step down by kernel group (ds4x.bench.profile), CUDA only
     topk: str = "radix"
     ab: tuple[str, ...] = ()  # other top-k variants to alternate with, e.g. ("keys",)
+    # module-switch variants ('NAME: pkg.module.attr=EXPR; ...', `ds4x.bench.variants`): each context measured with
+    # the defaults and with each variant, in two alternating rounds; their rows marked "status": "variant"
+    variants: tuple[str, ...] = ()
     preset: str = "flash"  # "tiny" runs the same code small (tests, CPU dry runs under the Triton interpreter)
     device: str = "cuda"
 
@@ -242,82 +246,101 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
         raise ValueError(f"weights must be 'bf16' or 'q2', got {fc.weights!r}")
     model = Transformer(cfg, weights, dtype)
     layers_of = {kind: [i for i, k in enumerate(cfg.attn_kinds) if k == kind] for kind in (CSA, HCA, SLIDING)}
-    n_csa, n_hca, n_sld = (len(layers_of[x]) for x in (CSA, HCA, SLIDING))
+    variants = [("", [])] + [parse_variant(spec) for spec in fc.variants]
+    rounds = 2 if len(variants) > 1 else 1
     rows = []
     for L in fc.contexts:
         cache = model.new_cache(L + fc.warmup + fc.steps + 8, "packed", chunk=32)  # + the profiled steps
         seed_frontier(cache, L, fc.seed)
-        g = torch.Generator(device=dev).manual_seed(fc.seed + 1)
-        decode = make_decoder(model, cache)  # the captured step on CUDA (the first call captures it)
-        tok = 1
-        step_ms = []
-        for i in range(fc.warmup + fc.steps):
-            t0 = time.perf_counter()
-            if dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            logits = decode(tok)
-            if dev.type == "cuda":
-                end.record()
-                torch.cuda.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                ms = 1000 * (time.perf_counter() - t0)
-            tok = int(logits.argmax())
-            if i >= fc.warmup:
-                step_ms.append(ms)
-        if fc.profile and dev.type == "cuda":
-            from ds4x.bench.profile import format_profile, profile_step
-
-            groups, wall_us = profile_step(lambda d=decode, t=tok: d(t))  # 7 more steps
-            log(f"one decode step at context {L}, by kernel group:\n{format_profile(groups, wall_us)}")
-        del decode  # the graph holds buffers of this cache
-        cache.length = L  # the kernels below read the same frontier the steps started from
-        k_csa, k_hca, k_sld = ([_layer_kernels(cache, i, fc.topk, g) for i in layers_of[kind]]
-                               for kind in (CSA, HCA, SLIDING))
-        variants = [fc.topk, *[v for v in fc.ab if v != fc.topk]]
-        topk_ms: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(3):  # A/B variants alternate in one process
-            for v in variants:
-                topk_ms[v].append(_per_layer_ms([k["indexer_topk"][v] for k in k_csa]))
-        t_index = _per_layer_ms([k["indexer"] for k in k_csa])
-        t_index_plain = _per_layer_ms([k["indexer_plain"] for k in k_csa])
-        t_csa, t_hca, t_sld = (_per_layer_ms([k["attention"] for k in ks]) for ks in (k_csa, k_hca, k_sld))
-        index_bytes = k_csa[0]["n_rows"] * INDEXER_ROW_BYTES
-        kv_bytes = kv_row_bytes(cfg.head_dim, cfg.rope_head_dim)
-        hca_bytes = (k_hca[0]["n_rows"] + cfg.sliding_window) * kv_bytes
-        step_bytes = n_csa * (index_bytes + (cfg.index_topk + cfg.sliding_window) * kv_bytes) + n_hca * hca_bytes
-        for v in variants:
-            # the top-k's share of scoring + selection (the indexer's first-level counts included)
-            t_topk = statistics.median(topk_ms[v]) - t_index
-            compressed = n_csa * (t_index + t_topk + t_csa) + n_hca * t_hca
-            seq = _compressed_sequence(cache, v, g)
-            t_eager = _median_ms(seq)
-            t_graph = _graph_ms(seq)
-            row = {
-                "bench": "frontier", "context": L,
-                "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
-                          "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
-                          else "eager", "int8_activations": int8_activation_types(),
-                          "attention_query": str(_attention_query_dtype(dev)).removeprefix("torch.")},
-                "model": label,
-                "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
-                "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,
-                "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,
-                "hca_attention_us": 1000 * t_hca, "sliding_attention_us": 1000 * t_sld,
-                "compressed_layers_ms": compressed, "all_attention_ms": compressed + n_sld * t_sld,
-                "compressed_eager_ms": t_eager, "compressed_graph_ms": t_graph,
-                "indexer_gb_s": index_bytes / t_index / 1e6,
-                "indexer_floor_fraction": index_bytes / (t_index / 1000) / COPY_BANDWIDTH,
-                "hca_attention_gb_s": hca_bytes / t_hca / 1e6,
-                "kv_bytes_read": step_bytes,
-                "compressed_floor_fraction": step_bytes / ((t_graph or t_eager) / 1000) / COPY_BANDWIDTH,
-            }
-            rows.append(row)
-            log(format_table([row]).splitlines()[-1])
+        for _ in range(rounds):
+            for (name, sets), spec in zip(variants, ("", *fc.variants), strict=True):
+                with variant_applied(sets):
+                    measured = _measure_context(model, cache, L, fc, label, layers_of, log)
+                for row in measured:
+                    if name:
+                        row.update(status="variant", variant=spec.strip())
+                    rows.append(row)
+                    log(format_table([row]).splitlines()[-1])
         del cache
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def _measure_context(model: Transformer, cache: ModelCache, L: int, fc: FrontierConfig, label: str,
+                     layers_of: dict[str, list[int]], log) -> list[dict[str, Any]]:
+    """One context's decode steps from its seeded frontier, its per-layer kernels and its compressed layers'
+    sequence, as the module switches stand now: a row per top-k variant."""
+    cfg, dev = model.cfg, cache.device
+    n_csa, n_hca, n_sld = (len(layers_of[x]) for x in (CSA, HCA, SLIDING))
+    cache.length = L
+    g = torch.Generator(device=dev).manual_seed(fc.seed + 1)
+    decode = make_decoder(model, cache)  # the captured step on CUDA (the first call captures it)
+    tok = 1
+    step_ms = []
+    for i in range(fc.warmup + fc.steps):
+        t0 = time.perf_counter()
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        logits = decode(tok)
+        if dev.type == "cuda":
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = 1000 * (time.perf_counter() - t0)
+        tok = int(logits.argmax())
+        if i >= fc.warmup:
+            step_ms.append(ms)
+    if fc.profile and dev.type == "cuda":
+        from ds4x.bench.profile import format_profile, profile_step
+
+        groups, wall_us = profile_step(lambda d=decode, t=tok: d(t))  # 7 more steps
+        log(f"one decode step at context {L}, by kernel group:\n{format_profile(groups, wall_us)}")
+    del decode  # the graph holds buffers of this cache
+    cache.length = L  # the kernels below read the same frontier the steps started from
+    k_csa, k_hca, k_sld = ([_layer_kernels(cache, i, fc.topk, g) for i in layers_of[kind]]
+                           for kind in (CSA, HCA, SLIDING))
+    variants = [fc.topk, *[v for v in fc.ab if v != fc.topk]]
+    topk_ms: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(3):  # A/B variants alternate in one process
+        for v in variants:
+            topk_ms[v].append(_per_layer_ms([k["indexer_topk"][v] for k in k_csa]))
+    t_index = _per_layer_ms([k["indexer"] for k in k_csa])
+    t_index_plain = _per_layer_ms([k["indexer_plain"] for k in k_csa])
+    t_csa, t_hca, t_sld = (_per_layer_ms([k["attention"] for k in ks]) for ks in (k_csa, k_hca, k_sld))
+    index_bytes = k_csa[0]["n_rows"] * INDEXER_ROW_BYTES
+    kv_bytes = kv_row_bytes(cfg.head_dim, cfg.rope_head_dim)
+    hca_bytes = (k_hca[0]["n_rows"] + cfg.sliding_window) * kv_bytes
+    step_bytes = n_csa * (index_bytes + (cfg.index_topk + cfg.sliding_window) * kv_bytes) + n_hca * hca_bytes
+    rows = []
+    for v in variants:
+        # the top-k's share of scoring + selection (the indexer's first-level counts included)
+        t_topk = statistics.median(topk_ms[v]) - t_index
+        compressed = n_csa * (t_index + t_topk + t_csa) + n_hca * t_hca
+        seq = _compressed_sequence(cache, v, g)
+        t_eager = _median_ms(seq)
+        t_graph = _graph_ms(seq)
+        rows.append({
+            "bench": "frontier", "context": L,
+            "flags": {"cache": "packed", "topk": v, "experts": cfg.n_routed_experts, "weights": fc.weights,
+                      "dtype": "bfloat16", "steps": fc.steps, "decode": "cuda graph" if dev.type == "cuda"
+                      else "eager", "int8_activations": int8_activation_types(),
+                      "attention_query": str(_attention_query_dtype(dev)).removeprefix("torch.")},
+            "model": label,
+            "decode_ms": statistics.median(step_ms), "decode_tok_s": 1000 / statistics.median(step_ms),
+            "csa_indexer_us": 1000 * t_index, "csa_indexer_plain_us": 1000 * t_index_plain,
+            "csa_topk_us": 1000 * t_topk, "csa_attention_us": 1000 * t_csa,
+            "hca_attention_us": 1000 * t_hca, "sliding_attention_us": 1000 * t_sld,
+            "compressed_layers_ms": compressed, "all_attention_ms": compressed + n_sld * t_sld,
+            "compressed_eager_ms": t_eager, "compressed_graph_ms": t_graph,
+            "indexer_gb_s": index_bytes / t_index / 1e6,
+            "indexer_floor_fraction": index_bytes / (t_index / 1000) / COPY_BANDWIDTH,
+            "hca_attention_gb_s": hca_bytes / t_hca / 1e6,
+            "kv_bytes_read": step_bytes,
+            "compressed_floor_fraction": step_bytes / ((t_graph or t_eager) / 1000) / COPY_BANDWIDTH,
+        })
     return rows
 
 

@@ -88,6 +88,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="top-k variant")
     f.add_argument("--ab", default="", help="comma-separated top-k variants to alternate with (radix, blocked, "
                                               "keys, threshold)")
+    f.add_argument("--variant", action="append", default=[],
+                   help="'NAME: pkg.module.attr=EXPR; ...' (repeatable): each context measured also with these "
+                        "module attributes set, alternating with the defaults in two rounds; its ledger rows say "
+                        "\"status\": \"variant\" and the setting")
     f.add_argument("--ledger", default="benchmarks/ledger.jsonl", help="JSONL ledger to append to")
     c = kinds.add_parser("caches", help="float vs native vs packed cache: logit differences, greedy agreement, "
                                         "top-k overlap")
@@ -146,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("--contexts and --steps must be positive")
     rows = run_frontier(FrontierConfig(contexts=contexts, steps=args.steps, seed=args.seed, experts=args.experts,
                                        weights=args.weights, profile=args.profile, topk=args.topk,
-                                       ab=tuple(v for v in args.ab.split(",") if v)),
+                                       ab=tuple(v for v in args.ab.split(",") if v), variants=tuple(args.variant)),
                         log=lambda m: print(m, file=sys.stderr, flush=True))
     env = ledger.environment()
     ledger.append([{**env, **row} for row in rows], Path(args.ledger))
