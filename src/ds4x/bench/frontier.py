@@ -246,19 +246,20 @@ def run_frontier(fc: FrontierConfig, log=print) -> list[dict[str, Any]]:
         raise ValueError(f"weights must be 'bf16' or 'q2', got {fc.weights!r}")
     model = Transformer(cfg, weights, dtype)
     layers_of = {kind: [i for i, k in enumerate(cfg.attn_kinds) if k == kind] for kind in (CSA, HCA, SLIDING)}
-    variants = [("", [])] + [parse_variant(spec) for spec in fc.variants]
+    # (the setting as given, or None for the defaults; the attributes it sets)
+    variants = [(None, [])] + [(spec.strip(), parse_variant(spec)[1]) for spec in fc.variants]
     rounds = 2 if len(variants) > 1 else 1
     rows = []
     for L in fc.contexts:
         cache = model.new_cache(L + fc.warmup + fc.steps + 8, "packed", chunk=32)  # + the profiled steps
         seed_frontier(cache, L, fc.seed)
         for _ in range(rounds):
-            for (name, sets), spec in zip(variants, ("", *fc.variants), strict=True):
+            for spec, sets in variants:
                 with variant_applied(sets):
                     measured = _measure_context(model, cache, L, fc, label, layers_of, log)
                 for row in measured:
-                    if name:
-                        row.update(status="variant", variant=spec.strip())
+                    if spec is not None:
+                        row.update(status="variant", variant=spec)
                     rows.append(row)
                     log(format_table([row]).splitlines()[-1])
         del cache
