@@ -28,7 +28,9 @@
 #                                       # variant (~9 min)
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
 #                                       # kernels per case with the online loop as the variant of the two phases, then
-#                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200)
+#                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200),
+#                                       # with DS4X_AB_VARIANT (e.g. "global state:
+#                                       # ds4x.kernels.attention.TMA_STATE=False") as its --variant
 #   bash scripts/device_ab.sh candidates # the GPU tests of the newest switches (indexer PIPELINED and the two
 #                                       # phases' TWO_PHASE_OVERLAP, on; routed REGISTER_WEIGHTS, off), then the
 #                                       # attention and indexer kernels with them flipped as variants (~2 min; an H100
@@ -179,7 +181,8 @@ frontier)
     piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention --ledger "$out/ledger.jsonl"
     experts=$(echo "$model" | cut -s -d: -f3)  # flash:q2:128 -> --experts 128
     piece frontier.log 300 python -m ds4x bench frontier --weights q2 ${experts:+--experts "$experts"} \
-        --contexts 4096,1048576 --steps 50 --ledger "$out/ledger.jsonl"
+        --contexts 4096,1048576 --steps 50 ${DS4X_AB_VARIANT:+--variant "$DS4X_AB_VARIANT"} \
+        --ledger "$out/ledger.jsonl"
     ;;
 routed)
     # the tensor-core routed kernel's variants (the activations by cp.async, the weights in the wgmma's registers):
