@@ -251,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             from ds4x.kernels import indexer_wgmma as IW
 
             copies = [packed] + [packed.clone() for _ in range(23)]
-            switches = ("PIPELINED", "PIPELINED_BLOCK_N", "FP8_KEYS")
-            saved = I.PROGRAMS_PER_SM, *(getattr(IW, k) for k in switches)
-            idx_variants = {f"{name}, {'e4m3' if fp8 else 'fp16'}": (per_sm, pipelined, block, fp8)
+            idx_variants = {f"{name}, {'e4m3' if fp8 else 'fp16'}": [(I, "PROGRAMS_PER_SM", per_sm),
+                                                                      (IW, "PIPELINED", pipelined),
+                                                                      (IW, "PIPELINED_BLOCK_N", block),
+                                                                      (IW, "FP8_KEYS", fp8)]
                             for fp8 in (True, False)
                             for name, per_sm, pipelined, block in (("one tile, 3 a SM", 3, False, 64),
                                                                    ("pipelined, 64 rows, 3 a SM", 3, True, 64),
@@ -264,18 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             same: dict[str, bool] = {}
             err: dict[str, float] = {}
             for _ in range(2):
-                for v, (I.PROGRAMS_PER_SM, *values) in idx_variants.items():
-                    for k, value in zip(switches, values, strict=True):
-                        setattr(IW, k, value)
-                    got = indexer_scores_triton(qi, wi, packed, n, True)
-                    same[v] = torch.equal(got, scores[1])
-                    err[v] = float((got - scores[0]).abs().max() / scores[0].abs().max())
-                    times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
-                    times_d[v].append(graph_replay_us([lambda c=c: indexer_scores_triton(qi, wi, c, n, True)
-                                                       for c in copies], rep_ms=100))
-            I.PROGRAMS_PER_SM = saved[0]
-            for k, value in zip(switches, saved[1:], strict=True):
-                setattr(IW, k, value)
+                for v, sets in idx_variants.items():
+                    with variant_applied(sets):
+                        got = indexer_scores_triton(qi, wi, packed, n, True)
+                        same[v] = torch.equal(got, scores[1])
+                        err[v] = float((got - scores[0]).abs().max() / scores[0].abs().max())
+                        times_i[v].append(us(lambda: indexer_scores_triton(qi, wi, packed, n, True)))
+                        times_d[v].append(graph_replay_us([lambda c=c: indexer_scores_triton(qi, wi, c, n, True)
+                                                           for c in copies], rep_ms=100))
             del copies
             print(f"  {'(us; GB/s of rows)':<40} {'rows in L2':>16} {'rows from DRAM':>18}")
             for v in idx_variants:
