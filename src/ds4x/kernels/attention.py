@@ -108,6 +108,14 @@ TWO_PHASE_OVERLAP = True
 # decode step's layers only HCA at long contexts takes it (111 splits at 1M); that setting itself was not timed
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
+# In the two phases, the rows decoded by a warpgroup of their own (`attention_wgmma._ws_decode`, a Gluon
+# warp_specialize partition with 96 registers a thread), each key tile announced by an mbarrier, while the two product
+# warpgroups (200 registers) load the query and run every block's score product as soon as its tile is written
+# (`_ws_scores`): a block's decode no longer lies on the products' chain, and the query's load overlaps the first
+# decode. The same bits (GPU test). The partial state then goes by global stores: the TMA stage (128 KB) does not
+# fit beside the tiles (offline sm_90: 330 KB). Offline sm_90 (scripts/kernel_sass.py attention --query bf16
+# --two-phase 5 --ws): no spills, the products' loop 215 instructions against 686. Not timed yet: off
+WARP_SPECIALIZED = False
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
 # block's decode from 2,166 to 3,041 cycles (scripts/attention_phases.py --two-phase [--no-score-products], H100,
@@ -237,14 +245,16 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if wide:
         two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
-        tma_state = not one_pass and (TMA_STATE if TMA_STATE is not None else B == 1 and n_split >= TMA_STATE_SPLITS)
+        ws = WARP_SPECIALIZED and two_phase > 0
+        tma_state = not (one_pass or ws) and (TMA_STATE if TMA_STATE is not None
+                                              else B == 1 and n_split >= TMA_STATE_SPLITS)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0 and not ws, TMA_STATE=tma_state, WS=ws, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:
