@@ -793,9 +793,10 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 
 @pytest.mark.gpu
 def test_hopper_attention_warp_specialized_gives_the_same_bits(monkeypatch):
-    """WARP_SPECIALIZED (the two phases' rows decoded by a warpgroup of their own, each key tile announced by an
-    mbarrier) against the one-role two phases, with and without OVERLAP: window + picks with holes (one block a
-    program) and window + 8,194 compressed rows (five), a batch of 3 bf16 queries, bit for bit."""
+    """WARP_SPECIALIZED (the two phases in two partitions, each decoding half of every block's rows, the decode
+    partition's half announced by an mbarrier) against the one-partition two phases, with and without OVERLAP:
+    window + picks with holes (one block a program) and window + 8,194 compressed rows (five), a batch of 3 bf16
+    queries, bit for bit."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 

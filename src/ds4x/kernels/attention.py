@@ -108,13 +108,18 @@ TWO_PHASE_OVERLAP = True
 # decode step's layers only HCA at long contexts takes it (111 splits at 1M); that setting itself was not timed
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
-# In the two phases, the rows decoded by a warpgroup of their own (`attention_wgmma._ws_decode`, a Gluon
-# warp_specialize partition with 96 registers a thread), each key tile announced by an mbarrier, while the two product
-# warpgroups (200 registers) load the query and run every block's score product as soon as its tile is written
-# (`_ws_scores`): a block's decode no longer lies on the products' chain, and the query's load overlaps the first
-# decode. The same bits (GPU test). The partial state then goes by global stores: the TMA stage (128 KB) does not
-# fit beside the tiles (offline sm_90: 330 KB). Offline sm_90 (scripts/kernel_sass.py attention --query bf16
-# --two-phase 5 --ws): no spills, the products' loop 215 instructions against 686. Not timed yet: off
+# In the two phases, sixteen warps a program (WARP_SPECIALIZED): a second partition of two warpgroups
+# (`attention_wgmma._ws_decode`, a Gluon warp_specialize partition of 56 registers a thread) decodes the second half
+# of every block's rows and arrives on the block's mbarrier, while the two product warpgroups (200 registers) load the
+# query, decode the first half and run the block's score product once both halves are in (`_ws_scores`): each
+# warp decodes half the values, and the decode partition runs ahead into the next blocks. The same bits (GPU test).
+# The partial state then goes by global stores: the TMA stage (128 KB) does not fit beside the tiles. Offline sm_90
+# (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --ws): no spills, 463 instructions a block in the
+# products' loop against 686. Not kept as built first: one decode warpgroup for whole blocks while the product
+# warpgroups only scored was slower (H100, 6e57e4f, scripts/compressed_kernels_ab.py --parts attention-variants, us
+# in L2 / from DRAM, without / with: window 128 10.5 / 10.3, 11.2 / 11.9; CSA top-512 at 1M 11.4 / 12.1, 13.1 /
+# 14.5; HCA 34 rows at 4K 10.5 / 11.0, 10.8 / 11.9; HCA 8,194 rows at 1M 23.8 / 24.2, 26.8 / 28.7; the frontier at
+# 1M CSA 12.4 -> 14.8, HCA 24.8 -> 29.6): four warps decode at half the rate of eight. Not timed yet: off
 WARP_SPECIALIZED = False
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1

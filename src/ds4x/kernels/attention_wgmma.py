@@ -117,10 +117,11 @@ if HAVE_GLUON:
                          gl.full_like(idx, ROW + 15).to(gl.int64), idx.to(gl.int32)],
             dtype=gl.int32, is_pure=False, pack=1)
 
-    # WS: the decode warps (one warpgroup) and their registers; the two product warpgroups take the rest of the
-    # multiprocessor's 64K (ptxas allots 168 a thread to all 384 before the partitions trade)
-    _DECODE_WARPS = gl.constexpr(4)
-    _DECODE_REGS = gl.constexpr(96)
+    # WS: the decode partition's warps (two warpgroups, each block's second half of rows) and their registers; the
+    # two product warpgroups take the rest of the multiprocessor's 64K (ptxas allots 128 a thread to all 512 before
+    # the partitions trade, so no instruction may need more: the output product in n = 128 pieces)
+    _DECODE_WARPS = gl.constexpr(8)
+    _DECODE_REGS = gl.constexpr(56)
 
     # the inline asm's common start: the aligned address ``a`` of a group's first byte ($2), the funnel shift ``sh``
     # (bits) to its byte, the predicate ``p`` of the group being live ($6); words w0, w1 declared
@@ -176,12 +177,11 @@ if HAVE_GLUON:
             args=[at.to(gl.int64), live.to(gl.int32)], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
-                    D: gl.constexpr, L3: gl.constexpr):
-        # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
+    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, NOPE: gl.constexpr, D: gl.constexpr, L3: gl.constexpr):
+        # rows ``idx`` [ROWS] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
         # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
-        # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
-        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
+        # chunk [ROWS, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
+        # values' low parts [ROWS, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
         # values (the word loads' groups)
         ok = (idx >= 0)[:, None, None]
         row = (rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride)[:, None, None]
@@ -193,8 +193,9 @@ if HAVE_GLUON:
         rope = _fp16_words(row + NOPE + 2 * col, ok & (col >= 0)).to(gl.float32)
         rope_hi = rope.to(gl.bfloat16)
         keys = gl.where(chunk < NOPE // 64, codes, rope_hi)
-        k_smem.store(gl.reshape(keys, [BLOCK, D]))
-        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
+        ROWS: gl.constexpr = idx.shape[0]
+        k_smem.store(gl.reshape(keys, [ROWS, D]))
+        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [ROWS, D - NOPE]))
 
     @gluon.jit
     def _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, live,
@@ -232,7 +233,7 @@ if HAVE_GLUON:
                          MODE_B, OK_L)
         if REUSED:
             gl.thread_barrier()
-        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, BLOCK, NOPE, D, L3)
+        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, NOPE, D, L3)
         if i + 1 < na:
             rows_ptr, stride = rows_a, stride_a
         else:
@@ -410,28 +411,54 @@ if HAVE_GLUON:
             gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
 
     @gluon.jit
-    def _ws_scores(q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0, idx_a, pos_a, n_a, ring_a,
-                   idx_b, pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr,
-                   acc_desc, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
-                   WHOLE: gl.constexpr, TMA_STATE: gl.constexpr, S_L: gl.constexpr, S1_ACC: gl.constexpr,
-                   O_ACC: gl.constexpr, R_ACC: gl.constexpr):
-        # WARP_SPECIALIZED's products (the default partition, two warpgroups): the query into shared memory while
-        # the decode warps fill the first key tile, then the two phases with each block's scores waiting on its
-        # tile's barrier, then the state stored
+    def _ws_half_start(HALF: gl.constexpr, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                       stride_b, idx_b, pos_b, n_b, ring_b, NOPE: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr,
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, L3: gl.constexpr):
+        # WS: a partition's half of every block (rows HALF * BLOCK / 2 ..): its slots, and block 0's rows found and
+        # asked of L2 -> (slots, rows, their source's pointer and stride)
+        ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
+        slots = HALF * (BLOCK // 2) + gl.arange(0, BLOCK // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
+                          BLOCK, MODE_A, MODE_B)
+        if na > 0:
+            rows_ptr, stride = rows_a, stride_a
+        else:
+            rows_ptr, stride = rows_b, stride_b
+        _prefetch_rows(rows_ptr, idx, stride, ROW)
+        return slots, idx, rows_ptr, stride
+
+    @gluon.jit
+    def _ws_scores(q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a,
+                   n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr,
+                   acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE: gl.constexpr, BLOCK: gl.constexpr,
+                   MODE_A: gl.constexpr, MODE_B: gl.constexpr, WHOLE: gl.constexpr, TMA_STATE: gl.constexpr,
+                   S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr, R_ACC: gl.constexpr):
+        # WS's default partition (two warpgroups): the query into shared memory, then the two phases with each
+        # block's first half of rows decoded here and its score product issued once the decode warps' half is in
+        # (the tile's barrier), then the state stored
         HP: gl.constexpr = q1.shape[0]
         D: gl.constexpr = q1.shape[1]
         RD: gl.constexpr = D - NOPE
+        HB: gl.constexpr = BLOCK // 2
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
         dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-        q1.store(gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0).to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
+        slots, idx, rows_ptr, stride = _ws_half_start(0, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK,
+                                                      MODE_A, MODE_B, L3)
+        q1.store(q_in.to(gl.bfloat16))
         top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
         for j in range(n_blocks):
-            ok = _live_slots(j, na, nb, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, BLOCK, MODE_A,
-                             MODE_B, gl.SliceLayout(0, S1_ACC))
+            ok, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j).slice(0, HB),
+                                                      keys_lo.index(j).slice(0, HB), na, nb, a0, b0, rows_a, stride_a,
+                                                      idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
+                                                      ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
+                                                      gl.SliceLayout(0, S1_ACC), False)
+            fence_async_shared()
+            gl.thread_barrier()
             mbarrier.wait(ready.index(j), 0)
             s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
                               use_acc=False, is_async=True)
@@ -446,26 +473,21 @@ if HAVE_GLUON:
     def _ws_decode(rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, na, nb,
                    a0, b0, keys, keys_lo, ready, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                    MODE_B: gl.constexpr):
-        # WARP_SPECIALIZED's decode (a worker partition): every block's rows decoded into its own key tile, one
-        # after another, each tile's barrier arrived on once it is written
+        # WS's decode partition: the second half of every block's rows decoded into its key tile, one block after
+        # another, each tile's barrier arrived on once that half is written
         D: gl.constexpr = keys.shape[2]
-        ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
+        HB: gl.constexpr = BLOCK // 2
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
-        SLOT_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-        slots = gl.arange(0, BLOCK, layout=SLOT_L)
-        idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
-                          BLOCK, MODE_A, MODE_B)
-        if na > 0:
-            rows_ptr, stride = rows_a, stride_a
-        else:
-            rows_ptr, stride = rows_b, stride_b
-        _prefetch_rows(rows_ptr, idx, stride, ROW)
+        slots, idx, rows_ptr, stride = _ws_half_start(1, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK,
+                                                      MODE_A, MODE_B, L3)
         for j in range(na + nb):
-            _, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j), keys_lo.index(j), na, nb,
-                                                     a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                                     stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
-                                                     MODE_A, MODE_B, L3, SLOT_L, False)
-            fence_async_shared()  # the tile's generic stores before the products' async reads
+            _, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j).slice(HB, HB),
+                                                     keys_lo.index(j).slice(HB, HB), na, nb, a0, b0, rows_a, stride_a,
+                                                     idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
+                                                     ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
+                                                     gl.SliceLayout(1, gl.SliceLayout(2, L3)), False)
+            fence_async_shared()  # the half tile's generic stores before the products' async reads
             mbarrier.arrive(ready.index(j), count=1)
 
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
@@ -501,7 +523,7 @@ if HAVE_GLUON:
         # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
         S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                         instr_shape=[16, D // (num_warps // 4), 16])
+                                                         instr_shape=[16, 128 if WS else D // (num_warps // 4), 16])
         R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                          instr_shape=[16, RD // (num_warps // 4), 16])
         # the two phases' scores [64, BLOCK]: each warpgroup half of the block's rows
@@ -539,10 +561,11 @@ if HAVE_GLUON:
             ready = gl.allocate_shared_memory(gl.int64, [TWO_PHASE, 1], mbarrier.MBarrierLayout())
             for j in gl.static_range(TWO_PHASE):
                 mbarrier.init(ready.index(j), count=1)
-            gl.warp_specialize([(_ws_scores, (q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0, idx_a,
-                                              pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, scale, b, split, n_split,
-                                              m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE, BLOCK,
-                                              MODE_A, MODE_B, WHOLE, TMA_STATE, S_L, S1_ACC, O_ACC, R_ACC)),
+            gl.warp_specialize([(_ws_scores, (q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0,
+                                              rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
+                                              pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr, acc_ptr,
+                                              sinks_ptr, out_ptr, acc_desc, NOPE, BLOCK, MODE_A, MODE_B, WHOLE,
+                                              TMA_STATE, S_L, S1_ACC, O_ACC, R_ACC)),
                                 (_ws_decode, (rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                               pos_b, n_b, ring_b, na, nb, a0, b0, keys, keys_lo, ready, NOPE, BLOCK,
                                               MODE_A, MODE_B))],
