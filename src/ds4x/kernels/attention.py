@@ -105,7 +105,10 @@ TWO_PHASE_OVERLAP = True
 # TMA: window 128 (8 programs) 10.5 / 10.4, 11.1 / 11.9; CSA top-512 at 1M (40) 11.4 / 12.1, 12.5 / 13.1; HCA at 4K
 # (11) 10.4 / 10.9, 11.5 / 12.1; HCA at 1M (111) 24.3 / 24.9, 23.9 / 24.2. The frontier at 1M with it in every
 # launch: CSA attention 12.4 -> 13.4 us, HCA 25.4 -> 24.8, 41 layers 1.366 -> 1.375 ms (sum). At 64 splits, of a
-# decode step's layers only HCA at long contexts takes it (111 splits at 1M); that setting itself was not timed
+# decode step's layers only HCA at long contexts takes it (111 splits at 1M). That default against global stores
+# everywhere (H100, 6e57e4f, `ds4x bench frontier --weights q2 --experts 128 --contexts 4096,1048576 --variant
+# "global state: ds4x.kernels.attention.TMA_STATE=False"`, two rounds): HCA at 1M 24.8, 24.9 / 25.5, 25.5 us, 41
+# layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625)
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
 # In the two phases, sixteen warps a program (WARP_SPECIALIZED): a second partition of two warpgroups
