@@ -411,13 +411,12 @@ if HAVE_GLUON:
             gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
 
     @gluon.jit
-    def _ws_half_start(HALF: gl.constexpr, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                       stride_b, idx_b, pos_b, n_b, ring_b, NOPE: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr,
-                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, L3: gl.constexpr):
-        # WS: a partition's half of every block (rows HALF * BLOCK / 2 ..): its slots, and block 0's rows found and
-        # asked of L2 -> (slots, rows, their source's pointer and stride)
+    def _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b,
+                    n_b, ring_b, NOPE: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
+                    MODE_B: gl.constexpr):
+        # the stored rows of ``slots`` of a program's first block, found and asked of L2 -> (rows, their source's
+        # pointer and stride)
         ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
-        slots = HALF * (BLOCK // 2) + gl.arange(0, BLOCK // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
                           BLOCK, MODE_A, MODE_B)
         if na > 0:
@@ -425,7 +424,12 @@ if HAVE_GLUON:
         else:
             rows_ptr, stride = rows_b, stride_b
         _prefetch_rows(rows_ptr, idx, stride, ROW)
-        return slots, idx, rows_ptr, stride
+        return idx, rows_ptr, stride
+
+    @gluon.jit
+    def _half_slots(HALF: gl.constexpr, BLOCK: gl.constexpr, L3: gl.constexpr):
+        # WS: a partition's half of every block, slots HALF * BLOCK / 2 ..
+        return HALF * (BLOCK // 2) + gl.arange(0, BLOCK // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
 
     @gluon.jit
     def _ws_scores(q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a,
@@ -445,9 +449,9 @@ if HAVE_GLUON:
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
         dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
         q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
-        slots, idx, rows_ptr, stride = _ws_half_start(0, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK,
-                                                      MODE_A, MODE_B, L3)
+        slots = _half_slots(0, BLOCK, L3)
+        idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                            stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A, MODE_B)
         q1.store(q_in.to(gl.bfloat16))
         top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
@@ -478,9 +482,9 @@ if HAVE_GLUON:
         D: gl.constexpr = keys.shape[2]
         HB: gl.constexpr = BLOCK // 2
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
-        slots, idx, rows_ptr, stride = _ws_half_start(1, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK,
-                                                      MODE_A, MODE_B, L3)
+        slots = _half_slots(1, BLOCK, L3)
+        idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                            stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A, MODE_B)
         for j in range(na + nb):
             _, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j).slice(HB, HB),
                                                      keys_lo.index(j).slice(HB, HB), na, nb, a0, b0, rows_a, stride_a,
@@ -510,7 +514,6 @@ if HAVE_GLUON:
         (`_ws_scores`); the same bits as without."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
-        ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
         split = gl.program_id(0)
         b = gl.program_id(2).to(gl.int64)
@@ -576,13 +579,9 @@ if HAVE_GLUON:
             h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
             dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
             q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
-            idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
-                              BLOCK, MODE_A, MODE_B)
-            if na > 0:
-                rows_ptr, stride = rows_a, stride_a
-            else:
-                rows_ptr, stride = rows_b, stride_b
-            _prefetch_rows(rows_ptr, idx, stride, ROW)
+            idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                                                rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A,
+                                                MODE_B)
 
             if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
                 m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
