@@ -241,8 +241,9 @@ def main_qmv(args: argparse.Namespace) -> bool:
 
 
 def main_attention(args: argparse.Namespace) -> bool:
-    # the two phases' variants: OVERLAP, or WS (whose decode warps overlap it by themselves)
-    roles = [(False, False)] + [(True, False)] * bool(args.overlap) + [(False, True)] * bool(args.ws)
+    # the two phases' variants: OVERLAP, WS, both
+    overlaps = [False, True] if args.overlap else [False]
+    roles = [(ov, ws) for ws in ([False, True] if args.ws else [False]) for ov in overlaps]
     return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else "") + ("_ws" if ws else "")
                         + ("_tma" if tm else ""),
                         lambda block=block, kind=kind, two=two, ov=ov, ws=ws, tm=tm: compile_attention(

@@ -794,7 +794,7 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 @pytest.mark.gpu
 def test_hopper_attention_warp_specialized_gives_the_same_bits(monkeypatch):
     """WARP_SPECIALIZED (the two phases in two partitions, each decoding half of every block's rows, the decode
-    partition's half announced by an mbarrier) against the one-partition two phases, with and without OVERLAP:
+    partition's half announced by an mbarrier), with and without OVERLAP, against the one-partition two phases:
     window + picks with holes (one block a program) and window + 8,194 compressed rows (five), a batch of 3 bf16
     queries, bit for bit."""
     from ds4x.kernels import attention as A
@@ -811,7 +811,9 @@ def test_hopper_attention_warp_specialized_gives_the_same_bits(monkeypatch):
             outs.append(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True))
         assert torch.equal(outs[0], outs[1])
         monkeypatch.setattr(A, "WARP_SPECIALIZED", True)
-        assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), outs[0])
+        for overlap in (False, True):
+            monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", overlap)
+            assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), outs[0]), overlap
 
 
 @pytest.mark.gpu

@@ -114,8 +114,9 @@ TMA_STATE_SPLITS = 64
 # In the two phases, sixteen warps a program (WARP_SPECIALIZED): a second partition of two warpgroups
 # (`attention_wgmma._ws_decode`, a Gluon warp_specialize partition of 56 registers a thread) decodes the second half
 # of every block's rows and arrives on the block's mbarrier, while the two product warpgroups (200 registers) load the
-# query, decode the first half and run the block's score product once both halves are in (`_ws_scores`): each
-# warp decodes half the values, and the decode partition runs ahead into the next blocks. The same bits (GPU test).
+# query, decode the first half and run the block's score product once both halves are in (`_ws_scores`; with
+# TWO_PHASE_OVERLAP their half of block j + 1 while block j's product runs): each warp decodes half the values, and
+# the decode partition runs ahead into the next blocks. The same bits (GPU test).
 # The partial state then goes by global stores: the TMA stage (128 KB) does not fit beside the tiles. Offline sm_90
 # (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --ws): no spills, 463 instructions a block in the
 # products' loop against 686. Not kept as built first: one decode warpgroup for whole blocks while the product
@@ -262,7 +263,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0 and not ws, TMA_STATE=tma_state, WS=ws, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state, WS=ws, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -255,55 +255,69 @@ if HAVE_GLUON:
                 gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH))
 
     @gluon.jit
-    def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
-                          D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
-                          MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
-                          S1_ACC: gl.constexpr, O_ACC: gl.constexpr, R_ACC: gl.constexpr,
-                          OVERLAP: gl.constexpr = False):
+    def _own_rows(tile, HALVES: gl.constexpr):
+        # the rows of a block's tile that this partition decodes: all, or with HALVES (WS) the first half
+        if HALVES:
+            return tile.slice(0, tile.shape[0] // 2)
+        else:
+            return tile
+
+    @gluon.jit
+    def _two_phase_blocks(q1, keys, keys_lo, scores, probs, ready, rows_ptr, stride, idx, na, nb, a0, b0, rows_a,
+                          stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
+                          scale, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
+                          L3: gl.constexpr, S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr,
+                          R_ACC: gl.constexpr, OVERLAP: gl.constexpr, HALVES: gl.constexpr):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
-        # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
-        # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
-        # against the final maximum and their products with the block's keys added to the accumulator, the
-        # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. OVERLAP:
-        # block j + 1 is decoded while block j's score product runs (each block has its own key tile; the one
-        # accumulator is waited for within the block, so no wgmma is in flight across the loop). -> (m, l, o, o_r) as
-        # the online loop leaves them (to float rounding)
+        # its high part: one [64, 512] operand ``q1`` in shared memory): first every block's rows decoded into a key
+        # tile of its own and its scores [64, BLOCK] kept in shared memory, with the running maximum only; then each
+        # block's probabilities against the final maximum and their products with the block's keys added to the
+        # accumulator, the products issued back to back. No [64, 512] rescale per block and no wait on a product per
+        # block. OVERLAP: block j + 1 is decoded while block j's score product runs (each block has its own key tile;
+        # the one accumulator is waited for within the block, so no wgmma is in flight across the loop). HALVES (WS's
+        # default partition): only the first half of each block's rows is decoded here, and its score product waits
+        # for the block's barrier ``ready``, on which the decode partition's half arrives. -> (m, l, o, o_r) as the
+        # online loop leaves them (to float rounding)
+        HP: gl.constexpr = q1.shape[0]
+        D: gl.constexpr = q1.shape[1]
         RD: gl.constexpr = D - NOPE
-        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
-        keys, keys_lo, scores, probs = _two_phase_tiles(HP, D, NOPE, BLOCK, MAXB)
         top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
         s = gl.zeros([HP, BLOCK], gl.float32, S1_ACC)
         if OVERLAP:
-            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, keys.index(0), keys_lo.index(0), na,
-                                                      nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
-                                                      D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, _own_rows(keys.index(0), HALVES),
+                                                      _own_rows(keys_lo.index(0), HALVES), na, nb, a0, b0, rows_a,
+                                                      stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
+                                                      pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
+                                                      gl.SliceLayout(0, S1_ACC), False)
             fence_async_shared()
             gl.thread_barrier()
         for j in range(n_blocks):
             if OVERLAP:
                 ok_j = ok
+                if HALVES:
+                    mbarrier.wait(ready.index(j), 0)
                 s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)
                 s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
                 if j + 1 < n_blocks:
-                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride, keys.index(j + 1),
-                                                              keys_lo.index(j + 1), na, nb, a0, b0, rows_a, stride_a,
-                                                              idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
-                                                              pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
-                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride,
+                                                              _own_rows(keys.index(j + 1), HALVES),
+                                                              _own_rows(keys_lo.index(j + 1), HALVES), na, nb, a0, b0,
+                                                              rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                                              stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
+                                                              D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
                     fence_async_shared()
                     gl.thread_barrier()
             else:
-                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j),
-                                                            keys_lo.index(j), na, nb, a0, b0, rows_a, stride_a,
-                                                            idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
-                                                            pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
-                                                            MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, _own_rows(keys.index(j), HALVES),
+                                                            _own_rows(keys_lo.index(j), HALVES), na, nb, a0, b0,
+                                                            rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                                            stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
+                                                            MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
                 fence_async_shared()
                 gl.thread_barrier()
+                if HALVES:
+                    mbarrier.wait(ready.index(j), 0)
                 s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
                                   is_async=True)
                 s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
@@ -436,14 +450,13 @@ if HAVE_GLUON:
                    n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr,
                    acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                    MODE_A: gl.constexpr, MODE_B: gl.constexpr, WHOLE: gl.constexpr, TMA_STATE: gl.constexpr,
-                   S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr, R_ACC: gl.constexpr):
+                   S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr, R_ACC: gl.constexpr,
+                   OVERLAP: gl.constexpr):
         # WS's default partition (two warpgroups): the query into shared memory, then the two phases with each
         # block's first half of rows decoded here and its score product issued once the decode warps' half is in
-        # (the tile's barrier), then the state stored
+        # (`_two_phase_blocks` with HALVES), then the state stored
         HP: gl.constexpr = q1.shape[0]
         D: gl.constexpr = q1.shape[1]
-        RD: gl.constexpr = D - NOPE
-        HB: gl.constexpr = BLOCK // 2
         LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
@@ -453,23 +466,10 @@ if HAVE_GLUON:
         idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
                                             stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A, MODE_B)
         q1.store(q_in.to(gl.bfloat16))
-        top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
-        n_blocks = na + nb
-        for j in range(n_blocks):
-            ok, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j).slice(0, HB),
-                                                      keys_lo.index(j).slice(0, HB), na, nb, a0, b0, rows_a, stride_a,
-                                                      idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
-                                                      ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
-                                                      gl.SliceLayout(0, S1_ACC), False)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.wait(ready.index(j), 0)
-            s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            top = _keep_scores(s, ok, scale, scores.index(j), top)
-        m, l, o, o_r = _two_phase_products(top, keys, keys_lo, scores, probs, n_blocks, S_L, O_ACC, R_ACC)
+        m, l, o, o_r = _two_phase_blocks(q1, keys, keys_lo, scores, probs, ready, rows_ptr, stride, idx, na, nb, a0, b0,
+                                         rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b,
+                                         n_b, ring_b, slots, scale, NOPE, BLOCK, MODE_A, MODE_B, L3, S_L, S1_ACC, O_ACC,
+                                         R_ACC, OVERLAP, True)
         _write_state(m, l, o, o_r, b, split, n_split, H, m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE,
                      S_L, WHOLE, TMA_STATE)
 
@@ -568,7 +568,7 @@ if HAVE_GLUON:
                                               rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                               pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr, acc_ptr,
                                               sinks_ptr, out_ptr, acc_desc, NOPE, BLOCK, MODE_A, MODE_B, WHOLE,
-                                              TMA_STATE, S_L, S1_ACC, O_ACC, R_ACC)),
+                                              TMA_STATE, S_L, S1_ACC, O_ACC, R_ACC, OVERLAP)),
                                 (_ws_decode, (rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                               pos_b, n_b, ring_b, na, nb, a0, b0, keys, keys_lo, ready, NOPE, BLOCK,
                                               MODE_A, MODE_B))],
@@ -584,10 +584,12 @@ if HAVE_GLUON:
                                                 MODE_B)
 
             if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
-                m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
-                                                 pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
-                                                 scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L,
-                                                 S1_ACC, O_ACC, R_ACC, OVERLAP)
+                q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
+                keys, keys_lo, scores, probs = _two_phase_tiles(HP, D, NOPE, BLOCK, TWO_PHASE)
+                m, l, o, o_r = _two_phase_blocks(q1, keys, keys_lo, scores, probs, None, rows_ptr, stride, idx, na, nb,
+                                                 a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b,
+                                                 idx_b, pos_b, n_b, ring_b, slots, scale, NOPE, BLOCK, MODE_A, MODE_B,
+                                                 L3, S_L, S1_ACC, O_ACC, R_ACC, OVERLAP, False)
             else:
                 q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
                 k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
