@@ -209,15 +209,6 @@ if HAVE_GLUON:
         return gl.where(in_a, from_a, from_b)
 
     @gluon.jit
-    def _live_slots(i, na, nb, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, BLOCK: gl.constexpr,
-                    MODE_A: gl.constexpr, MODE_B: gl.constexpr, OK_L: gl.constexpr):
-        # whether each slot of a program's block i holds a row, in layout OK_L (the scores'): found again there
-        # (arithmetic, or an index read from L1) rather than converted from the decode's layout, since a conversion
-        # is a shared-memory round trip with two barriers a block
-        return _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b,
-                           gl.arange(0, BLOCK, layout=OK_L), i < na + nb, BLOCK, MODE_A, MODE_B) >= 0
-
-    @gluon.jit
     def _decode_block(i, idx, rows_ptr, stride, k_dst, klo_dst, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a,
                       ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK: gl.constexpr,
                       NOPE: gl.constexpr, D: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
@@ -229,8 +220,10 @@ if HAVE_GLUON:
         ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
         nxt = _block_rows(i + 1, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots,
                           i + 1 < na + nb, BLOCK, MODE_A, MODE_B)
-        ok = _live_slots(i, na, nb, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, BLOCK, MODE_A,
-                         MODE_B, OK_L)
+        # the live rows found again in the scores' layout (arithmetic, or an index read from L1) rather than
+        # converted: a conversion is a shared-memory round trip with two barriers a block
+        ok = _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b,
+                         gl.arange(0, BLOCK, layout=OK_L), i < na + nb, BLOCK, MODE_A, MODE_B) >= 0
         if REUSED:
             gl.thread_barrier()
         _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, NOPE, D, L3)
@@ -322,25 +315,9 @@ if HAVE_GLUON:
                                   is_async=True)
                 s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            top = _keep_scores(s, ok_j, scale, scores.index(j), top)
-        return _two_phase_products(top, keys, keys_lo, scores, probs, n_blocks, S_L, O_ACC, R_ACC)
-
-    @gluon.jit
-    def _keep_scores(s, ok, scale, dst, top):
-        # a block's scores (its empty slots -inf) stored to ``dst`` -> the element-wise running maximum
-        s = gl.where(ok[None, :], s * scale, float("-inf"))
-        dst.store(s)
-        return gl.maximum(top, s)
-
-    @gluon.jit
-    def _two_phase_products(top, keys, keys_lo, scores, probs, n_blocks, S_L: gl.constexpr, O_ACC: gl.constexpr,
-                            R_ACC: gl.constexpr):
-        # the two phases' second: from every block's scores (shared ``scores``) and their element-wise running
-        # maximum ``top``, each block's probabilities against the final maximum and their products with the block's
-        # keys added to the accumulator, the products issued back to back -> (m, l, o, o_r)
-        HP: gl.constexpr = top.shape[0]
-        D: gl.constexpr = keys.shape[2]
-        RD: gl.constexpr = keys_lo.shape[2]
+            s = gl.where(ok_j[None, :], s * scale, float("-inf"))
+            scores.index(j).store(s)
+            top = gl.maximum(top, s)
         # the heads' maxima reduced once, not per block (a reduction across the warpgroups is four barriers)
         m = gl.convert_layout(gl.max(top, axis=1), gl.SliceLayout(1, S_L))
         gl.thread_barrier()  # every block's scores are stored
@@ -509,9 +486,9 @@ if HAVE_GLUON:
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
         TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
-        instead of the online loop; the same state to float rounding. WS (with TWO_PHASE): the two phases with the
-        rows decoded by warps of their own (`_ws_decode`) while the query is loaded and the products run
-        (`_ws_scores`); the same bits as without."""
+        instead of the online loop; the same state to float rounding. WS (with TWO_PHASE): sixteen warps, the two
+        phases with each block's rows decoded half by the product warpgroups (`_ws_scores`) and half by a partition
+        of their own (`_ws_decode`), which runs ahead; the same bits as without."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
