@@ -29,8 +29,8 @@
 #   bash scripts/device_ab.sh frontier  # the Hopper attention's GPU tests (the prefill's one-pass launch too), its
 #                                       # kernels per case with the online loop as the variant of the two phases, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200),
-#                                       # with DS4X_AB_VARIANT (e.g. "ws:
-#                                       # ds4x.kernels.attention.WARP_SPECIALIZED=True") as the --variant of both the
+#                                       # with DS4X_AB_VARIANT (e.g. "global state:
+#                                       # ds4x.kernels.attention.TMA_STATE=False") as the --variant of both the
 #                                       # attention kernels (their bits too) and the frontier
 #   bash scripts/device_ab.sh candidates # the GPU tests of the newest switches (indexer PIPELINED and the two
 #                                       # phases' TWO_PHASE_OVERLAP, on; routed REGISTER_WEIGHTS, off), then the

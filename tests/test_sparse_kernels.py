@@ -792,31 +792,6 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 
 
 @pytest.mark.gpu
-def test_hopper_attention_warp_specialized_gives_the_same_bits(monkeypatch):
-    """WARP_SPECIALIZED (the two phases in two partitions, each decoding half of every block's rows, the decode
-    partition's half announced by an mbarrier), with and without OVERLAP, against the one-partition two phases:
-    window + picks with holes (one block a program) and window + 8,194 compressed rows (five), a batch of 3 bf16
-    queries, bit for bit."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import Slots, attention_decode_triton
-
-    q, rows, sinks, pos, picks = _hopper_attention_inputs(11, True, 8400, [1_048_575, 700_000, 5_000], 8194)
-    window = Slots(128, position=pos, ring=8400)
-    monkeypatch.setattr(A, "TMA_STATE", False)
-    for sources in ([(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
-        monkeypatch.setattr(A, "WARP_SPECIALIZED", False)
-        outs = []
-        for overlap in (False, True):
-            monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", overlap)
-            outs.append(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True))
-        assert torch.equal(outs[0], outs[1])
-        monkeypatch.setattr(A, "WARP_SPECIALIZED", True)
-        for overlap in (False, True):
-            monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", overlap)
-            assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True), outs[0]), overlap
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["native", "packed"])
 def test_gpu_decode_path_matches_cpu_reference(cache):
     from ds4x.runtime.engine import Engine

@@ -111,20 +111,15 @@ TWO_PHASE_OVERLAP = True
 # layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625)
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
-# In the two phases, sixteen warps a program (WARP_SPECIALIZED): a second partition of two warpgroups
-# (`attention_wgmma._ws_decode`, a Gluon warp_specialize partition of 56 registers a thread) decodes the second half
-# of every block's rows and arrives on the block's mbarrier, while the two product warpgroups (200 registers) load the
-# query, decode the first half and run the block's score product once both halves are in (`_ws_scores`; with
-# TWO_PHASE_OVERLAP their half of block j + 1 while block j's product runs): each warp decodes half the values, and
-# the decode partition runs ahead into the next blocks. The same bits (GPU test).
-# The partial state then goes by global stores: the TMA stage (128 KB) does not fit beside the tiles. Offline sm_90
-# (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --ws): no spills, 463 instructions a block in the
-# products' loop against 686. Not kept as built first: one decode warpgroup for whole blocks while the product
-# warpgroups only scored was slower (H100, 6e57e4f, scripts/compressed_kernels_ab.py --parts attention-variants, us
-# in L2 / from DRAM, without / with: window 128 10.5 / 10.3, 11.2 / 11.9; CSA top-512 at 1M 11.4 / 12.1, 13.1 /
-# 14.5; HCA 34 rows at 4K 10.5 / 11.0, 10.8 / 11.9; HCA 8,194 rows at 1M 23.8 / 24.2, 26.8 / 28.7; the frontier at
-# 1M CSA 12.4 -> 14.8, HCA 24.8 -> 29.6): four warps decode at half the rate of eight. Not timed yet: off
-WARP_SPECIALIZED = False
+# Not kept: the two phases warp-specialized (Gluon warp_specialize, 6e57e4f..f4e8630, removed): the same bits, never
+# faster (H100, scripts/compressed_kernels_ab.py --parts attention-variants, us in L2 / from DRAM, without / with).
+# One decode warpgroup for whole blocks beside two product warpgroups: window 128 10.5 / 10.3, 11.2 / 11.9; HCA at 1M
+# 23.8 / 24.2, 26.8 / 28.7 (four warps decode at half the rate of eight). Sixteen warps, a second partition of two
+# warpgroups decoding half of every block's rows (its half announced by an mbarrier; the state by global stores, the
+# TMA stage not fitting beside the tiles): window 10.4 / 11.1, 10.8 / 11.4; CSA top-512 at 1M 11.4 / 12.1, 11.7 /
+# 12.6; HCA at 4K 10.5 / 11.0, 10.6 / 11.2; HCA at 1M 23.5 / 24.3, 23.6 / 24.3; the frontier (f4e8630) 41 layers at
+# 1M 1.353, 1.353 / 1.361, 1.363 ms (sum), at 4K 0.625, 0.626 / 0.642, 0.641. Halving each warp's decode did not
+# shorten the blocks (HCA at 1M level even after giving up the TMA state's ~0.6 us)
 # Not kept: the score product's query operand half in registers (its first 128 or 256 columns; each m64n8 step
 # re-reads its 2 KB A operand from shared memory, ~128 KB a block). Stamps had said the score products slow a phase-1
 # block's decode from 2,166 to 3,041 cycles (scripts/attention_phases.py --two-phase [--no-score-products], H100,
@@ -254,16 +249,14 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if wide:
         two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
-        ws = WARP_SPECIALIZED and two_phase > 0
-        tma_state = not (one_pass or ws) and (TMA_STATE if TMA_STATE is not None
-                                              else B == 1 and n_split >= TMA_STATE_SPLITS)
+        tma_state = not one_pass and (TMA_STATE if TMA_STATE is not None else B == 1 and n_split >= TMA_STATE_SPLITS)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state, WS=ws, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -68,7 +68,6 @@ try:  # Gluon is experimental in Triton 3.x; without it the callers use the Trit
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
-        mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
@@ -116,12 +115,6 @@ if HAVE_GLUON:
             "=r,l,l,r", [rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride,
                          gl.full_like(idx, ROW + 15).to(gl.int64), idx.to(gl.int32)],
             dtype=gl.int32, is_pure=False, pack=1)
-
-    # WS: the decode partition's warps (two warpgroups, each block's second half of rows) and their registers; the
-    # two product warpgroups take the rest of the multiprocessor's 64K (ptxas allots 128 a thread to all 512 before
-    # the partitions trade, so no instruction may need more: the output product in n = 128 pieces)
-    _DECODE_WARPS = gl.constexpr(8)
-    _DECODE_REGS = gl.constexpr(56)
 
     # the inline asm's common start: the aligned address ``a`` of a group's first byte ($2), the funnel shift ``sh``
     # (bits) to its byte, the predicate ``p`` of the group being live ($6); words w0, w1 declared
@@ -177,11 +170,12 @@ if HAVE_GLUON:
             args=[at.to(gl.int64), live.to(gl.int32)], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, NOPE: gl.constexpr, D: gl.constexpr, L3: gl.constexpr):
-        # rows ``idx`` [ROWS] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
+    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
+                    D: gl.constexpr, L3: gl.constexpr):
+        # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
         # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
-        # chunk [ROWS, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
-        # values' low parts [ROWS, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
+        # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
+        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
         # values (the word loads' groups)
         ok = (idx >= 0)[:, None, None]
         row = (rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride)[:, None, None]
@@ -193,9 +187,8 @@ if HAVE_GLUON:
         rope = _fp16_words(row + NOPE + 2 * col, ok & (col >= 0)).to(gl.float32)
         rope_hi = rope.to(gl.bfloat16)
         keys = gl.where(chunk < NOPE // 64, codes, rope_hi)
-        ROWS: gl.constexpr = idx.shape[0]
-        k_smem.store(gl.reshape(keys, [ROWS, D]))
-        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [ROWS, D - NOPE]))
+        k_smem.store(gl.reshape(keys, [BLOCK, D]))
+        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
 
     @gluon.jit
     def _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, live,
@@ -226,7 +219,7 @@ if HAVE_GLUON:
                          gl.arange(0, BLOCK, layout=OK_L), i < na + nb, BLOCK, MODE_A, MODE_B) >= 0
         if REUSED:
             gl.thread_barrier()
-        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, NOPE, D, L3)
+        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, BLOCK, NOPE, D, L3)
         if i + 1 < na:
             rows_ptr, stride = rows_a, stride_a
         else:
@@ -235,82 +228,62 @@ if HAVE_GLUON:
         return ok, nxt, rows_ptr, stride
 
     @gluon.jit
-    def _two_phase_tiles(HP: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                         MAXB: gl.constexpr):
-        # the two phases' shared memory: per block its key tile, its RoPE columns' low parts, its scores and its
-        # probabilities' high and low parts
+    def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
+                          D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
+                          MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
+                          O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
+                          OVERLAP: gl.constexpr = False):
+        # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
+        # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
+        # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
+        # against the final maximum and their products with the block's keys added to the accumulator, the
+        # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. OVERLAP:
+        # block j + 1 is decoded while block j's score product runs (each block has its own key tile; the one
+        # accumulator is waited for within the block, so no wgmma is in flight across the loop). -> (m, l, o, o_r) as
+        # the online loop leaves them (to float rounding)
+        RD: gl.constexpr = D - NOPE
+        S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                          instr_shape=[16, BLOCK // (num_warps // 4), 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         PSH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, BLOCK], gl.bfloat16)
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        return (gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH),
-                gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D - NOPE], SH),
-                gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN),
-                gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH))
-
-    @gluon.jit
-    def _own_rows(tile, HALVES: gl.constexpr):
-        # the rows of a block's tile that this partition decodes: all, or with HALVES (WS) the first half
-        if HALVES:
-            return tile.slice(0, tile.shape[0] // 2)
-        else:
-            return tile
-
-    @gluon.jit
-    def _two_phase_blocks(q1, keys, keys_lo, scores, probs, ready, rows_ptr, stride, idx, na, nb, a0, b0, rows_a,
-                          stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
-                          scale, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
-                          L3: gl.constexpr, S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr,
-                          R_ACC: gl.constexpr, OVERLAP: gl.constexpr, HALVES: gl.constexpr):
-        # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
-        # its high part: one [64, 512] operand ``q1`` in shared memory): first every block's rows decoded into a key
-        # tile of its own and its scores [64, BLOCK] kept in shared memory, with the running maximum only; then each
-        # block's probabilities against the final maximum and their products with the block's keys added to the
-        # accumulator, the products issued back to back. No [64, 512] rescale per block and no wait on a product per
-        # block. OVERLAP: block j + 1 is decoded while block j's score product runs (each block has its own key tile;
-        # the one accumulator is waited for within the block, so no wgmma is in flight across the loop). HALVES (WS's
-        # default partition): only the first half of each block's rows is decoded here, and its score product waits
-        # for the block's barrier ``ready``, on which the decode partition's half arrives. -> (m, l, o, o_r) as the
-        # online loop leaves them (to float rounding)
-        HP: gl.constexpr = q1.shape[0]
-        D: gl.constexpr = q1.shape[1]
-        RD: gl.constexpr = D - NOPE
+        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
+        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
+        keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
+        scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
+        probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
         top = gl.full([HP, BLOCK], float("-inf"), gl.float32, S1_ACC)  # the running maximum, element-wise
         n_blocks = na + nb
         s = gl.zeros([HP, BLOCK], gl.float32, S1_ACC)
         if OVERLAP:
-            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, _own_rows(keys.index(0), HALVES),
-                                                      _own_rows(keys_lo.index(0), HALVES), na, nb, a0, b0, rows_a,
-                                                      stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
-                                                      pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
-                                                      gl.SliceLayout(0, S1_ACC), False)
+            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, keys.index(0), keys_lo.index(0), na,
+                                                      nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
+                                                      rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
+                                                      D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
             fence_async_shared()
             gl.thread_barrier()
         for j in range(n_blocks):
             if OVERLAP:
                 ok_j = ok
-                if HALVES:
-                    mbarrier.wait(ready.index(j), 0)
                 s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)
                 s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
                 if j + 1 < n_blocks:
-                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride,
-                                                              _own_rows(keys.index(j + 1), HALVES),
-                                                              _own_rows(keys_lo.index(j + 1), HALVES), na, nb, a0, b0,
-                                                              rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                                              stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
-                                                              D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride, keys.index(j + 1),
+                                                              keys_lo.index(j + 1), na, nb, a0, b0, rows_a, stride_a,
+                                                              idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
+                                                              pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
+                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
                     fence_async_shared()
                     gl.thread_barrier()
             else:
-                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, _own_rows(keys.index(j), HALVES),
-                                                            _own_rows(keys_lo.index(j), HALVES), na, nb, a0, b0,
-                                                            rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                                            stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
-                                                            MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j),
+                                                            keys_lo.index(j), na, nb, a0, b0, rows_a, stride_a,
+                                                            idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
+                                                            pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
+                                                            MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
                 fence_async_shared()
                 gl.thread_barrier()
-                if HALVES:
-                    mbarrier.wait(ready.index(j), 0)
                 s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
                                   is_async=True)
                 s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
@@ -326,7 +299,7 @@ if HAVE_GLUON:
         # async accumulators from the start: the loop carries them across products it does not wait for
         o = warpgroup_mma_init(gl.zeros([HP, D], gl.float32, O_ACC))
         o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
-        for j in range(n_blocks):
+        for j in range(na + nb):
             p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
             l += gl.sum(p, axis=1)
             p_hi = p.to(gl.bfloat16)
@@ -361,16 +334,127 @@ if HAVE_GLUON:
             tma.async_copy_shared_to_global(acc_desc, [row, c * BOX], stage.slice(c * BOX, BOX, dim=1))
         tma.store_wait(0)
 
-    @gluon.jit
-    def _write_state(m, l, o, o_r, b, split, n_split, H, m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, acc_desc,
-                     NOPE: gl.constexpr, S_L: gl.constexpr, WHOLE: gl.constexpr, TMA_STATE: gl.constexpr):
-        # a program's softmax state (m, l in layout S_L; the accumulator o [64, D] and its RoPE columns' low-part
-        # products o_r) stored for the merge, or with WHOLE the output with the sink applied
-        HP: gl.constexpr = o.shape[0]
-        D: gl.constexpr = o.shape[1]
+    # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
+    # prompt's length (CSA's top-k of a short context): one compiled variant
+    @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
+    def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
+                       rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
+                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr, acc_desc,
+                       H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
+                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
+                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
+                       TMA_STATE: gl.constexpr = False):
+        """Program (split, query): the softmax state of all heads over one split of the two row sources (as
+        triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
+        WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
+        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
+        TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
+        instead of the online loop; the same state to float rounding."""
+        HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
-        O_ACC: gl.constexpr = o.type.layout
-        R_ACC: gl.constexpr = o_r.type.layout
+        ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
+        split = gl.program_id(0)
+        b = gl.program_id(2).to(gl.int64)
+        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        wait_upstream(PDL)
+        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
+        # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
+        S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                          instr_shape=[16, BLOCK, 16])
+        # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
+        S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
+        O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                         instr_shape=[16, D // (num_warps // 4), 16])
+        R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                         instr_shape=[16, RD // (num_warps // 4), 16])
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_ACC, k_width=2)
+        PR_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R_ACC, k_width=2)
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+        # the program's blocks: na of source A from block a0, then nb of source B from block b0
+        zero = split * 0  # a runtime zero: both branches below define tensors
+        if WHOLE:
+            a0, na, b0, nb = zero, blocks_a + zero, zero, blocks_b + zero
+        elif split < splits_a:
+            a0, na, b0, nb = split * blocks_a, blocks_a + zero, zero, zero
+        else:
+            a0, na, b0, nb = zero, zero, (split - splits_a) * blocks_b, blocks_b + zero
+        rows_a += b * store_a
+        rows_b += b * store_b
+        idx_a += b * index_a
+        idx_b += b * index_b
+        # the query's positions (slot modes 1 and 2), read once: each block's slots are arithmetic on them
+        if MODE_A == 0:
+            pos_a = zero
+        else:
+            pos_a = gl.load(pos_a + b).to(gl.int32)
+        if MODE_B == 0:
+            pos_b = zero
+        else:
+            pos_b = gl.load(pos_b + b).to(gl.int32)
+        # the query's loads first: they need no index, so they are on their way while the first block's rows are
+        # found (a device position or an index read) and asked of L2
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
+        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+        q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
+        idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
+                          BLOCK, MODE_A, MODE_B)
+        if na > 0:
+            rows_ptr, stride = rows_a, stride_a
+        else:
+            rows_ptr, stride = rows_b, stride_b
+        _prefetch_rows(rows_ptr, idx, stride, ROW)
+
+        if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
+            m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
+                                             pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
+                                             scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
+                                             R_ACC, num_warps, OVERLAP)
+        else:
+            q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
+            k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+            klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
+            s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
+            q = q_in.to(gl.float32)
+            q_hi = q.to(gl.bfloat16)
+            q2.slice(0, HP, dim=0).store(q_hi)
+            q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
+
+            m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+            l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
+            o = gl.zeros([HP, D], gl.float32, O_ACC)
+            o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
+            for i in range(na + nb):
+                ok, idx, rows_ptr, stride = _decode_block(i, idx, rows_ptr, stride, k_smem, klo_smem, na, nb, a0, b0,
+                                                          rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                                                          stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
+                                                          MODE_A, MODE_B, L3, gl.SliceLayout(0, S_L), True)
+                fence_async_shared()
+                gl.thread_barrier()
+                s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
+                                   is_async=True)
+                s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
+                s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
+                s_smem.store(s2)
+                gl.thread_barrier()
+                s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
+                s = gl.where(ok[None, :], s * scale, float("-inf"))
+                m_new, alpha, p, l = online_softmax_step(m, l, s)
+                p_hi = p.to(gl.bfloat16)
+                p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
+                alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
+                o = o * alpha[:, None]
+                o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
+                a_hi = gl.convert_layout(p_hi, P_OP)
+                a_lo = gl.convert_layout(p_lo, P_OP)
+                o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
+                o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
+                o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
+                o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
+                o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+                m = m_new
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
         do = gl.arange(0, D, layout=gl.SliceLayout(0, O_ACC))[None, :]
@@ -400,218 +484,6 @@ if HAVE_GLUON:
             gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
             # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
             gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
-
-    @gluon.jit
-    def _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b,
-                    n_b, ring_b, NOPE: gl.constexpr, D: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
-                    MODE_B: gl.constexpr):
-        # the stored rows of ``slots`` of a program's first block, found and asked of L2 -> (rows, their source's
-        # pointer and stride)
-        ROW: gl.constexpr = NOPE + 2 * (D - NOPE) + NOPE // 64  # packed row bytes
-        idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
-                          BLOCK, MODE_A, MODE_B)
-        if na > 0:
-            rows_ptr, stride = rows_a, stride_a
-        else:
-            rows_ptr, stride = rows_b, stride_b
-        _prefetch_rows(rows_ptr, idx, stride, ROW)
-        return idx, rows_ptr, stride
-
-    @gluon.jit
-    def _half_slots(HALF: gl.constexpr, BLOCK: gl.constexpr, L3: gl.constexpr):
-        # WS: a partition's half of every block, slots HALF * BLOCK / 2 ..
-        return HALF * (BLOCK // 2) + gl.arange(0, BLOCK // 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-
-    @gluon.jit
-    def _ws_scores(q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a,
-                   n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr,
-                   acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                   MODE_A: gl.constexpr, MODE_B: gl.constexpr, WHOLE: gl.constexpr, TMA_STATE: gl.constexpr,
-                   S_L: gl.constexpr, S1_ACC: gl.constexpr, O_ACC: gl.constexpr, R_ACC: gl.constexpr,
-                   OVERLAP: gl.constexpr):
-        # WS's default partition (two warpgroups): the query into shared memory, then the two phases with each
-        # block's first half of rows decoded here and its score product issued once the decode warps' half is in
-        # (`_two_phase_blocks` with HALVES), then the state stored
-        HP: gl.constexpr = q1.shape[0]
-        D: gl.constexpr = q1.shape[1]
-        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
-        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
-        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-        q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
-        slots = _half_slots(0, BLOCK, L3)
-        idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                            stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A, MODE_B)
-        q1.store(q_in.to(gl.bfloat16))
-        m, l, o, o_r = _two_phase_blocks(q1, keys, keys_lo, scores, probs, ready, rows_ptr, stride, idx, na, nb, a0, b0,
-                                         rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b,
-                                         n_b, ring_b, slots, scale, NOPE, BLOCK, MODE_A, MODE_B, L3, S_L, S1_ACC, O_ACC,
-                                         R_ACC, OVERLAP, True)
-        _write_state(m, l, o, o_r, b, split, n_split, H, m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE,
-                     S_L, WHOLE, TMA_STATE)
-
-    @gluon.jit
-    def _ws_decode(rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, na, nb,
-                   a0, b0, keys, keys_lo, ready, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
-                   MODE_B: gl.constexpr):
-        # WS's decode partition: the second half of every block's rows decoded into its key tile, one block after
-        # another, each tile's barrier arrived on once that half is written
-        D: gl.constexpr = keys.shape[2]
-        HB: gl.constexpr = BLOCK // 2
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [gl.num_warps(), 1, 1], [2, 1, 0])
-        slots = _half_slots(1, BLOCK, L3)
-        idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                            stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A, MODE_B)
-        for j in range(na + nb):
-            _, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j).slice(HB, HB),
-                                                     keys_lo.index(j).slice(HB, HB), na, nb, a0, b0, rows_a, stride_a,
-                                                     idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
-                                                     ring_b, slots, BLOCK, NOPE, D, MODE_A, MODE_B, L3,
-                                                     gl.SliceLayout(1, gl.SliceLayout(2, L3)), False)
-            fence_async_shared()  # the half tile's generic stores before the products' async reads
-            mbarrier.arrive(ready.index(j), count=1)
-
-    # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
-    # prompt's length (CSA's top-k of a short context): one compiled variant
-    @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
-    def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a, blocks_a,
-                       rows_b, idx_b, pos_b, n_b, ring_b, stride_b, blocks_b, m_ptr, l_ptr, acc_ptr, scale,
-                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr, acc_desc,
-                       H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
-                       MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
-                       WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
-                       TMA_STATE: gl.constexpr = False, WS: gl.constexpr = False):
-        """Program (split, query): the softmax state of all heads over one split of the two row sources (as
-        triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
-        WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
-        output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
-        TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
-        instead of the online loop; the same state to float rounding. WS (with TWO_PHASE): sixteen warps, the two
-        phases with each block's rows decoded half by the product warpgroups (`_ws_scores`) and half by a partition
-        of their own (`_ws_decode`), which runs ahead; the same bits as without."""
-        HP: gl.constexpr = 64
-        RD: gl.constexpr = D - NOPE
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
-        split = gl.program_id(0)
-        b = gl.program_id(2).to(gl.int64)
-        slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        wait_upstream(PDL)
-        LQ: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [rows, 512] tiles
-        # S2 = [q_hi; q_lo] K^T: warpgroup 0 the high parts' products, warpgroup 1 the low parts'
-        S2_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                          instr_shape=[16, BLOCK, 16])
-        # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
-        S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
-        O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                         instr_shape=[16, 128 if WS else D // (num_warps // 4), 16])
-        R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                         instr_shape=[16, RD // (num_warps // 4), 16])
-        # the two phases' scores [64, BLOCK]: each warpgroup half of the block's rows
-        S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                          instr_shape=[16, BLOCK // (num_warps // 4), 16])
-        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_ACC, k_width=2)
-        PR_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=R_ACC, k_width=2)
-        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-
-        # the program's blocks: na of source A from block a0, then nb of source B from block b0
-        zero = split * 0  # a runtime zero: both branches below define tensors
-        if WHOLE:
-            a0, na, b0, nb = zero, blocks_a + zero, zero, blocks_b + zero
-        elif split < splits_a:
-            a0, na, b0, nb = split * blocks_a, blocks_a + zero, zero, zero
-        else:
-            a0, na, b0, nb = zero, zero, (split - splits_a) * blocks_b, blocks_b + zero
-        rows_a += b * store_a
-        rows_b += b * store_b
-        idx_a += b * index_a
-        idx_b += b * index_b
-        # the query's positions (slot modes 1 and 2), read once: each block's slots are arithmetic on them
-        if MODE_A == 0:
-            pos_a = zero
-        else:
-            pos_a = gl.load(pos_a + b).to(gl.int32)
-        if MODE_B == 0:
-            pos_b = zero
-        else:
-            pos_b = gl.load(pos_b + b).to(gl.int32)
-        if WS:
-            q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH)
-            keys, keys_lo, scores, probs = _two_phase_tiles(HP, D, NOPE, BLOCK, TWO_PHASE)
-            ready = gl.allocate_shared_memory(gl.int64, [TWO_PHASE, 1], mbarrier.MBarrierLayout())
-            for j in gl.static_range(TWO_PHASE):
-                mbarrier.init(ready.index(j), count=1)
-            gl.warp_specialize([(_ws_scores, (q_ptr, H, q1, keys, keys_lo, scores, probs, ready, na, nb, a0, b0,
-                                              rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
-                                              pos_b, n_b, ring_b, scale, b, split, n_split, m_ptr, l_ptr, acc_ptr,
-                                              sinks_ptr, out_ptr, acc_desc, NOPE, BLOCK, MODE_A, MODE_B, WHOLE,
-                                              TMA_STATE, S_L, S1_ACC, O_ACC, R_ACC, OVERLAP)),
-                                (_ws_decode, (rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
-                                              pos_b, n_b, ring_b, na, nb, a0, b0, keys, keys_lo, ready, NOPE, BLOCK,
-                                              MODE_A, MODE_B))],
-                               [_DECODE_WARPS], [_DECODE_REGS])
-        else:
-            # the query's loads first: they need no index, so they are on their way while the first block's rows are
-            # found (a device position or an index read) and asked of L2
-            h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
-            dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-            q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
-            idx, rows_ptr, stride = _first_rows(slots, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                                                rows_b, stride_b, idx_b, pos_b, n_b, ring_b, NOPE, D, BLOCK, MODE_A,
-                                                MODE_B)
-
-            if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
-                q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
-                keys, keys_lo, scores, probs = _two_phase_tiles(HP, D, NOPE, BLOCK, TWO_PHASE)
-                m, l, o, o_r = _two_phase_blocks(q1, keys, keys_lo, scores, probs, None, rows_ptr, stride, idx, na, nb,
-                                                 a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b, stride_b,
-                                                 idx_b, pos_b, n_b, ring_b, slots, scale, NOPE, BLOCK, MODE_A, MODE_B,
-                                                 L3, S_L, S1_ACC, O_ACC, R_ACC, OVERLAP, False)
-            else:
-                q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
-                k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
-                klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
-                s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
-                q = q_in.to(gl.float32)
-                q_hi = q.to(gl.bfloat16)
-                q2.slice(0, HP, dim=0).store(q_hi)
-                q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))
-
-                m = gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-                l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
-                o = gl.zeros([HP, D], gl.float32, O_ACC)
-                o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
-                for i in range(na + nb):
-                    ok, idx, rows_ptr, stride = _decode_block(i, idx, rows_ptr, stride, k_smem, klo_smem, na, nb, a0,
-                                                              b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
-                                                              stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
-                                                              D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S_L), True)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    s2 = warpgroup_mma(q2, k_smem.permute((1, 0)), gl.zeros([2 * HP, BLOCK], gl.float32, S2_ACC),
-                                       is_async=True)
-                    s2 = warpgroup_mma(q2.slice(NOPE, RD, dim=1), klo_smem.permute((1, 0)), s2, is_async=True)
-                    s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
-                    s_smem.store(s2)
-                    gl.thread_barrier()
-                    s = s_smem.slice(0, HP, dim=0).load(S_L) + s_smem.slice(HP, HP, dim=0).load(S_L)
-                    s = gl.where(ok[None, :], s * scale, float("-inf"))
-                    m_new, alpha, p, l = online_softmax_step(m, l, s)
-                    p_hi = p.to(gl.bfloat16)
-                    p_lo = (p - p_hi.to(gl.float32)).to(gl.bfloat16)
-                    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, O_ACC))
-                    o = o * alpha[:, None]
-                    o_r = o_r * gl.convert_layout(alpha, gl.SliceLayout(1, R_ACC))[:, None]
-                    a_hi = gl.convert_layout(p_hi, P_OP)
-                    a_lo = gl.convert_layout(p_lo, P_OP)
-                    o = warpgroup_mma(a_hi, k_smem, o, is_async=True)
-                    o = warpgroup_mma(a_lo, k_smem, o, is_async=True)
-                    o_r = warpgroup_mma(gl.convert_layout(a_hi, PR_OP), klo_smem, o_r, is_async=True)
-                    o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
-                    o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
-                    m = m_new
-            _write_state(m, l, o, o_r, b, split, n_split, H, m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, acc_desc, NOPE,
-                         S_L, WHOLE, TMA_STATE)
 
 
 def state_descriptor(acc: torch.Tensor) -> TensorDescriptor:
