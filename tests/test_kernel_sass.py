@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists(),
                     reason="Triton's bundled ptxas is not here")
 @pytest.mark.skipif(importlib.util.find_spec("triton.experimental.gluon") is None, reason="needs Triton's Gluon")
-@pytest.mark.parametrize("args, kernels", [(["indexer", "--pipelined"], 4),
-                                           (["attention", "--query", "bf16", "--two-phase", "5", "--overlap"], 2)],
+@pytest.mark.parametrize("args, kernels",
+                         [(["indexer", "--pipelined"], 4),
+                          (["attention", "--query", "bf16", "--two-phase", "5", "--overlap", "--q-async"], 4)],
                          ids=["indexer", "attention"])
 def test_overlapped_products_stay_asynchronous(args: list[str], kernels: int) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -37,7 +38,8 @@ def test_overlapped_products_stay_asynchronous(args: list[str], kernels: int) ->
     for block in reports:
         tag, notes = block.split(":")[0], [line for line in block.splitlines() if "!!" in line]
         assert all(tag.endswith("_fp8") and "C7517" in note for note in notes), run.stdout
-    # the default and the overlapped variant (the indexer's each with E4M3 and fp16 operands)
+    # the default and the overlapped variant (the indexer's each with E4M3 and fp16 operands; the attention's each
+    # with its query through registers and by cp.async)
     assert len(reports) == kernels, run.stdout + run.stderr
 
 

@@ -792,6 +792,29 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 
 
 @pytest.mark.gpu
+def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
+    """QUERY_ASYNC (the two phases' bf16 query copied to shared memory by cp.async) against the query through
+    registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3
+    queries, and 40 of the 64 heads (the copy's missing heads zero-filled), bit for bit."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(13, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    window = Slots(128, position=pos, ring=8400)
+    for heads in (64, 40):
+        qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
+        for sources in ([(rows, window), (rows, picks)],
+                        [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
+            for overlap in (False, True):
+                monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", overlap)
+                monkeypatch.setattr(A, "QUERY_ASYNC", False)
+                through_registers = attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True)
+                monkeypatch.setattr(A, "QUERY_ASYNC", True)
+                copied = attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True)
+                assert torch.equal(copied, through_registers), (heads, overlap)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["native", "packed"])
 def test_gpu_decode_path_matches_cpu_reference(cache):
     from ds4x.runtime.engine import Engine

@@ -96,6 +96,10 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
+# In the two phases, the query copied to shared memory by cp.async (`attention_wgmma._copy_query`) instead of loaded
+# into registers and stored: the first block's rows are decoded while it arrives (a program waited ~1.4 us for the
+# query before its first decode, 389dd87's stamps). The same bits. Not yet timed: off
+QUERY_ASYNC = False
 # The Hopper kernel's partial states (64 x 512 float32 a split) written by the TMA unit from a swizzled shared tile,
 # the RoPE columns' low-part products added there (`attention_wgmma._store_state_tma`), instead of global 8-byte
 # stores over 8 rows a warp instruction and a global atomic add per RoPE element: TMA_STATE True / False in every
@@ -256,7 +260,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state, **pdl)
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
+            Q_ASYNC=QUERY_ASYNC and two_phase > 0, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

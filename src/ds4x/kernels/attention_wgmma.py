@@ -66,6 +66,7 @@ from ds4x.formats.triton_mode import HAVE_TRITON, interpret_mode
 try:  # Gluon is experimental in Triton 3.x; without it the callers use the Triton kernel
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         tma,
@@ -228,12 +229,26 @@ if HAVE_GLUON:
         return ok, nxt, rows_ptr, stride
 
     @gluon.jit
+    def _copy_query(q_ptr, H: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+        # a bf16 query [H, D] copied into a swizzled [HP, D] tile by cp.async (16 bytes a copy, heads past H
+        # zero-filled), one commit group: the first block's rows are decoded while it arrives, and the first score
+        # product waits for it (async_copy.wait_group) -> the tile
+        QA: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, QA))[:, None]
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, QA))[None, :]
+        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH)
+        async_copy.async_copy_global_to_shared(q1, q_ptr + h * D + d, mask=(h < H) & (d >= 0))
+        async_copy.commit_group()
+        return q1
+
+    @gluon.jit
     def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                           rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False):
+                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
@@ -241,14 +256,18 @@ if HAVE_GLUON:
         # products issued back to back. No [64, 512] rescale per block and no wait on a product per block. OVERLAP:
         # block j + 1 is decoded while block j's score product runs (each block has its own key tile; the one
         # accumulator is waited for within the block, so no wgmma is in flight across the loop). -> (m, l, o, o_r) as
-        # the online loop leaves them (to float rounding)
+        # the online loop leaves them (to float rounding). Q_ASYNC: ``q_in`` is the query's tile on its way
+        # (`_copy_query`), waited for before the first score product
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         PSH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HP, BLOCK], gl.bfloat16)
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
+        if Q_ASYNC:
+            q1 = q_in
+        else:
+            q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
         keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
         keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
         scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
@@ -261,6 +280,8 @@ if HAVE_GLUON:
                                                       nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                                                       rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
                                                       D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+            if Q_ASYNC:
+                async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
         for j in range(n_blocks):
@@ -282,6 +303,8 @@ if HAVE_GLUON:
                                                             idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                                             pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
                                                             MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                if Q_ASYNC:  # (nothing outstanding after the first block)
+                    async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
                 s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
@@ -343,13 +366,14 @@ if HAVE_GLUON:
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
-                       TMA_STATE: gl.constexpr = False):
+                       TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
         TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
-        instead of the online loop; the same state to float rounding."""
+        instead of the online loop; the same state to float rounding. Q_ASYNC (with TWO_PHASE): the query copied to
+        shared memory by cp.async (`_copy_query`), not through registers; the same bits."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -396,9 +420,12 @@ if HAVE_GLUON:
             pos_b = gl.load(pos_b + b).to(gl.int32)
         # the query's loads first: they need no index, so they are on their way while the first block's rows are
         # found (a device position or an index read) and asked of L2
-        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
-        dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
-        q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
+        if Q_ASYNC:
+            q_in = _copy_query(q_ptr + b * H * D, H, HP, D, num_warps)
+        else:
+            h = gl.arange(0, HP, layout=gl.SliceLayout(1, LQ))[:, None]
+            dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))[None, :]
+            q_in = gl.load(q_ptr + b * H * D + h * D + dq, mask=(h < H) & (dq >= 0), other=0.0)
         idx = _block_rows(0, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, na + nb > 0,
                           BLOCK, MODE_A, MODE_B)
         if na > 0:
@@ -411,7 +438,7 @@ if HAVE_GLUON:
             m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
                                              pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
                                              scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
-                                             R_ACC, num_warps, OVERLAP)
+                                             R_ACC, num_warps, OVERLAP, Q_ASYNC)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
