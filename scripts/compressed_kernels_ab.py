@@ -243,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         record("indexer scoring", "262,144 rows", "Gluon kernel", times[1], {"rel_diff": diff})
         if parts & {"indexer", "select"}:
             # the Gluon kernel at 3 programs an SM (PROGRAMS_PER_SM), its PIPELINED variant (tiles of 64 rows at 3 / 4
-            # an SM, of 128 at 2; at 3 also with ROWS_FIRST), each with E4M3 or fp16 operands (FP8_KEYS), alternating
-            # twice: the same scores as the Triton kernel's bit for bit where the operands are exact (as on these
-            # rows). Each twice: the rows in L2 (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in
-            # the model (a graph of one call on each of 24 copies of the store, so L2 holds none at its turn)
+            # an SM, of 128 at 2), each with E4M3 or fp16 operands (FP8_KEYS), alternating twice: the same scores as
+            # the Triton kernel's bit for bit where the operands are exact (as on these rows). Each twice: the rows in
+            # L2 (one store, replayed: 17.8 MB fit an H100's 50 MB) and from DRAM as in the model (a graph of one call
+            # on each of 24 copies of the store, so L2 holds none at its turn)
             from ds4x.bench.timing import graph_replay_us
             from ds4x.kernels import indexer_wgmma as IW
 
@@ -254,15 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             idx_variants = {f"{name}, {'e4m3' if fp8 else 'fp16'}": [(I, "PROGRAMS_PER_SM", per_sm),
                                                                       (IW, "PIPELINED", pipelined),
                                                                       (IW, "PIPELINED_BLOCK_N", block),
-                                                                      (IW, "FP8_KEYS", fp8),
-                                                                      (IW, "ROWS_FIRST", first)]
+                                                                      (IW, "FP8_KEYS", fp8)]
                             for fp8 in (True, False)
-                            for name, per_sm, pipelined, block, first in (
-                                ("one tile, 3 a SM", 3, False, 64, False),
-                                ("pipelined, 64 rows, 3 a SM", 3, True, 64, False),
-                                ("pipelined, 64 rows, 3 a SM, rows first", 3, True, 64, True),
-                                ("pipelined, 64 rows, 4 a SM", 4, True, 64, False),
-                                ("pipelined, 128 rows, 2 a SM", 2, True, 128, False))}
+                            for name, per_sm, pipelined, block in (("one tile, 3 a SM", 3, False, 64),
+                                                                   ("pipelined, 64 rows, 3 a SM", 3, True, 64),
+                                                                   ("pipelined, 64 rows, 4 a SM", 4, True, 64),
+                                                                   ("pipelined, 128 rows, 2 a SM", 2, True, 128))}
             times_i: dict[str, list[float]] = {v: [] for v in idx_variants}
             times_d: dict[str, list[float]] = {v: [] for v in idx_variants}
             same: dict[str, bool] = {}

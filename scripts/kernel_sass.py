@@ -17,7 +17,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
         [--overlap] [--tma-state] [--q-async] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined [--rows-first]] [--dump DIR]
+    PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
 """
 
@@ -104,18 +104,16 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False,
-                    rows_first: bool = False) -> triton.compiler.CompiledKernel:
+def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bool = False
+                    ) -> triton.compiler.CompiledKernel:
     """``indexer_wgmma.score_kernel`` as a decode step at 1M launches it (64 heads, a device row count, PDL on, the
     select's first level counted where FIRST_LEVEL_IN_INDEXER says), with a register ceiling if given;
-    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (E4M3 operands), else fp16; ``rows_first``:
-    ROWS_FIRST (with ``pipelined``)."""
+    ``pipelined``: the PIPELINED variant at its tile; ``fp8``: FP8_KEYS (E4M3 operands), else fp16."""
     from ds4x.kernels import indexer_wgmma, select
 
     consts = {"H": 64, "DEVICE_COUNT": True, "num_warps": indexer_wgmma.WARPS, "PDL": True, "PIPELINED": pipelined,
               "BN": indexer_wgmma.PIPELINED_BLOCK_N if pipelined else indexer_wgmma.BLOCK_N,
-              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8,
-              "ROWS_FIRST": rows_first}
+              "HIST_BITS": select.RADIX_BITS if select.FIRST_LEVEL_IN_INDEXER else 0, "FP8": fp8}
     pointers = {"q_ptr": "*fp32", "w_ptr": "*fp32", "rows_ptr": "*i32", "out_ptr": "*fp32", "count_ptr": "*i32",
                 "hist_ptr": "*i32"}
     return compile_gluon(indexer_wgmma.score_kernel, consts, pointers,
@@ -256,10 +254,9 @@ def main_attention(args: argparse.Namespace) -> bool:
 
 def main_indexer(args: argparse.Namespace) -> bool:
     tag = "indexer" + (f"_maxnreg{args.maxnreg}" if args.maxnreg else "")
-    return report_all([(tag + ("_pipelined" if p else "") + ("_rowsfirst" if r else "") + ("_fp8" if f else "_fp16"),
-                        lambda p=p, f=f, r=r: compile_indexer(args.maxnreg, p, f, r))
-                       for p in sorted({False, bool(args.pipelined)}) for f in (True, False)
-                       for r in sorted({False, bool(args.rows_first)}) if p or not r], args.dump,
+    return report_all([(tag + ("_pipelined" if p else "") + ("_fp8" if f else "_fp16"),
+                        lambda p=p, f=f: compile_indexer(args.maxnreg, p, f))
+                       for p in sorted({False, bool(args.pipelined)}) for f in (True, False)], args.dump,
                       ("HGMMA", "QGMMA"))  # fp16 / fp8 products
 
 
@@ -293,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")
-    idx.add_argument("--rows-first", action="store_true", help="also ROWS_FIRST with --pipelined (rows before query)")
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")

@@ -606,7 +606,7 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
     as the one-tile kernel does, bit for bit: rows ending mid-tile and past a program's last tile, a store only
     4-byte aligned, a device row count per query, block scales far from their row's (one past the E4M3 keys' reach,
     one at its edge), and a 1M CSA layer's rows; with fp16 or E4M3 operands (FP8_KEYS), each as near the float32
-    reference as the other; with the first tiles' rows loaded before the query (ROWS_FIRST) too."""
+    reference as the other."""
     from ds4x.kernels import indexer as I
     from ds4x.kernels import indexer_wgmma
     from ds4x.kernels.indexer import indexer_scores_triton
@@ -635,10 +635,8 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
     monkeypatch.setattr(indexer_wgmma, "PIPELINED", True)
     monkeypatch.setattr(indexer_wgmma, "PIPELINED_BLOCK_N", block_rows)
     monkeypatch.setattr(I, "PROGRAMS_PER_SM", per_sm)
-    for rows_first in (False, True):
-        monkeypatch.setattr(indexer_wgmma, "ROWS_FIRST", rows_first)
-        for got, want in zip(calls(), default, strict=True):
-            assert torch.equal(got, want), rows_first
+    for got, want in zip(calls(), default, strict=True):
+        assert torch.equal(got, want)
     ref = _reference_scores(q, w, rows, 4096)
     assert float((default[0] - ref).abs().max()) <= 2e-6 * float(ref.abs().max())
 

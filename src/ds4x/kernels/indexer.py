@@ -119,8 +119,7 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
                                                     num_warps=indexer_wgmma.WARPS, BN=indexer_wgmma.block_rows(),
                                                     PIPELINED=indexer_wgmma.PIPELINED, HIST_BITS=hist_bits,
-                                                    FP8=indexer_wgmma.FP8_KEYS,
-                                                    ROWS_FIRST=indexer_wgmma.ROWS_FIRST and indexer_wgmma.PIPELINED)
+                                                    FP8=indexer_wgmma.FP8_KEYS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

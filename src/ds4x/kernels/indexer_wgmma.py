@@ -75,11 +75,6 @@ PIPELINED_BLOCK_N = 64
 # (reach 2^100): 453 instructions a tile against 469 offline, but 166 registers, and slower (H100, 4adf64c, the
 # same bits, us in L2 / from DRAM: 15.0 / 15.8 against 14.3 / 15.5; at 4 programs an SM 19.0 / 20.1)
 FP8_KEYS = True
-# ROWS_FIRST (PIPELINED): a program's first two tiles' rows asked of memory right after the upstream wait, before the
-# query is loaded, scaled and stored (offline sm_90: the query's ~270 instructions and its L2 round trip then run
-# while the rows come from DRAM; before, the rows' loads followed the query's barrier). The same bits. Not yet
-# timed: off
-ROWS_FIRST = False
 
 
 def block_rows() -> int:
@@ -304,10 +299,9 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
                      num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
-                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False,
-                     ROWS_FIRST: gl.constexpr = False):
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
-        too). PIPELINED, FP8, ROWS_FIRST: see the module's switches PIPELINED, FP8_KEYS, ROWS_FIRST."""
+        too). PIPELINED, FP8: see the module's switches PIPELINED, FP8_KEYS."""
         wait_upstream(PDL)
         bins = 0
         if HIST_BITS > 0:
@@ -337,9 +331,6 @@ if HAVE_GLUON:
         hist_ptr += t * hist_stride
         if DEVICE_COUNT:
             n_rows = gl.minimum(gl.load(count_ptr + t * count_stride).to(gl.int32), n_rows)
-        if ROWS_FIRST:  # (PIPELINED) the first two tiles' rows on their way while the query is prepared
-            words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
-            next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
 
         # the query, per head scaled by 2^(QD - e_h) into the keys' type (exact for MXFP4 values), into shared
         # memory once
@@ -363,9 +354,8 @@ if HAVE_GLUON:
             k_smem = gl.allocate_shared_memory(KT, [2, BN, 128], SHK)
             n_mine = gl.maximum(gl.cdiv(gl.cdiv(n_rows, BN) - pid, n_prog), 0)  # this program's tiles with rows
             if n_mine > 0:
-                if not ROWS_FIRST:
-                    words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
-                    next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
+                words, sw = _load_tile(pid, rows_ptr, n_rows, BN, LW)
+                next_words, next_sw = _load_tile(pid + n_prog, rows_ptr, n_rows, BN, LW)
                 smax = _tile_keys(k_smem.index(0), words, sw, LW, True, FP8)
                 acc = zero
                 for i in range(n_mine):
