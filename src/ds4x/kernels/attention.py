@@ -98,8 +98,12 @@ TWO_PHASE_BLOCKS = 5
 TWO_PHASE_OVERLAP = True
 # In the two phases, the query copied to shared memory by cp.async (`attention_wgmma._copy_query`) instead of loaded
 # into registers and stored: the first block's rows are decoded while it arrives (a program waited ~1.4 us for the
-# query before its first decode, 389dd87's stamps). The same bits. Not yet timed: off
-QUERY_ASYNC = False
+# query before its first decode, 389dd87's stamps). The same bits (GPU test). H100, `ds4x bench frontier --weights q2
+# --experts 128 --contexts 4096,1048576 --steps 50 --variant "q async: ds4x.kernels.attention.QUERY_ASYNC=True"`
+# (d8246bd, two rounds alternating), without / with: at 4K CSA attention 12.5 / 11.9-12.0 us, HCA 11.3 / 10.9, the 41
+# compressed layers 0.623, 0.624 / 0.605, 0.603 ms (sum); at 1M CSA 12.3 / 11.9, HCA 24.8-24.9 / 24.5, 41 layers
+# 1.348, 1.352 / 1.334, 1.336 ms
+QUERY_ASYNC = True
 # The Hopper kernel's partial states (64 x 512 float32 a split) written by the TMA unit from a swizzled shared tile,
 # the RoPE columns' low-part products added there (`attention_wgmma._store_state_tma`), instead of global 8-byte
 # stores over 8 rows a warp instruction and a global atomic add per RoPE element: TMA_STATE True / False in every

@@ -75,6 +75,10 @@ PIPELINED_BLOCK_N = 64
 # (reach 2^100): 453 instructions a tile against 469 offline, but 166 registers, and slower (H100, 4adf64c, the
 # same bits, us in L2 / from DRAM: 15.0 / 15.8 against 14.3 / 15.5; at 4 programs an SM 19.0 / 20.1)
 FP8_KEYS = True
+# Not kept: a program's first two tiles' rows loaded right after the upstream wait, before the query is loaded, scaled
+# and stored (d8246bd, reverted; offline sm_90 the rows' loads then went out beside the query's instead of after its
+# barrier). The same bits, but slower where it counts: the frontier's indexer (H100, `--weights q2 --experts 128`, two
+# rounds) 16.1, 16.2 -> 16.6, 16.5 us at 1M, 3.3 -> 3.2 at 4K
 
 
 def block_rows() -> int:
