@@ -61,9 +61,10 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
      "        gl.store(stamps_ptr + row * 64 + 2 * slot + 1 + o, c)\n\n"),
 )
 # the two phases' stamps (``--two-phase``; `attention_wgmma._two_phase_blocks`, which gets the stamps' buffer): the
-# query stored (slot 2; with QUERY_ASYNC its copy issued, which lands during block 0's decode), the next block decoded beside block j's score product (21 + j; for j = 0 block 0's decode
-# too), the fence and barrier after it (26 + j), block j's scores waited for and stored (8 + j), every block's
-# scores stored (6), each block's products issued (16 + j), the products waited for (7)
+# query stored (slot 2; with QUERY_ASYNC its copy issued, which lands during block 0's decode), the next block
+# decoded beside block j's score product (21 + j; for j = 0 block 0's decode too), the fence and barrier after it
+# (26 + j), block j's scores waited for and stored (8 + j), every block's scores stored (6), each block's products
+# issued (16 + j), the products waited for (7)
 TWO_PHASE_STAMPS = (
     ("    def _two_phase_blocks(", "+stamps_ptr, srow, "),
     ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
