@@ -795,7 +795,7 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
     """QUERY_ASYNC (the two phases' bf16 query copied to shared memory by cp.async) against the query through
     registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3
-    queries, and 40 of the 64 heads (the copy's missing heads zero-filled), bit for bit."""
+    queries, and 40 of the 64 heads (the copy masked to the query's own heads), bit for bit."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
