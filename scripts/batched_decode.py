@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Batched decode through the server's pool of cache slots (``ds4x.runtime.batch.DecodeSlots``): ms per step and
-aggregate tok/s for B sessions decoding together, each seeded at a frontier of ``--context`` tokens (no prefill),
-the step replayed from its CUDA graph, then a host read of each session's greedy token (the server samples each
-request alone); "replay ms" times the captured step alone (CUDA events, no host reads).
+aggregate tok/s for B sessions decoding together, each seeded at a frontier of ``--context`` tokens (no prefill) in
+a cache of ``--capacity`` tokens (default: just enough), the step replayed from its CUDA graph, then a host read of
+each session's greedy token (the server samples each request alone); "replay ms" times the captured step alone (CUDA
+events, no host reads).
 ``--profile`` breaks the largest batch's replayed step down by kernel group; ``--timeline DIR`` writes each replayed
 step's kernels (name, start, end, stream) to DIR/timeline_b{B}_{variant}.json and prints how much of the step no
 kernel runs (launch waits) and how much kernel time overlaps (graph branches), from one more pass after all the
@@ -37,8 +38,8 @@ from ds4x.weights.synthetic_gguf import active_weight_bytes
 
 
 def run(engine: Engine, batch: int, context: int, chunk: int, steps: int, profile: bool,
-        timeline: Path | None = None) -> dict[str, Any]:
-    pool = DecodeSlots(engine, context + steps + 16, "packed", chunk, batch)
+        timeline: Path | None = None, capacity: int | None = None) -> dict[str, Any]:
+    pool = DecodeSlots(engine, capacity or context + steps + 16, "packed", chunk, batch)
     sessions = []
     for i in range(batch):
         s = Session(engine, pool.acquire(), chunk)
@@ -92,6 +93,9 @@ def main() -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="each session's cache capacity in tokens (default: the context and the steps; a larger one "
+                         "times a long-context session at a short position)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true")
@@ -107,14 +111,14 @@ def main() -> int:
     for _ in range(args.rounds if args.variant else 1):
         for name, sets in variants:
             with variant_applied(sets):
-                rows += [{**run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches)),
-                          "variant": name} for b in batches]
+                rows += [{**run(engine, b, args.context, args.chunk, args.steps, args.profile and b == max(batches),
+                               capacity=args.capacity), "variant": name} for b in batches]
     if args.timeline is not None:  # after every timing: the profiler slows the launches of the process after it
         for name, sets in variants:
             with variant_applied(sets):
                 for b in batches:
                     path = args.timeline / f"timeline_b{b}_{name.replace(' ', '_')}.json"
-                    overlap = run(engine, b, args.context, args.chunk, 3, False, path)["overlap"]
+                    overlap = run(engine, b, args.context, args.chunk, 3, False, path, args.capacity)["overlap"]
                     next(r for r in rows if r["variant"] == name and r["batch"] == b)["overlap"] = overlap
     # the weight bytes floor of each batch (DESIGN §7): the expected distinct routed experts of B randomly routed
     # tokens read once at copy bandwidth, the cache's reads left out
@@ -138,7 +142,8 @@ def main() -> int:
     if args.ledger is not None:
         env = environment()
         flags = {"steps": args.steps, "chunk": args.chunk, "cache": "packed", "cuda_graph": True,
-                 "quant_act": os.environ.get("DS4X_QUANT_ACT", "default")}
+                 "quant_act": os.environ.get("DS4X_QUANT_ACT", "default"),
+                 **({"capacity": args.capacity} if args.capacity else {})}
         spec = dict(zip([n for n, _ in variants], ["", *args.variant], strict=True))
         append([{"bench": "batched_decode", **env, "model": f"synthetic {args.model}, seed 0",
                  "flags": {**flags, **({"variant": spec[r["variant"]]} if r["variant"] != "default" else {})},
