@@ -148,6 +148,35 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
+@pytest.mark.parametrize("live", [False, True], ids=["all programs", "live programs"])
+def test_radix_select_over_a_wide_store_with_few_visible_scores(live, monkeypatch):
+    """A captured step's scores are as wide as the session's capacity while few may be visible: the multi-program
+    select (with LIVE_PROGRAMS only the programs whose tile holds a visible score take part) selects exactly the
+    reference's rows, in row order, for each row of a batch whose counts are 0, part of the first tile (fewer than
+    k), three whole tiles and part of a fourth (more than k: a real selection by a few of the 16 programs) and all;
+    called twice, so the workspace it leaves must be ready for the next call."""
+    from ds4x.kernels import indexer, select
+
+    monkeypatch.setattr(select, "LIVE_PROGRAMS", live)
+    monkeypatch.setattr(indexer, "num_sms", lambda device: 132)  # tiles of 256 scores, 16 programs a row
+    dev, n, k = _device(), 4096, 512
+    assert select.radix_tiling(n, 5, 132) == (256, 16)
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, n, generator=g)
+    scores[:, ::9] = 0.5  # ties across tiles
+    scores = scores.to(dev)
+    counts = torch.tensor([0, 300, 768, 1000, n], device=dev)
+    for _ in range(2):
+        index, valid = select.select_topk_radix(scores, counts, k)
+        for b, c in enumerate(counts.tolist()):
+            visible = (torch.arange(n) < c).to(dev)[None]
+            want = selection_mask(*select_topk(scores[b][None], visible, k), n)
+            assert torch.equal(selection_mask(index[b][None], valid[b][None], n), want), (b, c)
+            assert int(valid[b].sum()) == min(k, c)
+            got = index[b][valid[b]]
+            assert torch.equal(got, got.sort().values)
+
+
 def _first_digits(scores: torch.Tensor, bits: int) -> torch.Tensor:
     """Counts of the top ``bits`` bits of the scores' order-preserving codes (-0.0 as +0.0), as the select's level 0."""
     raw = (scores.float() + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF

@@ -218,6 +218,11 @@ def _check_digit_bits(name: str, bits: int) -> None:
 # alternating runs each: top-k 13.3, 13.3 / 12.7, 12.7 us, the 41 compressed layers' sum 1.455, 1.456 / 1.440, 1.441
 # ms, their graph 1.513, 1.515 / 1.501, 1.505 ms.
 FIRST_LEVEL_IN_INDEXER = True
+# Only the multi-program select's programs whose tile holds a visible score take part (`radix_kernel` LIVE): a
+# captured step's scores are as wide as the session's capacity, so without it a 1M session at a 4K position runs all
+# 128 programs, barriers and all, over 1,024 visible scores. Exact either way (interpreter tests). Not yet timed on a
+# GPU (`scripts/batched_decode.py --batches 1 --context 4096 --capacity 1048576`): off
+LIVE_PROGRAMS = False
 
 
 def _multi_program(n: int, rows: int, small: bool | None) -> bool:
@@ -323,7 +328,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
-                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
+                                            LIVE=LIVE_PROGRAMS, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
 
 
