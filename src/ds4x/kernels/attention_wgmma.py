@@ -231,9 +231,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _copy_query(q_ptr, H: gl.constexpr, HP: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
-        # a bf16 query [H, D] copied into a swizzled [HP, D] tile by cp.async (16 bytes a copy, heads past H
-        # zero-filled), one commit group: the first block's rows are decoded while it arrives, and the first score
-        # product waits for it (async_copy.wait_group) -> the tile
+        # a bf16 query [H, D] copied into a swizzled [HP, D] tile by cp.async (16 bytes a copy; heads past H masked:
+        # their rows never reach the output), one commit group: the first block's rows are decoded while it arrives,
+        # and the first score product waits for it (async_copy.wait_group) -> the tile
         QA: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         h = gl.arange(0, HP, layout=gl.SliceLayout(1, QA))[:, None]
