@@ -412,6 +412,73 @@ def test_attention_slots_from_the_position_match_explicit_indices(position):
         assert torch.equal(out, native)
 
 
+def test_attention_merge_leaves_empty_splits_unread():
+    """The merge with SKIP_EMPTY: splits whose m is -inf (the partial pass found them empty) have their accumulator,
+    never written, left unread: NaN there gives the bits of zeros there, where the merge without it reads the NaN."""
+    from ds4x.kernels.triton_attention import combine_kernel
+
+    g = torch.Generator().manual_seed(8)
+    dev, n_split, hp, d = _device(), 12, 16, 128
+    m = torch.randn(n_split, hp, generator=g)
+    l = torch.rand(n_split, hp, generator=g) + 0.5
+    acc = torch.randn(n_split, hp, d, generator=g)
+    empty = torch.tensor([2, 3, 7, 11])
+    m[empty], l[empty], acc[empty] = float("-inf"), 0.0, 0.0
+    sinks = torch.randn(hp, generator=g)
+    m, l, sinks = m.to(dev), l.to(dev), sinks.to(dev)
+
+    def merge(acc: torch.Tensor, skip: bool) -> torch.Tensor:
+        out = torch.empty(hp, d, device=dev)
+        combine_kernel[(hp, 1, 1)](m, l, acc.to(dev), sinks, out, out, out, n_split, HP=hp, D=d, SB=4, N_ITER=4,
+                                   ROPE=False, CB=d // 64, SKIP_EMPTY=skip)
+        return out
+
+    zeros = merge(acc, False)
+    acc[empty] = float("nan")
+    assert torch.equal(merge(acc, True), zeros)
+    assert merge(acc, False).isnan().any()  # the case the switch exists for
+
+
+@pytest.mark.parametrize("config", ["triton", "hopper"])
+def test_attention_skips_the_empty_splits_of_a_wide_store(config, monkeypatch):
+    """A captured step's splits cover the store's capacity: SKIP_EMPTY_SPLITS (splits past the query's closed
+    compressed rows store no accumulator, which the merge leaves unread) gives the bits of the pass over every
+    split, for a batch of queries whose closed rows are none, exactly one split's, one row more, and all; the
+    merge's state buffers first filled with NaN by an earlier allocation of theirs, so a read of an unwritten
+    accumulator shows."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    dev = _device()
+    if config == "hopper":
+        if dev == "cpu":
+            pytest.skip("the Hopper kernel needs a GPU")
+        q, rows, sinks, _, _ = _hopper_attention_inputs(15, True, 8400, [0, 0, 0], 8194)
+        q = torch.cat([q, q[:1]])
+        rows = torch.cat([rows, rows[:1]])
+        n, ratio, per_split, kernel = 8194, 128, 5 * 16, None  # 103 splits of 5 blocks
+        heads, d, nope = 64, 512, 448
+    else:
+        g = torch.Generator().manual_seed(6)
+        rows = torch.stack([pack_kv_rows(torch.randn(1100, 128, generator=g) * 2, rope_dim=64) for _ in range(4)])
+        q, sinks = torch.randn(4, 16, 128, generator=g), torch.randn(16, generator=g)
+        q, rows, sinks = q.to(dev), rows.to(dev), sinks.to(dev)
+        n, ratio, per_split, kernel = 1024, 4, 16, (16, 16, 4, 128)  # 64 splits of one block
+        heads, d, nope = 16, 128, 64
+    # closed compressed rows (position + 1) // ratio: none, one split's, one more row, all
+    pos = torch.tensor([ratio - 2, per_split * ratio, (per_split + 1) * ratio + 1, n * ratio + 7], device=dev)
+    sources = [(rows, Slots(48, position=pos, ring=rows.shape[1])), (rows, Slots(n, position=pos, ratio=ratio))]
+    outs = []
+    for skip in (False, True):
+        monkeypatch.setattr(A, "SKIP_EMPTY_SPLITS", skip)
+        if dev != "cpu":  # the next call's states reuse this block
+            torch.full((4 * 128 * 64 * d + 2 * 4 * 128 * 64,), float("nan"), device=dev)
+        outs.append(attention_decode_triton(q, sources, sinks, d**-0.5, nope, True, kernel))
+    assert torch.equal(outs[1], outs[0])
+    assert not outs[1].isnan().any()
+    assert outs[1].shape == (4, heads, d)
+
+
 def test_batched_decode_kernels_are_each_query_alone():
     """A batched decode step (one query per session, each over its own stores): indexer scores, radix top-k and
     attention (window slots from each position, picked compressed rows) launched once for the batch give every

@@ -119,6 +119,14 @@ QUERY_ASYNC = True
 # layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625)
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
+# A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
+# 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
+# each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
+# --context 4096 --capacity 1048576 --profile`: partial passes 573 us a step against 353 at a 4,126-token capacity,
+# merges 178 against 138; the step 6.53 against 6.04 ms). SKIP_EMPTY_SPLITS: a split past its source's closed
+# compressed rows (`triton_attention.empty_split`) stores only m = -inf and l = 0, and the merge leaves its
+# accumulator unread; the same bits
+SKIP_EMPTY_SPLITS = False
 # Not kept: the two phases warp-specialized (Gluon warp_specialize, 6e57e4f..f4e8630, removed): the same bits, never
 # faster (H100, scripts/compressed_kernels_ab.py --parts attention-variants, us in L2 / from DRAM, without / with).
 # One decode warpgroup for whole blocks beside two product warpgroups: window 128 10.5 / 10.3, 11.2 / 11.9; HCA at 1M
@@ -231,6 +239,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
+    skip_empty = SKIP_EMPTY_SPLITS and not one_pass and n_split > 1 and 2 in (slots[0].mode, slots[1].mode)
     qc = q.contiguous()
     if one_pass:
         out = torch.empty(B, H, D, device=q.device)
@@ -265,7 +274,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
-            Q_ASYNC=QUERY_ASYNC and two_phase > 0, **pdl)
+            Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:
@@ -273,7 +282,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                                                gb, sb, per_split[1], m, l, acc, scale, store_a, store_b, index_a,
                                                index_b, n_split, H=H, HP=hp, HB=hb, D=D, NOPE=nope,
                                                NC=1 << (nope // 64 - 1).bit_length(), BLOCK=block, SPLIT=q.is_cuda,
-                                               MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps)
+                                               MODE_A=slots[0].mode, MODE_B=slots[1].mode, SKIP_EMPTY=skip_empty,
+                                               num_warps=warps)
     rows_merge = False
     if batch_splits and COMBINE_ROWS_WAVES > 0:
         from ds4x.kernels.indexer import num_sms
@@ -294,7 +304,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         out = torch.empty(B, H, D, device=q.device)
         cos = sin = out  # unread
     combine_kernel[(H, D // 64 // cb, B)](m, l, acc, sinks, out, cos, sin, n_split, HP=hp, D=D, SB=sb,
-                                          N_ITER=n_iter, ROPE=inverse_rope is not None, CB=cb, num_warps=4, **pdl)
+                                          N_ITER=n_iter, ROPE=inverse_rope is not None, CB=cb, SKIP_EMPTY=skip_empty,
+                                          num_warps=4, **pdl)
     return out if batched else out[0]
 
 

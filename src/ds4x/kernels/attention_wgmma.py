@@ -89,7 +89,7 @@ if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
     from ds4x.formats.pdl import wait_upstream
     from ds4x.formats.rows_triton import _ue8m0_decode
-    from ds4x.kernels.triton_attention import online_softmax_step
+    from ds4x.kernels.triton_attention import empty_split, online_softmax_step
 
     @gluon.jit
     def _slot_rows(idx_ptr, pos, n, ring, offs, live, MODE: gl.constexpr):
@@ -367,14 +367,17 @@ if HAVE_GLUON:
                        H: gl.constexpr, D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr,
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
-                       TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False):
+                       TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
+                       SKIP_EMPTY: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
         output with the sink applied (as combine_kernel, without inverse RoPE) stored to out [H, D] float32.
         TWO_PHASE (> 0; a bf16 query, programs of at most that many blocks): the blocks by `_two_phase_blocks`
         instead of the online loop; the same state to float rounding. Q_ASYNC (with TWO_PHASE): the query copied to
-        shared memory by cp.async (`_copy_query`), not through registers; the same bits."""
+        shared memory by cp.async (`_copy_query`), not through registers; the same bits. SKIP_EMPTY (not WHOLE): a
+        split with no row to read (`triton_attention.empty_split`) stores m = -inf, l = 0 and no accumulator, as
+        triton_attention.partial_kernel's."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -419,6 +422,14 @@ if HAVE_GLUON:
             pos_b = zero
         else:
             pos_b = gl.load(pos_b + b).to(gl.int32)
+        if SKIP_EMPTY:
+            if empty_split(split, splits_a, blocks_a, pos_a, n_a, ring_a, blocks_b, pos_b, n_b, ring_b, BLOCK,
+                           MODE_A, MODE_B):
+                hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
+                base = b * n_split * HP + split * HP
+                gl.store(m_ptr + base + hs, gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L)))
+                gl.store(l_ptr + base + hs, gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L)))
+                return
         # the query's loads first: they need no index, so they are on their way while the first block's rows are
         # found (a device position or an index read) and asked of L2
         if Q_ASYNC:

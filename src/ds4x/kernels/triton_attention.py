@@ -61,6 +61,21 @@ def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: tl.constexpr):
 
 
 @triton.jit
+def empty_split(split, splits_a, blocks_a, pos_a, n_a, ring_a, blocks_b, pos_b, n_b, ring_b, BLOCK: tl.constexpr,
+                MODE_A: tl.constexpr, MODE_B: tl.constexpr):
+    """Whether split ``split`` starts past its source's closed compressed rows (mode 2; ``pos_*`` the query's
+    position, loaded): it has no row to read. A captured step sizes the splits by the store's capacity, so at a
+    short position most of a long session's splits are such."""
+    empty = split < 0
+    if MODE_A == 2:
+        empty = (split < splits_a) & (split * blocks_a * BLOCK >= tl.minimum((pos_a + 1) // ring_a, n_a))
+    if MODE_B == 2:
+        empty = empty | ((split >= splits_a)
+                         & ((split - splits_a) * blocks_b * BLOCK >= tl.minimum((pos_b + 1) // ring_b, n_b)))
+    return empty
+
+
+@triton.jit
 def _packed_bytes(rows_ptr, idx, stride, NOPE: tl.constexpr, NC: tl.constexpr, D: tl.constexpr):
     """The raw bytes of the rows ``idx`` [BLOCK] (-1: none, read as zeros), by 64-value chunk: E4M3 codes
     [NC, BLOCK, 64] (NC: the NOPE / 64 chunks rounded up to a power of two, the extra ones 0) with their UE8M0
@@ -147,13 +162,14 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
                    store_a, store_b, index_a, index_b, n_split,
                    H: tl.constexpr, HP: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
                    NC: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE_A: tl.constexpr,
-                   MODE_B: tl.constexpr):
+                   MODE_B: tl.constexpr, SKIP_EMPTY: tl.constexpr = False):
     """Program (split, group of HB heads, query): the softmax state of the heads over one split of two row
     sources: ``blocks_a`` blocks of BLOCK slots of source A per split for the first ``splits_a`` splits, then
     ``blocks_b`` of source B per split. A decode step has few rows per source, so the heads may be split over
     programs to keep more of the GPU busy (each group decodes the split's rows again). Query b (a batched decode
     step: one per session) reads its own stores (``store_*`` apart, 0 when shared), index rows (``index_*``
-    apart) and position."""
+    apart) and position. SKIP_EMPTY: a split with no row to read (`empty_split`) stores m = -inf, l = 0 and no
+    accumulator, which the merge (its SKIP_EMPTY) then does not read."""
     split = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     q_ptr += b * H * D
@@ -167,6 +183,14 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
     l_ptr += b * n_split * HP
     acc_ptr += b * n_split * HP * D
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    if SKIP_EMPTY:
+        p_a = tl.load(pos_a).to(tl.int32) if MODE_A == 2 else 0
+        p_b = tl.load(pos_b).to(tl.int32) if MODE_B == 2 else 0
+        if empty_split(split, splits_a, blocks_a, p_a, n_a, ring_a, blocks_b, p_b, n_b, ring_b, BLOCK, MODE_A,
+                       MODE_B):
+            tl.store(m_ptr + split * HP + offs_h, tl.full([HB], float("-inf"), tl.float32))
+            tl.store(l_ptr + split * HP + offs_h, tl.zeros([HB], tl.float32))
+            return
     h_ok = offs_h < H
     chunk = tl.arange(0, NC)[:, None, None]
     c64 = tl.arange(0, 64)
@@ -193,7 +217,7 @@ def partial_kernel(q_ptr, rows_a, idx_a, pos_a, n_a, ring_a, stride_a, splits_a,
 @triton.jit
 def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, n_split, HP: tl.constexpr,
                    D: tl.constexpr, SB: tl.constexpr, N_ITER: tl.constexpr, ROPE: tl.constexpr, CB: tl.constexpr = 1,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False):
     """Program (head, group of CB 64-value chunks, query): out = sum_s acc_s e^(m_s - top) / (sum_s l_s e^(m_s -
     top) + e^(sink - top)), rounded to out's dtype, over SB splits at a time. ROPE: the last chunk (the 64 RoPE
     dims) is rotated back first by the query's angles (cos / sin [queries, 32]) in interleaved pairs, the
@@ -201,7 +225,9 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
     one per chunk read them D / 64 times and its programs waited on their loads in turn. Each iteration loads its
     splits' m, l and acc together and moves the running sums to a new top as an online softmax does, so a merge of
     one iteration waits on memory once (a first pass over m for the top was a second wait); with one iteration
-    the arithmetic is the two-pass formula's."""
+    the arithmetic is the two-pass formula's. SKIP_EMPTY: a split whose m is -inf (every head's: a split the
+    partial pass found empty, `empty_split`) has its accumulator, unwritten, left unread: its weight is 0 either
+    way, so the bits are the same; the accumulator's load then waits on m's."""
     wait_upstream(PDL)
     h = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
@@ -219,6 +245,8 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
         live = s0 + offs < n_split
         m = tl.load(m_ptr + (s0 + offs) * HP + h, mask=live, other=float("-inf"))
         lv = tl.load(l_ptr + (s0 + offs) * HP + h, mask=live, other=0.0)
+        if SKIP_EMPTY:
+            live = live & (m > float("-inf"))
         part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + cols[None, :], mask=live[:, None],
                        other=0.0)
         new_top = tl.maximum(top, tl.max(m, 0))
