@@ -122,7 +122,7 @@ TMA_STATE_SPLITS = 64
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
 # each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
-# --context 4096 --capacity 1048576 --profile`: partial passes 573 us a step against 353 at a 4,126-token capacity,
+# --context 4096 --capacity 1048576 --profile`: partial passes 573 us a step against 353 at a 4,142-token capacity,
 # merges 178 against 138; the step 6.53 against 6.04 ms). SKIP_EMPTY_SPLITS: a split past its source's closed
 # compressed rows (`triton_attention.empty_split`) stores only m = -inf and l = 0, and the merge leaves its
 # accumulator unread; the same bits
