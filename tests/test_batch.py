@@ -223,6 +223,71 @@ def test_decode_slots_on_cuda_queue_steps_on_device_tokens() -> None:
     assert pools[0].steps[4].graph is not None and pools[1].steps[4].graph is not None
 
 
+def test_step_spans_are_the_ladder_below_the_context() -> None:
+    from ds4x.runtime.decode_graph import step_spans
+
+    assert step_spans(1024, (0, 4, 8), (256, 128, 4096, 256)) == [128, 256, None]
+    assert step_spans(1024, (0, 4, 8), ()) == [None]
+    assert step_spans(128, (4,), (128,)) == [None]  # a span of the whole context is the step without one
+    with pytest.raises(ValueError, match="multiples of every compression ratio"):
+        step_spans(1024, (4, 128), (200,))
+
+
+def test_captured_step_runs_the_smallest_span_above_its_positions(engine: Engine, monkeypatch) -> None:
+    """With POSITION_SPANS each step runs within `position_span` of the smallest span above every position it
+    writes (idle occupied slots included), and without a span once a position reaches the last."""
+    from ds4x.model import attention
+    from ds4x.runtime import decode_graph
+
+    monkeypatch.setattr(decode_graph, "POSITION_SPANS", (64, 32))
+    pool = DecodeSlots(engine, 512, "packed", 64, capacity=2)
+    seen = []
+    step = engine.model.decode_step
+
+    def recorded(*args, **kw):
+        seen.append(attention._SPAN.get())
+        return step(*args, **kw)
+
+    monkeypatch.setattr(engine.model, "decode_step", recorded)
+    idle, a = (Session(engine, pool.acquire(), 64) for _ in range(2))
+    idle.prefill(list(range(3, 53)))  # 50 tokens in slot 0, not stepping: its position counts all the same
+    a.prefill(list(range(3, 23)))  # 20 tokens in slot 1
+    for _ in range(50):  # a writes positions 20 .. 69
+        pool.decode([(a, int(a.logits.argmax()))])
+    assert seen == [64] * 44 + [None] * 6
+    assert pool.steps[2].spans == [32, 64, None] and pool.steps[2].span is None
+
+
+@pytest.mark.gpu
+def test_decode_within_position_spans_matches_the_step_without() -> None:
+    """POSITION_SPANS on the GPU: sessions decoding across a span (HCA offered, and CSA scoring and selecting, only
+    the compressed rows below it) follow the sessions of a pool without spans: the same greedy tokens and logits to
+    float rounding (the attention's splits move with the rows offered), a graph captured per span."""
+    from ds4x.runtime import decode_graph
+
+    engine = Engine.load("default", device="cuda")
+    pools = []
+    for spans in ((), (256,)):
+        decode_graph.POSITION_SPANS = spans
+        try:
+            pools.append(DecodeSlots(engine, 1024, "packed", 64, capacity=4))
+        finally:
+            decode_graph.POSITION_SPANS = ()
+    whole, spanned = (_three_prefilled_twice(engine, pool)[1] for pool in pools)
+    prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 12)[:200]
+    for s in (*whole, *spanned):
+        s.prefill(prompt)
+    worst = 0.0
+    for _ in range(96):  # every session crosses position 256
+        tokens = [int(s.logits.argmax()) for s in whole]
+        want = torch.stack(pools[0].decode(list(zip(whole, tokens, strict=True))))
+        got = torch.stack(pools[1].decode(list(zip(spanned, tokens, strict=True))))
+        assert torch.equal(want.argmax(-1), got.argmax(-1))
+        worst = max(worst, float((want - got).abs().max() / want.abs().max()))
+    assert worst < 1e-4, worst
+    assert set(pools[1].steps[4].graphs) == {256, None} and set(pools[0].steps[4].graphs) == {None}
+
+
 def test_activations_do_not_depend_on_the_tensor_size() -> None:
     """torch's CPU sigmoid/silu/softplus take other approximations on SIMD tails; ours must not."""
     x = torch.randn(37, 24) * 6

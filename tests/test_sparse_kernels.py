@@ -479,6 +479,28 @@ def test_attention_skips_the_empty_splits_of_a_wide_store(config, monkeypatch):
     assert outs[1].shape == (4, heads, d)
 
 
+def test_indexer_scores_a_prefix_view_of_a_batch_of_stores():
+    """A decode step within a position span scores the first rows of each session's indexer store: a view
+    [B, w, 68] of stores [B, cap, 68] gives the bits of the same rows copied contiguous; rows that are not each
+    store's back to back are refused."""
+    from ds4x.kernels.indexer import indexer_scores_triton
+
+    dev, B, cap, w = _device(), 3, 300, 160
+    stores = torch.stack([_indexer_case(cap, 16, 40 + b, dev)[0] for b in range(B)])
+    q = torch.stack([_indexer_case(cap, 16, 50 + b, dev)[1] for b in range(B)])
+    weights = torch.randn(B, 16, generator=torch.Generator().manual_seed(4)).to(dev)
+    counts = torch.tensor([160, 0, 97], device=dev)
+    view = stores[:, :w]
+    assert not view.is_contiguous()
+    got = indexer_scores_triton(q, weights, view, counts, packed=True)
+    want = indexer_scores_triton(q, weights, view.contiguous(), counts, packed=True)
+    assert got.shape == (B, w)
+    for b, n in enumerate(counts.tolist()):
+        assert torch.equal(got[b, :n], want[b, :n])
+    with pytest.raises(ValueError, match="each store's rows contiguous"):
+        indexer_scores_triton(q, weights, stores[:, ::2], counts, packed=True)
+
+
 def test_batched_decode_kernels_are_each_query_alone():
     """A batched decode step (one query per session, each over its own stores): indexer scores, radix top-k and
     attention (window slots from each position, picked compressed rows) launched once for the batch give every

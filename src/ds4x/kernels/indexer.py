@@ -61,7 +61,8 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
     q [T, H, 128], weights [T, H] -> scores [T, n_rows] (a prefill chunk: the same per-row bits as T decode calls).
 
     ``rows`` is the store's data: uint8 [cap, 68] when ``packed`` else float32 [cap, 128] (packed here
-    first), or one store per query [T, cap, width] (a batched decode step: query t scores store t); rows
+    first), or one store per query [T, cap, width] (a batched decode step: query t scores store t; packed, it may
+    be a view of the first ``cap`` rows of larger stores); rows
     0..n_rows-1 are scored (compressed rows are never wrapped: their store holds the whole
     context). ``n_rows`` may be an integer tensor on the device, one count or one per query (a CUDA graph
     replays with whatever count it then holds; a prefill query sees only the rows closed by its position):
@@ -91,9 +92,12 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
             from ds4x.formats import pack_indexer_rows
 
             rows = pack_indexer_rows(rows[..., :n_rows, :], validate=False)
-        if rows.dtype != torch.uint8 or rows.shape[-1] != 68 or not rows.is_contiguous():
-            raise ValueError(f"packed indexer rows must be contiguous uint8 [(T,) cap, 68]; got {rows.dtype} "
-                             f"{tuple(rows.shape)}")
+        # one store's rows back to back; a batch of stores may be a prefix view of larger ones (a decode step
+        # within a position span scores only the rows below it)
+        if (rows.dtype != torch.uint8 or rows.shape[-1] != 68 or rows.stride(-1) != 1 or rows.stride(-2) != 68
+                or (per_query and rows.stride(0) % 4)):
+            raise ValueError(f"packed indexer rows must be uint8 [(T,) cap, 68], each store's rows contiguous; got "
+                             f"{rows.dtype} {tuple(rows.shape)} strides {rows.stride()}")
         words = rows.view(torch.int32)
         from ds4x.kernels import indexer_wgmma
 

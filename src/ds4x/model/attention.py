@@ -21,6 +21,9 @@ there the caches' stores are read as batches of rings (`ds4x.model.cache.batch_l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -41,6 +44,27 @@ from ds4x.model.rope import apply_rope, cos_sin, rms_norm_rope
 
 # capture a step's critical work before the large pieces beside it (`fork_point`); False: the order before (A/B)
 LAUNCH_CRITICAL_FIRST = True
+_SPAN: ContextVar[int | None] = ContextVar("ds4x_position_span", default=None)
+
+
+@contextmanager
+def position_span(span: int | None) -> Iterator[None]:
+    """Within the block, decode steps (the Triton path) may assume every query's position is below ``span`` (a
+    multiple of every compression ratio; None: any position the caches hold): HCA is offered only the compressed
+    rows closed before it and CSA scores and selects over only that prefix of its indexer store, so a step
+    captured for a long cache at a short position launches the kernels of a short one. The caller keeps the
+    promise (`ds4x.runtime.decode_graph.CapturedStep` replays the step of the smallest span above its positions)."""
+    token = _SPAN.set(span)
+    try:
+        yield
+    finally:
+        _SPAN.reset(token)
+
+
+def _span_rows(capacity: int, ratio: int) -> int:
+    """The compressed rows a decode step offers from a store of ``capacity``: those closed below the span."""
+    span = _SPAN.get()
+    return capacity if span is None else min(capacity, span // ratio)
 
 
 def _emit_windows(proj: RowStore, ape: torch.Tensor, windows: torch.Tensor, last: torch.Tensor, ratio: int,
@@ -333,7 +357,7 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
     capacities, so a captured step replays at any positions: the window holding the new position is re-emitted
     each step (its row is read only once closed), the attention window is its W slots (-1 before position 0), HCA
     offers all compressed slots with the unwritten ones at -1, CSA scores the whole indexer store with the row
-    count read on the device."""
+    count read on the device; within `position_span` only the compressed rows below the span."""
     p = f"layers.{layer}.attn."
     kind, ratio = cfg.attn_kinds[layer], cfg.compress_ratios[layer]
     packed = cache.mode == "packed"
@@ -360,15 +384,18 @@ def _decode_triton(st: LayerState, cache: ModelCache, pos: torch.Tensor, windows
         assert st.idx_rows is not None and st.idx_proj is not None and n_rows is not None  # [B]: closed windows
         _compress(idx[rows], st.idx_proj, st.idx_rows, w[p + "indexer.compressor.ape"],
                   w[p + "indexer.compressor.norm.weight"], pos, windows, ratio, True, cfg.index_head_dim, cfg, rope)
-        index = scored_topk_radix(cache.indexer_query(inputs.index_q[rows]), index_w[rows], st.idx_rows.data,
-                                  n_rows, packed, cfg.index_topk)  # unfilled slots: -1, no row
+        keys = st.idx_rows.data
+        keys = keys.narrow(-2, 0, _span_rows(keys.shape[-2], ratio))  # compressed rows never wrap: a prefix
+        index = scored_topk_radix(cache.indexer_query(inputs.index_q[rows]), index_w[rows], keys, n_rows, packed,
+                                  cfg.index_topk)  # unfilled slots: -1, no row
     for b in writes:
         b.join()
     sources: list[tuple[torch.Tensor, Slots | torch.Tensor]] = [
         (st.raw.data, Slots(cfg.sliding_window, position=pos, ring=st.raw.capacity))]
     if kind == HCA:
         assert st.comp_rows is not None
-        sources.append((st.comp_rows.data, Slots(st.comp_rows.capacity, position=pos, ratio=ratio)))
+        sources.append((st.comp_rows.data, Slots(_span_rows(st.comp_rows.capacity, ratio), position=pos,
+                                                 ratio=ratio)))
     elif kind == CSA:
         assert st.comp_rows is not None and index is not None
         sources.append((st.comp_rows.data, index))

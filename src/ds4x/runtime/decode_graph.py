@@ -2,7 +2,9 @@
 
 `Transformer.decode_step` reads its positions and tokens from device tensors and sizes everything by the
 caches' capacities, so a step over a fixed list of caches is captured once (the graph holds the caches'
-buffers) and replayed at every later position. The first step runs eagerly (it compiles the Triton kernels
+buffers) and replayed at every later position. With ``POSITION_SPANS`` a step is captured once per span (the
+steps of a span launch the compressed layers' kernels for positions below it, `ds4x.model.attention.position_span`)
+and each call replays the smallest span above its positions. The first step runs eagerly (it compiles the Triton kernels
 and is the real step for those positions), then the capture is taken; capturing runs nothing, so no state
 moves twice. ``DS4X_CUDA_GRAPHS=0`` keeps every step eager. A capture that fails is reported once and the
 caller continues eagerly.
@@ -20,12 +22,32 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ds4x.kernels.dispatch import use_triton
+from ds4x.model.attention import position_span
 from ds4x.model.cache import ModelCache
 from ds4x.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
 Decoder = Callable[[int], torch.Tensor]  # token -> next-token logits [V] (advances the cache)
+
+# Position spans below the caches' context for which a step is captured on its own (each a multiple of every
+# compression ratio): a step's HCA splits and CSA top-k are otherwise sized by the context, so a session opened for
+# 1M tokens ran them 1M-wide at every position (H100, 03d142b, one session at a 4K position: 6.53 ms a step in a
+# 1M cache against 6.04 in a 4,142-token one; docs/PROFILE.md). Each span costs one more capture per step shape
+# (seconds, and the graph's memory). Empty: one step for any position. Not yet run on a GPU: off
+POSITION_SPANS: tuple[int, ...] = ()
+
+
+def step_spans(ctx: int, ratios: Sequence[int], spans: Sequence[int] | None = None) -> list[int | None]:
+    """The spans a step over caches of ``ctx`` tokens is captured for, ascending: those of ``spans`` (default
+    ``POSITION_SPANS``) below ``ctx``, then None (any position). Each must be a multiple of every compression
+    ratio in ``ratios`` (a span's compressed rows are whole)."""
+    spans = POSITION_SPANS if spans is None else spans
+    bad = [s for s in spans if s <= 0 or any(r and s % r for r in ratios)]
+    if bad:
+        raise ValueError(f"position spans are positive multiples of every compression ratio "
+                         f"{sorted(set(r for r in ratios if r))}; got {bad}")
+    return [*sorted(s for s in set(spans) if s < ctx), None]
 
 
 def graphs_enabled(device: torch.device, cache_mode: str) -> bool:
@@ -62,22 +84,30 @@ class CapturedStep:
         self.held = torch.zeros(n, dtype=torch.long, device=model.device) if pipelined else None
         self._held_set = False  # whether ``held`` has non-zero entries from the last call
         self._zero = torch.zeros(1, dtype=torch.long, device=model.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # the graph's output buffer [n, V]
+        self.spans = step_spans(min(c.ctx for c in self.caches), model.cfg.compress_ratios)
+        self.span: int | None = None  # the last call's span
+        self.graphs: dict[int | None, torch.cuda.CUDAGraph] = {}  # per span
+        self.outputs: dict[int | None, torch.Tensor] = {}  # each graph's output buffer [n, V]
         # recorded after the copy that reads host_inputs: after the step, or (pipelined) after the copy's own launch
         # (CUDA only: on the CPU the copy is done when it returns)
         self._consumed = torch.cuda.Event() if cuda else None
         # eager where graphs are off, or once a capture failed
         self.eager = not all(graphs_enabled(model.device, c.mode) for c in self.caches)
 
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The last call's captured step (None before its capture, or eager)."""
+        return self.graphs.get(self.span)
+
     def _copy_inputs(self) -> None:
         self.inputs.copy_(self.host_inputs, non_blocking=True)
 
     def _step(self) -> torch.Tensor:
-        if self.held is None:
-            self._copy_inputs()
-            return self.model.decode_step(self.tokens, self.positions, self.caches)
-        return self.model.decode_step(self.tokens + self.held, self.positions, self.caches)
+        with position_span(self.span):
+            if self.held is None:
+                self._copy_inputs()
+                return self.model.decode_step(self.tokens, self.positions, self.caches)
+            return self.model.decode_step(self.tokens + self.held, self.positions, self.caches)
 
     def __call__(self, tokens: Sequence[int], positions: Sequence[int],
                  held: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -90,6 +120,8 @@ class CapturedStep:
             self._consumed.synchronize()  # returns at once before the first record
         self._host_view[0] = tokens
         self._host_view[1] = positions
+        top = max(positions)
+        self.span = next(s for s in self.spans if s is None or top < s)
         if self.held is not None:  # launches queued behind the previous step, which read both buffers
             self._copy_inputs()
             if self._consumed is not None:
@@ -100,14 +132,14 @@ class CapturedStep:
             elif self._held_set:
                 self.held.zero_()
                 self._held_set = False
+        graph = self.graph
         if self.eager:
             out = self._step()
-        elif self.graph is None:
+        elif graph is None:
             out = self._first_step()
         else:
-            self.graph.replay()
-            assert self.logits is not None
-            out = self.logits.clone()  # the buffer is overwritten by the next replay
+            graph.replay()
+            out = self.outputs[self.span].clone()  # the buffer is overwritten by the next replay
         if self._consumed is not None and self.held is None:
             self._consumed.record()
         return out
@@ -122,16 +154,16 @@ class CapturedStep:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.logits = self._step()
+                logits = self._step()
         except RuntimeError as e:  # an op that syncs with the host, or no room for the graph
             first: BaseException = e
             while first.__context__ is not None:  # the op that broke the capture, not the end-of-capture error
                 first = first.__context__
             log.warning("decode step could not be captured as a CUDA graph (%s); decoding eagerly",
                         str(first).splitlines()[0] if str(first) else type(first).__name__)
-            self.eager, self.logits = True, None
+            self.eager = True
             return out
-        self.graph = graph
+        self.graphs[self.span], self.outputs[self.span] = graph, logits
         return out
 
 
