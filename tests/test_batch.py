@@ -261,8 +261,10 @@ def test_captured_step_runs_the_smallest_span_above_its_positions(engine: Engine
 @pytest.mark.gpu
 def test_decode_within_position_spans_matches_the_step_without() -> None:
     """POSITION_SPANS on the GPU: sessions decoding across a span (HCA offered, and CSA scoring and selecting, only
-    the compressed rows below it) follow the sessions of a pool without spans: the same greedy tokens and logits to
-    float rounding (the attention's splits move with the rows offered), a graph captured per span."""
+    the compressed rows below it) give the bits of the sessions of a pool without spans, a graph captured per span.
+    Bits, because at this size each split is one block with or without the span (the splits past it only add
+    zero-weight states to the merge), the indexer's scores are per row and the selection is exact and in row
+    order."""
     from ds4x.runtime import decode_graph
 
     engine = Engine.load("default", device="cuda")
@@ -277,14 +279,11 @@ def test_decode_within_position_spans_matches_the_step_without() -> None:
     prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 12)[:200]
     for s in (*whole, *spanned):
         s.prefill(prompt)
-    worst = 0.0
-    for _ in range(96):  # every session crosses position 256
+    for i in range(96):  # every session crosses position 256
         tokens = [int(s.logits.argmax()) for s in whole]
         want = torch.stack(pools[0].decode(list(zip(whole, tokens, strict=True))))
         got = torch.stack(pools[1].decode(list(zip(spanned, tokens, strict=True))))
-        assert torch.equal(want.argmax(-1), got.argmax(-1))
-        worst = max(worst, float((want - got).abs().max() / want.abs().max()))
-    assert worst < 1e-4, worst
+        assert torch.equal(got, want), (i, [s.cache.length for s in spanned])
     assert set(pools[1].steps[4].graphs) == {256, None} and set(pools[0].steps[4].graphs) == {None}
 
 
