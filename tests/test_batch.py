@@ -276,7 +276,7 @@ def test_decode_within_position_spans_matches_the_step_without() -> None:
         finally:
             decode_graph.POSITION_SPANS = ()
     whole, spanned = (_three_prefilled_twice(engine, pool)[1] for pool in pools)
-    prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 12)[:200]
+    prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 20)[:200]
     for s in (*whole, *spanned):
         s.prefill(prompt)
     for i in range(96):  # every session crosses position 256
