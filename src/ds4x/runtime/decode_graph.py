@@ -4,10 +4,10 @@
 caches' capacities, so a step over a fixed list of caches is captured once (the graph holds the caches'
 buffers) and replayed at every later position. With ``POSITION_SPANS`` a step is captured once per span (the
 steps of a span launch the compressed layers' kernels for positions below it, `ds4x.model.attention.position_span`)
-and each call replays the smallest span above its positions. The first step runs eagerly (it compiles the Triton kernels
-and is the real step for those positions), then the capture is taken; capturing runs nothing, so no state
-moves twice. ``DS4X_CUDA_GRAPHS=0`` keeps every step eager. A capture that fails is reported once and the
-caller continues eagerly.
+and each call replays the smallest span above its positions. The first step (of each span) runs eagerly (it
+compiles the Triton kernels and is the real step for those positions), then the capture is taken; capturing runs
+nothing, so no state moves twice. ``DS4X_CUDA_GRAPHS=0`` keeps every step eager. A capture that fails is
+reported once and the caller continues eagerly.
 
 :class:`GraphDecoder` decodes one session; :class:`ds4x.runtime.batch.DecodeSlots` decodes a fixed pool of
 caches together (one captured step per batch size).
