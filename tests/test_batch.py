@@ -284,7 +284,7 @@ def test_decode_within_position_spans_matches_the_step_without() -> None:
         want = torch.stack(pools[0].decode(list(zip(whole, tokens, strict=True))))
         got = torch.stack(pools[1].decode(list(zip(spanned, tokens, strict=True))))
         assert torch.equal(got, want), (i, [s.cache.length for s in spanned])
-    assert set(pools[1].steps[4].graphs) == {256, None} and set(pools[0].steps[4].graphs) == {None}
+    assert set(pools[1].steps[4].captured) == {256, None} and set(pools[0].steps[4].captured) == {None}
 
 
 def test_activations_do_not_depend_on_the_tensor_size() -> None:

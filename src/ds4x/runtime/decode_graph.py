@@ -86,8 +86,8 @@ class CapturedStep:
         self._zero = torch.zeros(1, dtype=torch.long, device=model.device)
         self.spans = step_spans(min(c.ctx for c in self.caches), model.cfg.compress_ratios)
         self.span: int | None = None  # the last call's span
-        self.graphs: dict[int | None, torch.cuda.CUDAGraph] = {}  # per span
-        self.outputs: dict[int | None, torch.Tensor] = {}  # each graph's output buffer [n, V]
+        # per span: its graph and the graph's output buffer [n, V]
+        self.captured: dict[int | None, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # recorded after the copy that reads host_inputs: after the step, or (pipelined) after the copy's own launch
         # (CUDA only: on the CPU the copy is done when it returns)
         self._consumed = torch.cuda.Event() if cuda else None
@@ -97,7 +97,8 @@ class CapturedStep:
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
         """The last call's captured step (None before its capture, or eager)."""
-        return self.graphs.get(self.span)
+        captured = self.captured.get(self.span)
+        return captured[0] if captured is not None else None
 
     def _copy_inputs(self) -> None:
         self.inputs.copy_(self.host_inputs, non_blocking=True)
@@ -132,14 +133,14 @@ class CapturedStep:
             elif self._held_set:
                 self.held.zero_()
                 self._held_set = False
-        graph = self.graph
+        captured = self.captured.get(self.span)
         if self.eager:
             out = self._step()
-        elif graph is None:
+        elif captured is None:
             out = self._first_step()
         else:
-            graph.replay()
-            out = self.outputs[self.span].clone()  # the buffer is overwritten by the next replay
+            captured[0].replay()
+            out = captured[1].clone()  # the buffer is overwritten by the next replay
         if self._consumed is not None and self.held is None:
             self._consumed.record()
         return out
@@ -163,7 +164,7 @@ class CapturedStep:
                         str(first).splitlines()[0] if str(first) else type(first).__name__)
             self.eager = True
             return out
-        self.graphs[self.span], self.outputs[self.span] = graph, logits
+        self.captured[self.span] = graph, logits
         return out
 
 
