@@ -258,6 +258,27 @@ def test_captured_step_runs_the_smallest_span_above_its_positions(engine: Engine
     assert pool.steps[2].spans == [32, 64, None] and pool.steps[2].span is None
 
 
+def test_warm_up_makes_each_spans_step(engine: Engine, monkeypatch) -> None:
+    """With position spans the warm-up runs every batch size's step once per span, at the span's first position,
+    and leaves every slot free."""
+    from ds4x.model import attention
+    from ds4x.runtime import decode_graph
+
+    monkeypatch.setattr(decode_graph, "POSITION_SPANS", (64, 128))
+    pool = DecodeSlots(engine, 512, "packed", 64, capacity=3)
+    seen = []
+    step = engine.model.decode_step
+
+    def recorded(tokens, positions, caches):
+        seen.append((len(caches), attention._SPAN.get(), positions.tolist()))
+        return step(tokens, positions, caches)
+
+    monkeypatch.setattr(engine.model, "decode_step", recorded)
+    pool.warm_up()
+    assert seen == [(b, span, [start] * b) for b in (1, 2, 3) for span, start in ((64, 0), (128, 64), (None, 128))]
+    assert pool.free == [0, 1, 2] and pool.acquire().length == 0  # a slot is reset as it is taken
+
+
 @pytest.mark.gpu
 def test_decode_within_position_spans_matches_the_step_without() -> None:
     """POSITION_SPANS on the GPU: sessions decoding across a span (HCA offered, and CSA scoring and selecting, only

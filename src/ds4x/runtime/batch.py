@@ -27,7 +27,7 @@ import torch
 
 from ds4x.kernels.linear import rowwise_products
 from ds4x.model.cache import CachePool, ModelCache
-from ds4x.runtime.decode_graph import CapturedStep
+from ds4x.runtime.decode_graph import CapturedStep, step_spans
 from ds4x.runtime.engine import Engine, Session
 
 
@@ -113,17 +113,21 @@ class DecodeSlots:
 
     def warm_up(self, progress: Callable[[int], None] | None = None) -> None:
         """Make every batch size's step now, with all slots free: a first use compiles the step's kernels for its
-        shapes and captures its graph (seconds each on a large model), which a request would otherwise wait for.
-        ``progress(b)`` after each size. The slots are free again afterwards, their rows dropped."""
+        shapes and captures its graph (seconds each on a large model), which a request would otherwise wait for;
+        with position spans (`ds4x.runtime.decode_graph.POSITION_SPANS`) one step per span, taken at the span's
+        first position. ``progress(b)`` after each size. The slots are free again afterwards, their rows dropped."""
         if len(self.free) != self.capacity:
             raise RuntimeError(f"warming up needs every decode slot free; {self.capacity - len(self.free)} in use")
         sessions = [Session(self.engine, self.acquire(), self.chunk) for _ in range(self.capacity)]
+        starts = [0, *step_spans(self.ctx, self.engine.cfg.compress_ratios)[:-1]]  # each span's first position
         try:
             for b in self.sizes:
-                for session in sessions[:b]:  # from position 0, so a context of any size holds the step
-                    session.cache.reset()
-                    session.tokens.clear()
-                self.decode([(session, 1 % self.engine.cfg.vocab_size) for session in sessions[:b]])
+                for start in starts:  # below the context, so it holds the step
+                    for session in sessions[:b]:
+                        session.cache.reset()
+                        session.tokens.clear()
+                        session.cache.length = start  # (rows below it as the reset left them: logits unused)
+                    self.decode([(session, 1 % self.engine.cfg.vocab_size) for session in sessions[:b]])
                 if progress:
                     progress(b)
         finally:
