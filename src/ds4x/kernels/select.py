@@ -220,8 +220,11 @@ def _check_digit_bits(name: str, bits: int) -> None:
 FIRST_LEVEL_IN_INDEXER = True
 # Only the multi-program select's programs whose tile holds a visible score take part (`radix_kernel` LIVE): a
 # captured step's scores are as wide as the session's capacity, so without it a 1M session at a 4K position runs all
-# 128 programs, barriers and all, over 1,024 visible scores. Exact either way (interpreter tests). Not yet timed on a
-# GPU (`scripts/batched_decode.py --batches 1 --context 4096 --capacity 1048576`): off
+# 128 programs, barriers and all, over 1,024 visible scores. Exact either way (interpreter and GPU tests). Off: the
+# position spans (`ds4x.runtime.decode_graph.POSITION_SPANS`) take most of what it saved. H100, `scripts/
+# batched_decode.py -m flash:q2:128 --batches 1 --capacity 1048576 --rounds 2`, replay ms without / with: at 4K
+# without spans (03d142b) 6.48, 6.51 / 6.46, 6.45; at 200K with spans (754f523) 6.58, 6.59 / 6.57, 6.57; at 100K
+# (b824a9c) 6.30 / 6.30; the frontier at 1M 1.343, 1.335 / 1.339, 1.339 ms (41 layers, sum)
 LIVE_PROGRAMS = False
 
 

@@ -36,7 +36,8 @@ Decoder = Callable[[int], torch.Tensor]  # token -> next-token logits [V] (advan
 # 1M cache against 6.04 in a 4,142-token one; docs/PROFILE.md). Each span costs one more capture per step shape
 # (seconds, and the graph's memory). Empty: one step for any position. With these spans the same session runs its
 # 4K position in 6.12 ms, four sessions of a 256K cache at 4K 10.67 -> 10.11 ms (H100, 754f523, skipped empty splits
-# on as well)
+# on as well); a 2-slot 1M pool's warm-up 2.2 s and +0.19 GiB of graphs against 0.6 s and +0.06 GiB without them
+# (kernels already compiled)
 POSITION_SPANS: tuple[int, ...] = (16384, 131072)
 
 
