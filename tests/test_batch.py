@@ -260,12 +260,14 @@ def test_captured_step_runs_the_smallest_span_above_its_positions(engine: Engine
 
 def test_warm_up_makes_each_spans_step(engine: Engine, monkeypatch) -> None:
     """With position spans the warm-up runs every batch size's step once per span, at the span's first position,
-    and leaves every slot free."""
+    and leaves every slot free. The ladder is the one of the pool's making (a later change of the setting leaves
+    it)."""
     from ds4x.model import attention
     from ds4x.runtime import decode_graph
 
     monkeypatch.setattr(decode_graph, "POSITION_SPANS", (64, 128))
     pool = DecodeSlots(engine, 512, "packed", 64, capacity=3)
+    monkeypatch.setattr(decode_graph, "POSITION_SPANS", ())
     seen = []
     step = engine.model.decode_step
 

@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup and sched.slots is not None:
         t0 = time.perf_counter()
         log.info("warming up before listening (--no-warmup: on the first requests instead): kernels compile and a "
-                 "CUDA graph is captured per decode batch size (%s)", ", ".join(map(str, sched.slots.sizes)))
+                 "CUDA graph is captured per decode batch size (%s) and position span (%s)",
+                 ", ".join(map(str, sched.slots.sizes)),
+                 ", ".join("the context" if s is None else f"below {s}" for s in sched.slots.spans))
         sched.warm_up(lambda what: log.info("warm: %s (%.1f s)", what, time.perf_counter() - t0))
     sys.stderr.flush()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",

@@ -92,6 +92,8 @@ class DecodeSlots:
         self.slot_of: dict[int, int] = {id(c): i for i, c in enumerate(self.caches)}
         self.free: list[int] = list(range(capacity))  # sorted
         self.steps: dict[int, CapturedStep] = {}
+        # fixed with the pool, so that every batch size's step and the warm-up take the same ladder
+        self.spans = step_spans(ctx, model.cfg.compress_ratios)
 
     def acquire(self) -> ModelCache:
         """An empty cache of the pool (the lowest free one), or ValueError when all are in use."""
@@ -119,7 +121,7 @@ class DecodeSlots:
         if len(self.free) != self.capacity:
             raise RuntimeError(f"warming up needs every decode slot free; {self.capacity - len(self.free)} in use")
         sessions = [Session(self.engine, self.acquire(), self.chunk) for _ in range(self.capacity)]
-        starts = [0, *step_spans(self.ctx, self.engine.cfg.compress_ratios)[:-1]]  # each span's first position
+        starts = [0, *self.spans[:-1]]  # each span's first position
         try:
             for b in self.sizes:
                 for start in starts:  # below the context, so it holds the step
@@ -182,7 +184,7 @@ class DecodeSlots:
                 raise ValueError(f"decode slot {slot} holds a full context but is not stepping")
         step = self.steps.get(b)
         if step is None:
-            step = self.steps[b] = CapturedStep(self.engine.model, caches, pipelined=True)
+            step = self.steps[b] = CapturedStep(self.engine.model, caches, pipelined=True, spans=self.spans)
         with rowwise_products(self.rowwise):
             logits = step(tokens, positions, held)
         out = []

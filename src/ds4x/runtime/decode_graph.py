@@ -71,7 +71,8 @@ class CapturedStep:
     small kernel in the graph), and the host's inputs are copied by a launch of their own before the replay, so
     that writing the next ones waits for that copy only, not for the whole step."""
 
-    def __init__(self, model: Transformer, caches: Sequence[ModelCache], pipelined: bool = False):
+    def __init__(self, model: Transformer, caches: Sequence[ModelCache], pipelined: bool = False,
+                 spans: Sequence[int | None] | None = None):
         self.model, self.caches = model, list(caches)
         n = len(self.caches)
         # the step's inputs, tokens then positions: written on the host into page-locked memory, copied to the
@@ -87,7 +88,9 @@ class CapturedStep:
         self.held = torch.zeros(n, dtype=torch.long, device=model.device) if pipelined else None
         self._held_set = False  # whether ``held`` has non-zero entries from the last call
         self._zero = torch.zeros(1, dtype=torch.long, device=model.device)
-        self.spans = step_spans(min(c.ctx for c in self.caches), model.cfg.compress_ratios)
+        # the ladder of `step_spans` (default: that of the caches' context and POSITION_SPANS now)
+        self.spans = list(spans) if spans is not None else step_spans(min(c.ctx for c in self.caches),
+                                                                      model.cfg.compress_ratios)
         self.span: int | None = None  # the last call's span
         # per span: its graph and the graph's output buffer [n, V]
         self.captured: dict[int | None, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
