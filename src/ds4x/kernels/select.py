@@ -138,8 +138,9 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # removed (H100, e8b13f3, scripts/compressed_kernels_ab.py --parts pair, scoring + top-512 of 262,144 rows from DRAM,
 # us without / with it: 30.7 / 32.6, first level in the indexer 30.1 / 32.1).
 
-# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
-# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3]
+# candidates listed (CANDIDATES); from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per program
+# the rows above / equal to the k-th score; then the listed candidates' codes and rows (_MAX_CANDIDATES each)
 _MAX_PROGRAMS = 1024
 _MAX_CANDIDATES = 1024
 _WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS + 2 * _MAX_CANDIDATES
