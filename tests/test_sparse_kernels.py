@@ -154,7 +154,8 @@ def test_radix_select_by_listed_candidates(cap, monkeypatch):
     digits so far and takes the ones still needed among them by code, then row. The same index and valid lists
     (the reference's rows, in row order) as without it, for Gaussian scores (listed after one level: the list is
     written), codes agreeing in their top one, two or three bytes, exact ties at the k-th score (too many to list:
-    the levels go on), few visible rows and none; called twice, so the candidate count it leaves must be reset."""
+    the levels go on), few visible rows and none; called twice, so the candidate count it leaves must be reset; and
+    two rows of a batched step with their counts on the device."""
     from ds4x.kernels import select
 
     dev, n, k = _device(), 1024, 128  # 4 programs of 256 scores
@@ -181,6 +182,13 @@ def test_radix_select_by_listed_candidates(cap, monkeypatch):
                 assert bool(listed.any())
             ref = select_topk(scores[None], (torch.arange(n) < n_vis).to(dev)[None], k)
             assert torch.equal(selection_mask(got[0][None], got[1][None], n), selection_mask(*ref, n)), (c, n_vis)
+    # a batched step's rows (each its own workspace and list), counts read on the device
+    scores, counts = torch.stack(cases[:2]).to(dev), torch.tensor([n, 700], device=dev)
+    monkeypatch.setattr(select, "CANDIDATES", 0)
+    want = select_topk_radix(scores, counts, k, small=False)
+    monkeypatch.setattr(select, "CANDIDATES", cap)
+    got = select_topk_radix(scores, counts, k, small=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["all programs", "live programs"])
