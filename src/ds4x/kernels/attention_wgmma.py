@@ -89,7 +89,7 @@ if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
     from ds4x.formats.pdl import wait_upstream
     from ds4x.formats.rows_triton import _ue8m0_decode
-    from ds4x.kernels.triton_attention import empty_split, online_softmax_step
+    from ds4x.kernels.triton_attention import closed_rows, empty_split, online_softmax_step
 
     @gluon.jit
     def _slot_rows(idx_ptr, pos, n, ring, offs, live, MODE: gl.constexpr):
@@ -102,7 +102,7 @@ if HAVE_GLUON:
             p = pos - (n - 1) + offs
             idx = gl.where((p >= 0) & (offs < n) & live, p % ring, -1)
         else:
-            idx = gl.where((offs < gl.minimum((pos + 1) // ring, n)) & live, offs, -1)
+            idx = gl.where((offs < closed_rows(pos, ring, n)) & live, offs, -1)
         return idx
 
     @gluon.jit

@@ -46,6 +46,13 @@ def _fp16_bytes(lo, hi):
 
 
 @triton.jit
+def closed_rows(pos, ratio, n):
+    """The compressed rows a query at position ``pos`` sees in a store of ``n``: the windows of ``ratio`` closed by
+    it (int32 arithmetic: an int64 division compiles to a called routine)."""
+    return tl.minimum((pos + 1) // ratio, n)
+
+
+@triton.jit
 def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: tl.constexpr):
     """The stored row of each slot ``offs`` of a source (-1: none, or not ``live``), see kernels/attention.Slots:
     modes 1 and 2 derive it from the query's position on the device, so the step needs no index tensors."""
@@ -56,7 +63,7 @@ def _slot_rows(idx_ptr, pos_ptr, n, ring, offs, live, MODE: tl.constexpr):
         p = tl.load(pos_ptr).to(tl.int32) - (n - 1) + offs
         idx = tl.where((p >= 0) & (offs < n) & live, p % ring, -1)
     else:  # compressed rows whose window has closed: (pos + 1) // ring of them (ring = the compression ratio)
-        idx = tl.where((offs < tl.minimum((tl.load(pos_ptr).to(tl.int32) + 1) // ring, n)) & live, offs, -1)
+        idx = tl.where((offs < closed_rows(tl.load(pos_ptr).to(tl.int32), ring, n)) & live, offs, -1)
     return idx
 
 
@@ -68,10 +75,10 @@ def empty_split(split, splits_a, blocks_a, pos_a, n_a, ring_a, blocks_b, pos_b, 
     short position most of a long session's splits are such."""
     empty = split < 0
     if MODE_A == 2:
-        empty = (split < splits_a) & (split * blocks_a * BLOCK >= tl.minimum((pos_a + 1) // ring_a, n_a))
+        empty = (split < splits_a) & (split * blocks_a * BLOCK >= closed_rows(pos_a, ring_a, n_a))
     if MODE_B == 2:
         empty = empty | ((split >= splits_a)
-                         & ((split - splits_a) * blocks_b * BLOCK >= tl.minimum((pos_b + 1) // ring_b, n_b)))
+                         & ((split - splits_a) * blocks_b * BLOCK >= closed_rows(pos_b, ring_b, n_b)))
     return empty
 
 
@@ -333,7 +340,7 @@ def prefill_kernel(q_ptr, pos_ptr, win_ptr, ring, stride_win, src_ptr, idx_ptr, 
             base = src_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_src
             m, l, acc = _attend_rows(q, base, ok, m, l, acc, scale, NOPE, D)
     elif SRC == 2:
-        n_vis = tl.minimum((pos + 1) // ratio, n_src)
+        n_vis = closed_rows(pos, ratio, n_src)
         j0 = 0
         while j0 < n_vis:  # a trip count from a loaded value (a while loop: the interpreter has no such range)
             j = j0 + tl.arange(0, BLOCK)
