@@ -282,7 +282,7 @@ def test_warm_up_makes_each_spans_step(engine: Engine, monkeypatch) -> None:
 
 
 @pytest.mark.gpu
-def test_decode_within_position_spans_matches_the_step_without() -> None:
+def test_decode_within_position_spans_matches_the_step_without(monkeypatch) -> None:
     """POSITION_SPANS on the GPU: sessions decoding across a span (HCA offered, and CSA scoring and selecting, only
     the compressed rows below it) give the bits of the sessions of a pool without spans, a graph captured per span.
     Bits, because at this size each split is one block with or without the span (the splits past it only add
@@ -291,7 +291,10 @@ def test_decode_within_position_spans_matches_the_step_without() -> None:
     from ds4x.runtime import decode_graph
 
     engine = Engine.load("default", device="cuda")
-    pools = [DecodeSlots(engine, 1024, "packed", 64, capacity=4) for _ in range(2)]
+    pools = []
+    for spans in ((), (256,)):  # the pool fixes its ladder when it is made
+        monkeypatch.setattr(decode_graph, "POSITION_SPANS", spans)
+        pools.append(DecodeSlots(engine, 1024, "packed", 64, capacity=4))
     whole, spanned = (_three_prefilled_twice(engine, pool)[1] for pool in pools)
     prompt = engine.tokenizer.encode("x = [i * i for i in range(10)]\n" * 20)[:200]
     for s in (*whole, *spanned):
@@ -299,11 +302,7 @@ def test_decode_within_position_spans_matches_the_step_without() -> None:
     for i in range(96):  # every session crosses position 256
         tokens = [int(s.logits.argmax()) for s in whole]
         want = torch.stack(pools[0].decode(list(zip(whole, tokens, strict=True))))
-        decode_graph.POSITION_SPANS = (256,)  # read where a batch size's step is first made
-        try:
-            got = torch.stack(pools[1].decode(list(zip(spanned, tokens, strict=True))))
-        finally:
-            decode_graph.POSITION_SPANS = ()
+        got = torch.stack(pools[1].decode(list(zip(spanned, tokens, strict=True))))
         assert torch.equal(got, want), (i, [s.cache.length for s in spanned])
     assert set(pools[1].steps[4].captured) == {256, None} and set(pools[0].steps[4].captured) == {None}
 
