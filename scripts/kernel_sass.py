@@ -153,8 +153,7 @@ def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> trit
     bt, bn, warps = tile
     reg, xa = routed_wgmma.VARIANTS[variant]
     fn = routed_wgmma._routed_wgmma_kernel
-    consts = {"X_DIV": 1, "QTYPE": qtype, "BT": bt, "BN": bn, "num_warps": warps, "REG_W": reg, "X_ASYNC": xa,
-              "L4": routed_wgmma.register_words_layout(bn, warps) if reg else routed_wgmma.words_layout(warps)}
+    consts = {"X_DIV": 1, "QTYPE": qtype, "BT": bt, "BN": bn, "num_warps": warps, "REG_W": reg, "X_ASYNC": xa}
     pointers = {"x_ptr": "*bf16", "w_ptr": "*u8", "tab_ptr": "*i16", "c_expert": "*i32", "c_start": "*i32",
                 "c_len": "*i32", "order_ptr": "*i32", "y_ptr": "*bf16"}
     names = fn.arg_names

@@ -135,3 +135,28 @@ def test_routed_wgmma_rows_do_not_depend_on_their_chunk_on_gpu(variant: str, mon
     for t in (0, 5, 23):
         alone = rw.routed_wgmma(x[t : t + 1], w, ids[t : t + 1], 2).view(1, 2, n)
         assert torch.equal(alone[0], together[t])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("variant", list(rw.VARIANTS))
+def test_routed_wgmma_compiles_under_the_compile_watch(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton hands a kernel's constexprs to its JIT hooks as JSON, and the server's compile watch sets those
+    hooks: a constexpr that JSON cannot hold (a Gluon layout, as this kernel once took) failed every compile of the
+    kernel after the watch started, so a server's first routed product past its warm-up raised."""
+    from ds4x.kernels.jit_watch import watch
+
+    _use_variant(monkeypatch, variant)
+    w_ = watch()
+    before = w_.count["_routed_wgmma_kernel"]
+    rw._routed_wgmma_kernel.device_caches.clear()  # this process's compiled variants: the next launch compiles
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    n_exp, n, kdim = 4, 128, 512
+    w = GGMLTensor(random_blocks(T.Q2_K, (n_exp, n, kdim), g, device=dev), T.Q2_K, (n_exp, n, kdim))
+    x = torch.randn(2, kdim, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, n_exp, (2, 2), device=dev, generator=g, dtype=torch.int32)
+    y = rw.routed_wgmma(x, w, ids, 2)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y.float()).all()
+    assert w_.count["_routed_wgmma_kernel"] == before + 1

@@ -177,13 +177,35 @@ if HAVE_GLUON:
                          (words >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
         return gl.convert_layout(gl.reshape(gl.permute(halves, (0, 2, 3, 1, 4)), [BN, 128]), DOT_A)
 
+    @gluon.constexpr_function
+    def register_words_layout(bn: int, warps: int):
+        """The layout of REG_W's decoded words [bn rows, 4 (t), 4 (a), 4 (b)]: the thread that holds the wgmma A
+        operand's (row, columns 32 a + 8 b + 2 t + {0, 1}) holds word (row, t, a, b) (4 warps of 16 rows per 64-row
+        product; rows past 16 x warps repeat in registers)."""
+        regs = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]]
+        regs += [[16 * warps << i, 0, 0, 0] for i in range((bn // (16 * warps)).bit_length() - 1)]
+        lanes = [[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes,
+                                          warp_bases=[[16 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)],
+                                          block_bases=[], shape=[bn, 4, 4, 4])
+
+    @gluon.constexpr_function
+    def words_layout(warps: int):
+        """The layout of the decoded words when they go through shared memory: a thread holds a group / unit of a
+        row, and a warp's lanes run over 8 rows of one group first, so a quarter-warp's 16-byte stores meet 8 bank
+        groups of the 128-byte swizzle (lanes over 2 rows x 4 groups met groups g and g + 2 of a row in one: H100,
+        `scripts/routed_wgmma_ab.py`, the default tiles 4-6% faster at 1,024 / 4,096 tokens, Q2_K at 130 18%)."""
+        return gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [warps, 1, 1, 1], [3, 2, 0, 1])
+
     @gluon.jit
     def _routed_wgmma_kernel(x_ptr, w_ptr, tab_ptr, c_expert, c_start, c_len, order_ptr, y_ptr, N, K, row_bytes,
                              expert_bytes, stride_x, stride_y, X_DIV: gl.constexpr, QTYPE: gl.constexpr,
-                             BT: gl.constexpr, BN: gl.constexpr, L4: gl.constexpr, REG_W: gl.constexpr,
+                             BT: gl.constexpr, BN: gl.constexpr, REG_W: gl.constexpr,
                              X_ASYNC: gl.constexpr, num_warps: gl.constexpr):
-        """L4: the layout of the decoded step as words [rows, 4, 4, 4 pairs]: IQ2_XXS [rows, group, grid entry,
-        pair] (a thread holds a group), Q2_K [rows, unit, bit pair, pair] (a thread holds a unit's 8 code bytes).
+        """L4 (made here from REG_W, BN and num_warps: Triton passes a kernel's constexprs to its JIT hooks as JSON,
+        which a layout argument broke under `ds4x.kernels.jit_watch`): the layout of the decoded step as words [rows,
+        4, 4, 4 pairs]: IQ2_XXS [rows, group, grid entry, pair] (a thread holds a group), Q2_K [rows, unit, bit pair,
+        pair] (a thread holds a unit's 8 code bytes).
         REG_W: the words go straight into the registers of the wgmma A operand (L4 = `register_words_layout`: a
         thread holds its rows' pairs where that operand wants them, the step's columns permuted, in x too, to
         match), so the weights never pass through shared memory; else they are stored to a shared tile in k order.
@@ -191,6 +213,10 @@ if HAVE_GLUON:
         step i decodes) instead of through registers one step ahead, which at 64-128 pairs a chunk took 64-128
         registers a thread and made the tile spill."""
         STEP: gl.constexpr = 128
+        if REG_W:
+            L4: gl.constexpr = register_words_layout(BN, num_warps)
+        else:
+            L4: gl.constexpr = words_layout(num_warps)
         LX: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (STEP // 8), STEP // 8], [num_warps, 1], [1, 0])
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BT, 16])
@@ -344,28 +370,6 @@ def register_weights_fit(bn: int, warps: int) -> bool:
     return bn % (16 * warps) == 0
 
 
-@lru_cache(maxsize=16)
-def register_words_layout(bn: int, warps: int):
-    """The layout of REG_W's decoded words [bn rows, 4 (t), 4 (a), 4 (b)]: the thread that holds the wgmma A
-    operand's (row, columns 32 a + 8 b + 2 t + {0, 1}) holds word (row, t, a, b) (4 warps of 16 rows per 64-row
-    product; rows past 16 x warps repeat in registers)."""
-    regs = [[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 0, 2, 0], [8, 0, 0, 0]]
-    regs += [[16 * warps << i, 0, 0, 0] for i in range((bn // (16 * warps)).bit_length() - 1)]
-    lanes = [[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
-    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes,
-                                      warp_bases=[[16 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)],
-                                      block_bases=[], shape=[bn, 4, 4, 4])
-
-
-@lru_cache(maxsize=4)
-def words_layout(warps: int):
-    """The layout of the decoded words when they go through shared memory: a thread holds a group / unit of a row,
-    and a warp's lanes run over 8 rows of one group first, so a quarter-warp's 16-byte stores meet 8 bank groups of
-    the 128-byte swizzle (lanes over 2 rows x 4 groups met groups g and g + 2 of a row in one: H100,
-    `scripts/routed_wgmma_ab.py`, the default tiles 4-6% faster at 1,024 / 4,096 tokens, Q2_K at 130 18%)."""
-    return gl.BlockedLayout([1, 1, 4, 4], [8, 4, 1, 1], [warps, 1, 1, 1], [3, 2, 0, 1])
-
-
 def wgmma_config(qtype: GGMLQuantizationType, pairs_per_expert: float) -> tuple[int, int, int]:
     """(BT pairs per chunk, BN rows per program, warps) for ``pairs_per_expert`` pairs per expert on average: the
     fastest measured (H200, Flash expert shapes, 256 experts x 6 per token at 130 / 1,024 / 4,096 tokens; see
@@ -419,7 +423,7 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
                                n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
                                QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn,
-                               L4=register_words_layout(bn, nw) if reg_w else words_layout(nw), REG_W=reg_w,
+                               REG_W=reg_w,
                                X_ASYNC=ASYNC_ACTIVATIONS, num_warps=nw)
     return y
 
