@@ -148,49 +148,6 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
-@pytest.mark.parametrize("cap", [1024, 16, 1])
-def test_radix_select_by_listed_candidates(cap, monkeypatch):
-    """CANDIDATES: the multi-program select stops its digit levels once at most ``cap`` rows match the k-th code's
-    digits so far and takes the ones still needed among them by code, then row. The same index and valid lists
-    (the reference's rows, in row order) as without it, for Gaussian scores (listed after one level: the list is
-    written), codes agreeing in their top one, two or three bytes, exact ties at the k-th score (too many to list:
-    the levels go on), few visible rows and none; called twice, so the candidate count it leaves must be reset; and
-    two rows of a batched step with their counts on the device."""
-    from ds4x.kernels import select
-
-    dev, n, k = _device(), 1024, 128  # 4 programs of 256 scores
-    g = torch.Generator().manual_seed(11)
-    base = torch.tensor(1.5).view(torch.int32)
-    cases = [torch.randn(n, generator=g)]
-    for low_bits in (8, 16, 24):
-        cases.append((base + torch.randint(0, 1 << low_bits, (n,), generator=g, dtype=torch.int32)).view(torch.float32))
-    tied = torch.randn(n, generator=g)
-    tied[::7] = tied.sort(descending=True).values[100]
-    cases.append(tied)
-    listed = select._workspace(torch.device(dev), 1)[0, -2 * select._MAX_CANDIDATES :]
-    for c, scores in enumerate(cases):
-        scores = scores.to(dev)
-        for n_vis in (n, 700, 0) if c == 0 else (n, 700):
-            monkeypatch.setattr(select, "CANDIDATES", 0)
-            want = select_topk_radix(scores, n_vis, k, small=False)
-            monkeypatch.setattr(select, "CANDIDATES", cap)
-            listed.zero_()
-            for _ in range(2):
-                got = select_topk_radix(scores, n_vis, k, small=False)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (c, n_vis)
-            if c == 0 and n_vis == n and cap == 1024:
-                assert bool(listed.any())
-            ref = select_topk(scores[None], (torch.arange(n) < n_vis).to(dev)[None], k)
-            assert torch.equal(selection_mask(got[0][None], got[1][None], n), selection_mask(*ref, n)), (c, n_vis)
-    # a batched step's rows (each its own workspace and list), counts read on the device
-    scores, counts = torch.stack(cases[:2]).to(dev), torch.tensor([n, 700], device=dev)
-    monkeypatch.setattr(select, "CANDIDATES", 0)
-    want = select_topk_radix(scores, counts, k, small=False)
-    monkeypatch.setattr(select, "CANDIDATES", cap)
-    got = select_topk_radix(scores, counts, k, small=False)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
 @pytest.mark.parametrize("live", [False, True], ids=["all programs", "live programs"])
 def test_radix_select_over_a_wide_store_with_few_visible_scores(live, monkeypatch):
     """A captured step's scores are as wide as the session's capacity while few may be visible: the multi-program
@@ -806,21 +763,6 @@ def test_pipelined_indexer_kernel_gives_the_one_tile_bits_on_gpu(block_rows, per
 def test_batched_decode_kernels_are_each_query_alone_on_gpu():
     """The same bits per query on the compiled kernels (tensor-core attention, PTX indexer decode)."""
     test_batched_decode_kernels_are_each_query_alone()
-
-
-@pytest.mark.gpu
-def test_radix_select_by_listed_candidates_at_1m_on_gpu(monkeypatch):
-    """CANDIDATES in the fused kernel (grid barriers, candidates listed by programs at once) at Flash's 1M rows: the
-    reference's selection in row order, three calls, a batch of four rows with their own counts; the indexer's
-    scores of the one-row case are listed (the list is written)."""
-    from ds4x.kernels import select
-
-    monkeypatch.setattr(select, "CANDIDATES", 256)
-    listed = select._workspace(torch.device("cuda"), 1)[0, -2 * select._MAX_CANDIDATES :]
-    listed.zero_()
-    test_flash_shapes_at_1m_on_gpu()
-    assert bool(listed.any())
-    test_batched_selection_at_1m_on_gpu()
 
 
 @pytest.mark.gpu

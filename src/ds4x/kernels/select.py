@@ -136,14 +136,17 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 
 # The k-th code's bucket listed and sorted once 16 bits are settled (RADIX_CANDIDATES, 256) measured slower and was
 # removed (H100, e8b13f3, scripts/compressed_kernels_ab.py --parts pair, scoring + top-512 of 262,144 rows from DRAM,
-# us without / with it: 30.7 / 32.6, first level in the indexer 30.1 / 32.1).
+# us without / with it: 30.7 / 32.6, first level in the indexer 30.1 / 32.1). So was its later form (CANDIDATES,
+# 852a565..d273840, removed): the levels stopped once at most 256 rows matched the k-th code's digits so far, the
+# count phase listed them (code, row) by a global atomic, and the listing ranked them pairwise, one level and one grid
+# barrier fewer; the same sets, but a CSA layer's top-512 at 1M took 18.0 us against 12.5 (H100, 2b0e4dd, `ds4x
+# bench frontier --weights q2 --experts 128 --contexts 1048576 --steps 50 --variant "cand: ...CANDIDATES=256"`, two
+# rounds alternating; the 41 layers 1.452, 1.456 against 1.343, 1.338 ms).
 
-# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts, [3]
-# candidates listed (CANDIDATES); from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per program
-# the rows above / equal to the k-th score; then the listed candidates' codes and rows (_MAX_CANDIDATES each)
+# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
+# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
-_MAX_CANDIDATES = 1024
-_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS + 2 * _MAX_CANDIDATES
+_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
 
 
@@ -228,11 +231,6 @@ FIRST_LEVEL_IN_INDEXER = True
 # without spans (03d142b) 6.48, 6.51 / 6.46, 6.45; at 200K with spans (754f523) 6.58, 6.59 / 6.57, 6.57; at 100K
 # (b824a9c) 6.30 / 6.30; the frontier at 1M 1.343, 1.335 / 1.339, 1.339 ms (41 layers, sum)
 LIVE_PROGRAMS = False
-# The multi-program select's digit levels stop once the rows matching the k-th code's digits so far number at most
-# CANDIDATES (`radix_kernel` CANDIDATES): they are listed with their codes, and the listing takes the ones still
-# needed among them, one level and one grid barrier fewer (0: off; at most _MAX_CANDIDATES). Exact either way
-# (interpreter tests). Not yet timed on a GPU
-CANDIDATES = 0
 
 
 def _multi_program(n: int, rows: int, small: bool | None) -> bool:
@@ -326,8 +324,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     ws = _workspace(scores.device, B)
     pdl = launch_options(scores.device)
     _check_digit_bits("RADIX_BITS", RADIX_BITS)
-    if not 0 <= CANDIDATES <= _MAX_CANDIDATES:
-        raise ValueError(f"CANDIDATES must be in 0..{_MAX_CANDIDATES}, got {CANDIDATES}")
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     first = 1 if first_level_counted else 0
     phases = [(first, listing)] if fused else [(i, i) for i in range(first, listing + 1)]
@@ -341,7 +337,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
                                             SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
-                                            LIVE=LIVE_PROGRAMS, CANDIDATES=CANDIDATES, **pdl)
+                                            LIVE=LIVE_PROGRAMS, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
 
 

@@ -253,51 +253,6 @@ def shared_histogram(base, level: tl.constexpr, digit, mask, BINS: tl.constexpr)
 
 
 @triton.jit
-def candidate_cutoff(codes_ptr, rows_ptr, n_cand, take, CHUNK: tl.constexpr):
-    """The smallest key (code << 24 | 2^24 - 1 - row: the order is by code, then the lower row first; keys are
-    distinct) among the ``take`` largest of the ``n_cand`` candidates listed at ``codes_ptr`` / ``rows_ptr``, by
-    each candidate's rank (how many keys are larger), CHUNK x CHUNK comparisons at a time; the largest int64 where
-    ``take`` is 0 (none is taken)."""
-    i0 = tl.arange(0, CHUNK)
-    cut = tl.full([], 0x7FFFFFFFFFFFFFFF, tl.int64)
-    a = tl.zeros([], tl.int32)
-    while a < n_cand:  # (while: the interpreter takes no tensor as a range's bound)
-        ia = a + i0
-        ka = candidate_keys(codes_ptr, rows_ptr, ia, ia < n_cand)
-        rank = tl.zeros([CHUNK], tl.int32)
-        b = tl.zeros([], tl.int32)
-        while b < n_cand:
-            kb = candidate_keys(codes_ptr, rows_ptr, b + i0, b + i0 < n_cand)
-            rank += tl.sum((kb[None, :] > ka[:, None]).to(tl.int32), 1)
-            b += CHUNK
-        cut = tl.minimum(cut, tl.min(tl.where((ia < n_cand) & (rank < take), ka, 0x7FFFFFFFFFFFFFFF), 0))
-        a += CHUNK
-    return cut
-
-
-@triton.jit
-def candidates_taken_before(codes_ptr, rows_ptr, n_cand, cut, row0, CHUNK: tl.constexpr):
-    """How many of the ``n_cand`` listed candidates are taken (key at least ``cut``) and lie below row ``row0``."""
-    n = tl.zeros([], tl.int32)
-    a = tl.zeros([], tl.int32)
-    while a < n_cand:
-        i = a + tl.arange(0, CHUNK)
-        ok = i < n_cand
-        r = tl.load(rows_ptr + i, mask=ok, other=0, cache_modifier=".cg")
-        n += tl.sum((ok & (r < row0) & (candidate_keys(codes_ptr, rows_ptr, i, ok) >= cut)).to(tl.int32), 0)
-        a += CHUNK
-    return n
-
-
-@triton.jit
-def candidate_keys(codes_ptr, rows_ptr, i, ok):
-    """The order keys of listed candidates ``i`` (-1 where not ``ok``: below every key)."""
-    u = tl.load(codes_ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.int64) & 0xFFFFFFFF
-    r = tl.load(rows_ptr + i, mask=ok, other=0, cache_modifier=".cg").to(tl.int64)
-    return tl.where(ok, (u << 24) | (0xFFFFFF - r), -1)
-
-
-@triton.jit
 def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr,
                     bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
     """This program's histogram of one digit level, added to the row's (unless LOCAL: the program's own is the
@@ -318,8 +273,7 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
-                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False, LIVE: tl.constexpr = False,
-                 CANDIDATES: tl.constexpr = 0):
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False, LIVE: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
@@ -328,11 +282,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
     program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
     counts stay its own). LIVE: only the programs whose tile holds a visible score take part (their count derived alike
-    by every program from the visible count); the others leave at once, and the barriers count the rest.
-    CANDIDATES (not with LOCAL): once the rows matching the k-th code's digits so far number at most CANDIDATES, the
-    digit levels stop there: the count phase lists those rows (code and row) in the workspace, and the listing
-    takes the ones still needed among them by code, then row (`candidate_cutoff`), one grid barrier and level
-    fewer."""
+    by every program from the visible count); the others leave at once, and the barriers count the rest."""
     wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
@@ -349,8 +299,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     valid_ptr += r * kk
     gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
     eq_counts = gt_counts + MAX_PROGRAMS
-    cand_codes = eq_counts + MAX_PROGRAMS  # CANDIDATES: the listed candidates' codes, then their rows
-    cand_rows = cand_codes + CANDIDATES
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
@@ -372,30 +320,26 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     above = tl.zeros([], tl.int32)  # rows whose code is above the k-th code's digits so far
     known = tl.zeros([], tl.int32)  # bits of the k-th code settled (the top ones)
     done = known != 0  # the rows matching the settled bits are exactly the ones still needed
-    n_cand = tl.zeros([], tl.int32)  # CANDIDATES: the rows matching the settled bits, when listed (else 0)
     barriers = tl.zeros([], tl.int32)  # grid barriers passed
     for level in tl.static_range(LEVELS):
         if LAST >= level:
             if level > 0:
-                if not done and n_cand == 0:
+                if not done:
                     t, a, c = digit_threshold(ws_ptr, level - 1, need - above, h, BINS, LOCAL)
                     kth = kth | (t.to(tl.int64) << (32 - BITS * level))
                     above += a
                     known = BITS * level
                     match = match & (digit == t)  # noqa: F821 - the previous level's digit
                     done = c == need - above
-                    if CANDIDATES > 0:
-                        if not done and c <= CANDIDATES:
-                            n_cand = c
             digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
-                if not done and n_cand == 0:
+                if not done:
                     h = digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS,
                                         bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
     # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
-        if not done and n_cand == 0:
+        if not done:
             t, a, c = digit_threshold(ws_ptr, LEVELS - 1, need - above, h, BINS, LOCAL)
             kth = kth | t.to(tl.int64)
             above += a
@@ -415,12 +359,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             if not LOCAL:
                 tl.store(gt_counts + pid, total & 0xFFFF)
                 tl.store(eq_counts + pid, total >> 16)
-                if CANDIDATES > 0:
-                    if (n_cand > 0) & ((total >> 16) > 0):  # this program's candidates, at slots it reserves
-                        eq_i = eq.to(tl.int32)
-                        at = tl.atomic_add(ws_ptr + 3, total >> 16, sem="relaxed") + tl.cumsum(eq_i, 0) - eq_i
-                        tl.store(cand_codes + at, u.to(tl.int32), mask=eq)
-                        tl.store(cand_rows + at, rows, mask=eq)
                 if LAST > LEVELS:
                     grid_sync(ws_ptr, barriers + 1, nprog)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
@@ -435,22 +373,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             eq_before = tl.sum(tl.load(eq_counts + p, mask=before, other=0, cache_modifier=".cg"), 0)
             mine = tl.load(gt_counts + pid, cache_modifier=".cg")
             mine_eq = tl.load(eq_counts + pid, cache_modifier=".cg")
-        listed = False
-        if CANDIDATES > 0:
-            listed = n_cand > 0
-        if listed:  # the candidates taken: those of the ties_taken largest keys
-            if (mine > 0) | (mine_eq > 0):
-                CHUNK: tl.constexpr = 32  # candidates compared at a time (64: 254 registers against 168 on sm_90)
-                cut = candidate_cutoff(cand_codes, cand_rows, n_cand, ties_taken, CHUNK)
-                key = (u << 24) | (0xFFFFFF - rows)
-                sel = gt | (eq & (key >= cut))
-                sel_i = sel.to(tl.int32)
-                slot = gt_before + candidates_taken_before(cand_codes, cand_rows, n_cand, cut, pid * TILE, CHUNK)
-                slot += tl.cumsum(sel_i, 0) - sel_i
-                sel = sel & (slot < kk)
-                tl.store(index_ptr + slot, rows.to(tl.int64), mask=sel)
-                tl.store(valid_ptr + slot, sel.to(tl.int8), mask=sel)
-        elif (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
+        if (mine > 0) | ((mine_eq > 0) & (eq_before < ties_taken)):  # most programs select nothing
             if not SCAN_FIRST:
                 excl = tl.cumsum(both, 0) - both
             tie_rank = eq_before + (excl >> 16)
@@ -469,8 +392,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
                 tl.atomic_xchg(ws_ptr, 0)
                 tl.atomic_xchg(ws_ptr + 1, 0)
-                if CANDIDATES > 0:
-                    tl.store(ws_ptr + 3, 0)
 
 
 @triton.jit
