@@ -56,7 +56,7 @@
 # .whl/ when that folder is there; it is git-ignored, so make it here and name it in the device call's carry:
 #   pip download -q gguf==0.19.0 --no-deps -d .whl
 #   pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       --platform manylinux_2_17_x86_64 -d .whl/serve fastapi uvicorn httpx
+#       --platform manylinux_2_17_x86_64 -d .whl/serve fastapi uvicorn httpx openai
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs

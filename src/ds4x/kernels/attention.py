@@ -76,7 +76,10 @@ MAX_HEADS_PER_PROGRAM = 32
 # (32, 128) with blocks decoded in 16-row parts 15.7 / 16.8 / 16.5 / 37.5. Splits fitted to one program a
 # multiprocessor instead (an HCA layer at 1M: the window 2 x 4 blocks and the compressed rows 129 x 4, 131 programs
 # against 8 x 1 and 103 x 5) were slower: 29.5 against 26.9 us with the rows from DRAM (H100, cd6ca52,
-# scripts/compressed_kernels_ab.py; more partial states to store, each ~4,000-8,000 cycles a program).
+# scripts/compressed_kernels_ab.py; more partial states to store, each ~4,000-8,000 cycles a program). At most 96 /
+# 160 splits instead (an HCA layer at 1M: 86 splits of 6 blocks / 129 of 4, against 103 of 5): HCA at 1M 29.5, 29.2 /
+# 35.4, 34.8 us against 24.6, 24.4 (H100, d30fe1e, `ds4x bench frontier --weights q2 --experts 128 --contexts
+# 1048576 --variant "s96: ds4x.kernels.attention.WGMMA_CONFIG=(16, 96)"`, two rounds alternating).
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
 # Splits of at least 2 or 3 blocks for the short sources (the window's 8 blocks and CSA's 32, one a split now) were
