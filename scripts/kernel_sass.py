@@ -12,7 +12,7 @@ per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
 ``routed``: the routed experts' tensor-core kernel (ds4x.kernels.routed_wgmma) per tile and variant.
 ``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it.
-``select``: the multi-program top-k (ds4x.kernels.triton_indexer.radix_kernel), with and without LIVE if asked.
+``select``: the multi-program top-k (ds4x.kernels.triton_indexer.radix_kernel).
 
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
@@ -20,7 +20,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
         [--overlap] [--tma-state] [--q-async] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
-    PYTHONPATH=src python scripts/kernel_sass.py select [--live] [--tile 2048]
+    PYTHONPATH=src python scripts/kernel_sass.py select [--tile 2048]
 """
 
 from __future__ import annotations
@@ -108,17 +108,17 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
-def compile_select(live: bool, tile: int) -> triton.compiler.CompiledKernel:
+def compile_select(tile: int) -> triton.compiler.CompiledKernel:
     """The multi-program top-k (``radix_kernel`` of ds4x.kernels.triton_indexer) as a decode step launches it: every
     phase after the indexer's first level in one launch, shared-memory histograms, a device count, PDL, TILE scores
-    a program, LIVE as given."""
+    a program."""
     from ds4x.kernels import select
     from ds4x.kernels.triton_indexer import radix_kernel
 
     names = radix_kernel.arg_names
     consts = {"TILE": tile, "KP": 512, "BITS": select.RADIX_BITS, "FIRST": 1, "LAST": 32 // select.RADIX_BITS + 1,
               "DEVICE_COUNT": True, "WS": select._WORKSPACE, "MAX_PROGRAMS": select._MAX_PROGRAMS, "PDL": True,
-              "SHARED_BINS": True, "LOCAL": False, "LIVE": live}
+              "SHARED_BINS": True, "LOCAL": False}
     pointers = {"scores_ptr": "*fp32", "count_ptr": "*i64", "ws_ptr": "*i32", "index_ptr": "*i64", "valid_ptr": "*i8"}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in pointers}
@@ -295,9 +295,7 @@ def main_routed(args: argparse.Namespace) -> bool:
 
 
 def main_select(args: argparse.Namespace) -> bool:
-    return report_all([(f"select_tile{args.tile}" + ("_live" if live else ""),
-                        lambda live=live: compile_select(live, args.tile))
-                       for live in sorted({False, bool(args.live)})], args.dump, "BAR")
+    return report_all([(f"select_tile{args.tile}", lambda: compile_select(args.tile))], args.dump, "BAR")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,7 +326,6 @@ def main(argv: list[str] | None = None) -> int:
     rt.add_argument("--variant", default="shared,x async,regs", help="comma-separated: shared, x async, regs")
     rt.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     sel = sub.add_parser("select", help="the multi-program top-k of ds4x.kernels.triton_indexer")
-    sel.add_argument("--live", action="store_true", help="also with LIVE (select.LIVE_PROGRAMS)")
     sel.add_argument("--tile", type=int, default=2048, help="scores a program (2,048: 262,144 scores on 128)")
     sel.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     args = ap.parse_args(argv)

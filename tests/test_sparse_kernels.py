@@ -148,16 +148,13 @@ def test_radix_select_when_the_kth_score_shares_its_high_digits(bits, packed, by
                 assert torch.equal(selection_mask(index[None], valid[None], 3000), ref), (low_bits, n_vis, k, small)
 
 
-@pytest.mark.parametrize("live", [False, True], ids=["all programs", "live programs"])
-def test_radix_select_over_a_wide_store_with_few_visible_scores(live, monkeypatch):
+def test_radix_select_over_a_wide_store_with_few_visible_scores(monkeypatch):
     """A captured step's scores are as wide as the session's capacity while few may be visible: the multi-program
-    select (with LIVE_PROGRAMS only the programs whose tile holds a visible score take part) selects exactly the
-    reference's rows, in row order, for each row of a batch whose counts are 0, part of the first tile (fewer than
-    k), three whole tiles and part of a fourth (more than k: a real selection by a few of the 16 programs) and all;
-    called twice, so the workspace it leaves must be ready for the next call."""
+    select selects exactly the reference's rows, in row order, for each row of a batch whose counts are 0, part of
+    the first tile (fewer than k), three whole tiles and part of a fourth (more than k: a real selection by a few of
+    the 16 programs) and all; called twice, so the workspace it leaves must be ready for the next call."""
     from ds4x.kernels import indexer, select
 
-    monkeypatch.setattr(select, "LIVE_PROGRAMS", live)
     monkeypatch.setattr(indexer, "num_sms", lambda device: 132)  # tiles of 256 scores, 16 programs a row
     dev, n, k = _device(), 4096, 512
     assert select.radix_tiling(n, 5, 132) == (256, 16)

@@ -223,14 +223,12 @@ def _check_digit_bits(name: str, bits: int) -> None:
 # alternating runs each: top-k 13.3, 13.3 / 12.7, 12.7 us, the 41 compressed layers' sum 1.455, 1.456 / 1.440, 1.441
 # ms, their graph 1.513, 1.515 / 1.501, 1.505 ms.
 FIRST_LEVEL_IN_INDEXER = True
-# Only the multi-program select's programs whose tile holds a visible score take part (`radix_kernel` LIVE): a
-# captured step's scores are as wide as the session's capacity, so without it a 1M session at a 4K position runs all
-# 128 programs, barriers and all, over 1,024 visible scores. Exact either way (interpreter and GPU tests). Off: the
-# position spans (`ds4x.runtime.decode_graph.POSITION_SPANS`) take most of what it saved. H100, `scripts/
-# batched_decode.py -m flash:q2:128 --batches 1 --capacity 1048576 --rounds 2`, replay ms without / with: at 4K
-# without spans (03d142b) 6.48, 6.51 / 6.46, 6.45; at 200K with spans (754f523) 6.58, 6.59 / 6.57, 6.57; at 100K
-# (b824a9c) 6.30 / 6.30; the frontier at 1M 1.343, 1.335 / 1.339, 1.339 ms (41 layers, sum)
-LIVE_PROGRAMS = False
+# Not kept: only the programs whose tile holds a visible score taking part (LIVE_PROGRAMS, 1b339f7..9e32ff8,
+# removed). A captured step's scores are as wide as its span, so a 1M session at a 4K position ran all 128 programs
+# over 1,024 visible scores; the position spans (`ds4x.runtime.decode_graph.POSITION_SPANS`) took most of what it
+# saved. H100, `scripts/batched_decode.py -m flash:q2:128 --batches 1 --capacity 1048576 --rounds 2`, replay ms
+# without / with: at 4K without spans (03d142b) 6.48, 6.51 / 6.46, 6.45; at 200K with spans (754f523) 6.58, 6.59 /
+# 6.57, 6.57; at 100K (b824a9c) 6.30 / 6.30; the frontier at 1M 1.343, 1.335 / 1.339, 1.339 ms (41 layers, sum)
 
 
 def _multi_program(n: int, rows: int, small: bool | None) -> bool:
@@ -336,8 +334,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
-                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
-                                            LIVE=LIVE_PROGRAMS, **pdl)
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
     return (index, valid) if batched else (index[0], valid[0])
 
 

@@ -273,7 +273,7 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
-                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False, LIVE: tl.constexpr = False):
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
@@ -281,8 +281,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     the ones still needed, the remaining digit levels are skipped (all of those rows are selected). SHARED_BINS
     (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
     program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
-    counts stay its own). LIVE: only the programs whose tile holds a visible score take part (their count derived alike
-    by every program from the visible count); the others leave at once, and the barriers count the rest."""
+    counts stay its own)."""
     wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
@@ -302,10 +301,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
-    if LIVE:
-        nprog = tl.minimum(nprog, tl.maximum((n_visible + TILE - 1) // TILE, 1))
-        if pid >= nprog:
-            return
     need = tl.minimum(n_visible, kk)  # kk = min(k, n)
     rows = pid * TILE + tl.arange(0, TILE)
     vis = rows < n_visible
