@@ -16,6 +16,13 @@ elif "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if torch.cuda.is_available():
+    # Kernels compile on the GPU as they do in a server, which sets Triton's JIT hooks (ds4x.kernels.jit_watch):
+    # with a hook set Triton serializes a kernel's constexprs to JSON first, which a Gluon layout argument once
+    # failed, in every test that ran after the hooks happened to be set
+    from ds4x.kernels.jit_watch import watch
+
+    watch()
 
 
 def pytest_runtest_logreport(report):
