@@ -42,6 +42,10 @@
 #                                       # one-pass attention, had failed unseen for two days); at most 480 s, each
 #                                       # test's outcome on its own line as it ends (-v), so a run cut short still
 #                                       # names its failures
+#   bash scripts/device_ab.sh gguf      # issue 4's file target on an H200: the shared-memory tmpfs made 118G (root),
+#                                       # `ds4x convert --synthetic flash --mix q2 --device cuda` streamed into it (an
+#                                       # 80.76 GiB file; its sha256 in $OUT), `ds4x generate -m` that file (the planned
+#                                       # memory printed), the file removed (~5-8 min, not yet run)
 #   bash scripts/device_ab.sh ncu [CASE ...]
 #                                       # Nsight Compute on each decode kernel of scripts/ncu_cases.py (or the cases
 #                                       # named): throughput per unit, the memory tables' warnings (bank conflicts,
@@ -60,7 +64,7 @@
 # and commit first: the device call is then `DS4X_COMMIT=<that commit, short> bash
 # scripts/device_ab.sh STAGE` with carry [".whl"]; append $OUT/ledger.jsonl to benchmarks/ledger.jsonl afterwards.
 set -uo pipefail  # not -e: a failing piece is reported and the rest still runs
-stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|ncu|all}
+stage=${1:?usage: device_ab.sh kernels|step|serve|step32|prefill|loop|compressed|routed|frontier|candidates|tests|gguf|ncu|all}
 out=${OUT:-ab-out}
 mkdir -p "$out"
 # the model of the stages that load one: DS4X_AB_MODEL, else flash:q2 (80.8 GiB) on a GPU that holds it and
@@ -253,9 +257,22 @@ PY
     (cd "$out" && tar czf serve_logs.tgz server.log serve_bench_c*.log metrics_c*.txt \
         && rm -f server.log serve_bench_c*.log metrics_c*.txt)
     ;;
+gguf)
+    file=/dev/shm/synthetic-flash-q2.gguf
+    mount -o remount,size=118G /dev/shm || echo "could not grow /dev/shm (not root?)" >&2
+    df -h /dev/shm | tee "$out/gguf_shm.txt"
+    piece gguf_convert.log 300 python -m ds4x convert --synthetic flash --mix q2 --device cuda --out "$file"
+    if [ -f "$file" ]; then
+        ls -l "$file" | tee -a "$out/gguf_convert.log"
+        piece gguf_generate.log 240 python -m ds4x generate -m "$file" -p "The capital of France is" -n 32 \
+            --temp 0 --seed 0
+        piece gguf_sha.log 120 sha256sum "$file"
+    fi
+    rm -f "$file"
+    ;;
 *)
     echo "unknown stage $stage (kernels, step, serve, step32, prefill, loop, compressed, routed, frontier, candidates," \
-        "tests, ncu or all)" >&2
+        "tests, gguf, ncu or all)" >&2
     exit 2
     ;;
 esac
