@@ -422,8 +422,7 @@ def routed_wgmma(x: torch.Tensor, w: GGMLTensor, ids: torch.Tensor, x_div: int,
     reg_w = REGISTER_WEIGHTS and register_weights_fit(bn, nw)
     _routed_wgmma_kernel[grid](x, w.raw, tab, c_exp, c_start, c_len, order, y, n, k, w.row_bytes,
                                n * w.row_bytes, x.stride(0), y.stride(0), X_DIV=x_div,
-                               QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn,
-                               REG_W=reg_w,
+                               QTYPE=_CODES[w.qtype] + (w.layout == "split"), BT=bt, BN=bn, REG_W=reg_w,
                                X_ASYNC=ASYNC_ACTIVATIONS, num_warps=nw)
     return y
 
