@@ -177,3 +177,32 @@ def test_synthetic_gguf_made_on_cuda_equals_the_in_memory_model(tmp_path):
             assert torch.equal(a.raw.cpu(), b.raw), name
         else:
             assert torch.equal(a.cpu(), b), name
+
+
+def test_a_terminated_convert_leaves_no_partial_file(tmp_path):
+    """`timeout` or `kill` (SIGTERM) halfway through a long convert: exit 143 and nothing left in the output's
+    folder (the hidden partial file, gigabytes for Flash, removed), as Ctrl-C already did."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "flash.gguf"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "ds4x", "convert", "--synthetic", "flash", "--mix", "q2", "--out",
+                             str(out), "-q"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.stat().st_size > 2**20 for p in tmp_path.glob(".flash.gguf.*.partial")):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no partial file grew within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "terminated" in err
+    assert list(tmp_path.iterdir()) == []

@@ -12,8 +12,12 @@ Registered by ``ds4x.cli.main`` through :func:`add_parser` / :func:`run`.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"convert --device takes cpu or cuda, got {args.device!r}")
         cfg = PRESETS[args.synthetic]()
         _check_mix(cfg, args)
-        write_synthetic_gguf(out, cfg, policy, seed=args.seed, progress=progress, name=args.name,
-                             device=str(device))
+        with _sigterm_as_exit():
+            write_synthetic_gguf(out, cfg, policy, seed=args.seed, progress=progress, name=args.name,
+                                 device=str(device))
     else:
         if args.src is None or out is None:
             raise ValueError("convert needs SRC_DIR and OUT.gguf (or --synthetic PRESET --out X.gguf)")
@@ -93,13 +98,34 @@ def run(args: argparse.Namespace) -> int:
         eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
         vocab = (vocab_from_tokenizer_json(tok, cfg.vocab_size, cfg.bos_token_id, eos) if tok.is_file()
                  else synthetic_vocab(cfg.vocab_size))
-        write_gguf(out, cfg, ckpt, policy, vocab=vocab, name=args.name or f"ds4x convert of {src.name}",
-                   progress=progress)
+        with _sigterm_as_exit():
+            write_gguf(out, cfg, ckpt, policy, vocab=vocab, name=args.name or f"ds4x convert of {src.name}",
+                       progress=progress)
     if not args.quiet:
         size, dt = Path(out).stat().st_size, time.perf_counter() - t0
         print(f"wrote {out}: {size:,} bytes ({size / 2**30:.2f} GiB) in {dt:.1f} s "
               f"({size / 2**30 / max(dt, 1e-9):.2f} GiB/s)", file=sys.stderr)
     return 0
+
+
+@contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (`timeout`, `kill`) ends the write as SystemExit(143), so the writer removes its partial file: an
+    untrapped SIGTERM ended the process at once and left up to the whole model's bytes (80 GiB for Flash q2) in a
+    hidden file beside the target. Ctrl-C already cleaned up (KeyboardInterrupt)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        print("\nterminated; the partial file is removed", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _policy(mix: str, args: argparse.Namespace) -> TypePolicy:
