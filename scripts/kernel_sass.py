@@ -63,7 +63,7 @@ def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compi
                 "grid_ptr": "*i32", "ids_ptr": "*i32", "y_ptr": "*bf16"}
     r, u, warps = tile
     consts = {"X_DIV": 1, "HAS_IDS": True, "QTYPE": code, "ACT8": True, "R": r, "U": u, "SWIGLU": code == 17,
-              "XQ": xq, "INTERPRET": False, "PDL": True}
+              "XQ": xq, "INTERPRET": False, "PDL": True, "PRELOAD": False}
     sig = {a: "constexpr" if a in consts else pointers.get(a, "fp32" if a == "limit" else "i32") for a in names}
     divisible = set(pointers) | {"row_bytes", "expert_bytes", "up_bytes", "n_units", "stride_x", "stride_y"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a in divisible}

@@ -440,12 +440,20 @@ if HAVE_TRITON:
         return w0[:, None], w1[:, None], w2[:, None], w3[:, None], tl.load(xsp + g)
 
     @triton.jit
-    def _dp4a(a, b, acc, INTERPRET: tl.constexpr):
-        # acc + the sum of the 4 products of the signed bytes of a and b (one IDP4A on the GPU)
+    def _dp4a(a, b, acc, INTERPRET: tl.constexpr, UNSIGNED_A: tl.constexpr = False):
+        # acc + the sum of the 4 products of the signed bytes of a and b (one IDP4A on the GPU); UNSIGNED_A: a's
+        # bytes unsigned
         if INTERPRET:
             for i in tl.static_range(4):
-                acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+                if UNSIGNED_A:
+                    ai = (a >> (8 * i)) & 255
+                else:
+                    ai = (a << (24 - 8 * i)) >> 24
+                acc += ai * ((b << (24 - 8 * i)) >> 24)
             out = acc
+        elif UNSIGNED_A:
+            out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                            dtype=tl.int32, is_pure=True, pack=1)
         else:
             out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
                                             dtype=tl.int32, is_pure=True, pack=1)
@@ -554,11 +562,25 @@ if HAVE_TRITON:
                     sx = tl.load(xsump + (k + 32 * kk) // 16)
                 else:
                     x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
-                isum = _dp4a((q0 >> (2 * kk)) & 0x03030303, x0, tl.zeros_like(q0), INTERPRET)
-                isum = _dp4a((q1 >> (2 * kk)) & 0x03030303, x1, isum, INTERPRET)
-                isum = _dp4a((q2 >> (2 * kk)) & 0x03030303, x2, isum, INTERPRET)
-                isum = _dp4a((q3 >> (2 * kk)) & 0x03030303, x3, isum, INTERPRET)
-                a += dx * (isum * (sc & 15)).to(tl.float32)
+                # the bit pairs masked in place, not shifted down: the sum is 4^kk times the codes', which the
+                # x scale takes back (a power of two: the same bits), one multiply a unit instead of a shift a word
+                if kk == 0:
+                    pairs = 0x03030303
+                    dxk = dx
+                elif kk == 1:
+                    pairs = 0x0C0C0C0C
+                    dxk = dx * 0.25
+                elif kk == 2:
+                    pairs = 0x30303030
+                    dxk = dx * 0.0625
+                else:
+                    pairs = -0x3F3F3F40  # 0xC0C0C0C0 as an int32
+                    dxk = dx * 0.015625
+                isum = _dp4a(q0 & pairs, x0, tl.zeros_like(q0), INTERPRET, True)
+                isum = _dp4a(q1 & pairs, x1, isum, INTERPRET, True)
+                isum = _dp4a(q2 & pairs, x2, isum, INTERPRET, True)
+                isum = _dp4a(q3 & pairs, x3, isum, INTERPRET, True)
+                a += dxk * (isum * (sc & 15)).to(tl.float32)
             else:
                 s0, x0 = _dot4f(q0, 2 * kk, 2, xp, k + 32 * kk)
                 s1, x1 = _dot4f(q1, 2 * kk, 2, xp, k + 32 * kk + 4)
