@@ -264,9 +264,13 @@ gguf)
     piece gguf_convert.log 300 python -m ds4x convert --synthetic flash --mix q2 --device cuda --out "$file"
     if [ -f "$file" ]; then
         ls -l "$file" | tee -a "$out/gguf_convert.log"
+        # the hash beside the generate (both only read the file), so that the stage stays inside one call
+        timeout -k 5 240 sha256sum "$file" > "$out/gguf_sha.log" 2>&1 &
+        sha=$!
         piece gguf_generate.log 240 python -m ds4x generate -m "$file" -p "The capital of France is" -n 32 \
             --temp 0 --seed 0
-        piece gguf_sha.log 120 sha256sum "$file"
+        wait "$sha" || { echo "FAILED: sha256sum" >&2; status=1; }
+        cat "$out/gguf_sha.log"
     fi
     rm -f "$file"
     ;;
