@@ -7,22 +7,19 @@ that spills, or whose wgmma ptxas serialized (its C7514 / C7515 note, which Trit
 each product then waits for the one before), is flagged with "!!" and the exit status is 1.
 
 ``qmv``: the matvec of ds4x.kernels.quant_matmul (``_qmv_kernel``) for the routed experts' types, int8 activations,
-per (R rows, U units, warps) tile, x quantized in the kernel or beforehand. ``--qtype``: iq2_xxs (split rows, as the
-model holds them), q2_k (the file's blocks) or q2_k_split (split rows, as the model holds them where K % 1024 == 0);
-the same for ``routed``.
+per (R rows, U units, warps) tile, x quantized in the kernel or beforehand.
 ``attention``: the Hopper decode attention's partial pass (ds4x.kernels.attention_wgmma, Gluon) as a decode step
 launches it (window ring + compressed rows), per query dtype (float32, or the model's bf16).
 ``routed``: the routed experts' tensor-core kernel (ds4x.kernels.routed_wgmma) per tile and variant.
 ``indexer``: the Hopper indexer scoring (ds4x.kernels.indexer_wgmma) as a decode step launches it.
 ``select``: the multi-program top-k (ds4x.kernels.triton_indexer.radix_kernel).
 
-    PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs | q2_k | q2_k_split] [--tile 8,64,2 8,128,4]
-        [--xq 1] [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
+    PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
+        [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
         [--overlap] [--tma-state] [--q-async] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
-    PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k | q2_k_split] [--tile 128,64,4]
-        [--variant "shared,regs"]
+    PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
     PYTHONPATH=src python scripts/kernel_sass.py select [--tile 2048]
 """
 
@@ -59,7 +56,7 @@ def _nvdisasm_tool(name: str) -> str:
 
 def compile_qmv(code: int, tile: tuple[int, int, int], xq: bool) -> triton.compiler.CompiledKernel:
     """``_qmv_kernel`` as a decode step launches it for the routed experts: ids, int8 activations, PDL; IQ2_XXS (split
-    rows, code 17) as the fused gate / up + SwiGLU, Q2_K (code 10; split rows 11) as the down projection."""
+    rows, code 17) as the fused gate / up + SwiGLU, Q2_K (code 10) as the down projection."""
     fn = quant_matmul._kernels()._qmv_kernel
     names = fn.arg_names
     pointers = {"x_ptr": "*bf16", "xq_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "w_ptr": "*u8",
@@ -146,8 +143,8 @@ def compile_indexer(maxnreg: int | None = None, pipelined: bool = False, fp8: bo
 
 
 def compile_routed(qtype: int, tile: tuple[int, int, int], variant: str) -> triton.compiler.CompiledKernel:
-    """``routed_wgmma._routed_wgmma_kernel`` for IQ2_XXS split rows (17) / Q2_K (10; split rows 11) at (BT, BN,
-    warps), as ``routed_wgmma`` launches it (int arguments and pointers 16-divisible, as Triton specializes them): the
+    """``routed_wgmma._routed_wgmma_kernel`` for IQ2_XXS split rows (17) / Q2_K (10) at (BT, BN, warps), as
+    ``routed_wgmma`` launches it (int arguments and pointers 16-divisible, as Triton specializes them): the
     variant ``shared`` (default), ``x async`` (ASYNC_ACTIVATIONS) or ``regs`` (REGISTER_WEIGHTS too)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -255,12 +252,8 @@ def report_all(jobs, dump: Path | None, marker: str | tuple[str, ...]) -> bool:
     return ok
 
 
-# --qtype -> the kernels' QTYPE (ds4x.kernels.quant_matmul._code): IQ2_XXS in split rows, Q2_K in either layout
-QTYPES = {"iq2_xxs": 17, "q2_k": 10, "q2_k_split": 11}
-
-
 def main_qmv(args: argparse.Namespace) -> bool:
-    code = QTYPES[args.qtype]
+    code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
     tiles = [tuple(int(v) for v in spec.split(",")) for spec in args.tile]
     xqs = [bool(int(v)) for v in args.xq.split(",")]
     return report_all([(f"qmv_{args.qtype}_r{t[0]}_u{t[1]}_w{t[2]}_xq{int(xq)}",
@@ -292,7 +285,7 @@ def main_indexer(args: argparse.Namespace) -> bool:
 def main_routed(args: argparse.Namespace) -> bool:
     from ds4x.kernels import routed_wgmma
 
-    code = QTYPES[args.qtype]
+    code = {"iq2_xxs": 17, "q2_k": 10}[args.qtype]
     tiles = [tuple(int(v) for v in spec.split(",")) for spec in args.tile]
     return report_all([(f"routed_{args.qtype}_bt{t[0]}_bn{t[1]}_w{t[2]}_{variant.replace(' ', '_')}",
                         lambda t=t, variant=variant: compile_routed(code, t, variant))  # type: ignore[arg-type]
@@ -309,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="kernel", required=True)
     qmv = sub.add_parser("qmv", help="the routed experts' matvec of ds4x.kernels.quant_matmul")
-    qmv.add_argument("--qtype", choices=tuple(QTYPES), default="iq2_xxs")
+    qmv.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
     qmv.add_argument("--tile", nargs="+", default=["8,64,2", "8,128,4"], help="R,U,warps tiles")
     qmv.add_argument("--xq", default="1", help="x quantized beforehand: 1, in the kernel: 0 (comma-separated)")
     qmv.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
@@ -328,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     idx.add_argument("--pipelined", action="store_true", help="also the PIPELINED variant (two key tiles)")
     idx.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     rt = sub.add_parser("routed", help="the routed experts' tensor-core kernel of ds4x.kernels.routed_wgmma")
-    rt.add_argument("--qtype", choices=tuple(QTYPES), default="iq2_xxs")
+    rt.add_argument("--qtype", choices=("iq2_xxs", "q2_k"), default="iq2_xxs")
     rt.add_argument("--tile", nargs="+", default=["16,128,4", "128,64,4", "64,64,4"], help="BT,BN,warps tiles")
     rt.add_argument("--variant", default="shared,x async,regs", help="comma-separated: shared, x async, regs")
     rt.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")

@@ -81,8 +81,7 @@ def build(case: str, g: torch.Generator, dev: torch.device) -> Callable[[], obje
             w = qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (n_exp, inter, hidden), g), T.IQ2_XXS,
                                             (n_exp, inter, hidden)))
         else:
-            w = qm.kernel_layout(GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K,
-                                            (n_exp, hidden, inter)))
+            w = GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K, (n_exp, hidden, inter))
         x = torch.randn(t, w.shape[2], generator=g, device=dev).bfloat16()
         ids = torch.stack([torch.randperm(n_exp, generator=g, device=dev)[:k] for _ in range(t)]).to(torch.int32)
         return lambda: routed_wgmma.routed_wgmma(x, w, ids, k)

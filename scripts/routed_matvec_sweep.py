@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Routed-expert matvec tile sweep at Flash shapes (CUDA): us per call of the decode step's two routed products, gate /
 up with SwiGLU in one launch (IQ2_XXS, 2 x 256 experts of 2048 x 4096, split rows) and down (Q2_K, 256 experts of
-4096 x 2048, split rows), for T tokens x 6 experts and each (R rows, U units, warps) tile. Every call of a CUDA graph
-of 16 picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading x
+4096 x 2048), for T tokens x 6 experts and each (R rows, U units, warps) tile. Every call of a CUDA graph of 16
+picks its own random experts (little L2 reuse between calls); median of the replays. "xq": gate / up reading x
 quantized once beforehand (`quantize_activations`, timed alone as "quantize x") instead of in every program; "down":
 x quantized in every program (``Q2_K_PREPARED_ACTIVATIONS`` off); "down xq": with it on (x quantized with its
 groups' sums in one more launch, timed in, at any number of pairs here; the default from
@@ -65,7 +65,6 @@ def main() -> int:
                                       (2 * n_exp, inter, hidden)))
     w2 = qm.kernel_layout(GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K,
                                      (n_exp, hidden, inter)))
-    down_shape = f"Q2_K{' split' if w2.layout == 'split' else ''} 4096x2048 x{k} routed"
     env = environment()
     rows, best = [], {}
     print(f"{'product':>17} {'tokens':>6} {'tile':>10} {'us':>8} {'GB/s':>7} {'of copy':>8}  max rel diff to default")
@@ -85,11 +84,11 @@ def main() -> int:
             ("down", tiles(args.down), t * k * hidden * w2.row_bytes,
              lambda cfg, ids, h=h, t=t: switched(qm, PER_PROGRAM_DOWN, qm.quant_matmul_routed, h, w2,
                                                  ids.reshape(t * k, 1), config=cfg),
-             down_shape, "matvec int8"),
+             f"Q2_K 4096x2048 x{k} routed", "matvec int8"),
             ("down xq", tiles(args.down), t * k * hidden * w2.row_bytes,
              lambda cfg, ids, h=h, t=t: switched(qm, PREPARED_DOWN, qm.quant_matmul_routed, h, w2,
                                                  ids.reshape(t * k, 1), config=cfg),
-             down_shape, "matvec int8, x quantized once with sums (launch timed in)"),
+             f"Q2_K 4096x2048 x{k} routed", "matvec int8, x quantized once with sums (launch timed in)"),
         ]
         for what, configs, nbytes, call, shape, kernel in cases:
             ref = call(configs[0], id_sets[0]).float()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A/B of the tensor-core routed-expert kernel's variants at Flash shapes (CUDA, sm_90): us per call of the IQ2_XXS
-gate (256 experts of 2048 x 4096) and the Q2_K down (256 experts of 4096 x 2048), both in split rows, for T tokens x 6
+gate (256 experts of 2048 x 4096, split rows) and the Q2_K down (256 experts of 4096 x 2048) for T tokens x 6
 experts, per (BT pairs a chunk, BN rows, warps) tile and per variant of `ds4x.kernels.routed_wgmma`:
 
 * ``shared``: the weights decoded into a shared tile, the activations through registers (the default);
@@ -56,8 +56,7 @@ def main() -> int:
     weights = {
         "IQ2_XXS": qm.kernel_layout(GGMLTensor(random_blocks(T.IQ2_XXS, (n_exp, inter, hidden), g), T.IQ2_XXS,
                                                (n_exp, inter, hidden))),
-        "Q2_K": qm.kernel_layout(GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K,
-                                            (n_exp, hidden, inter))),
+        "Q2_K": GGMLTensor(random_blocks(T.Q2_K, (n_exp, hidden, inter), g), T.Q2_K, (n_exp, hidden, inter)),
     }
     env = environment()
     rows = []

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 pytest.importorskip("gguf")
 
 from ds4x.config import HCA, tiny_config  # noqa: E402
-from ds4x.formats.ggml import QUANT_SIZES, random_blocks  # noqa: E402
 from ds4x.formats.ggml import GGMLQuantizationType as T  # noqa: E402
+from ds4x.formats.ggml import random_blocks  # noqa: E402
 from ds4x.formats.ggml_tensor import GGMLTensor  # noqa: E402
 from ds4x.kernels.linear import embedding, grouped_linear, linear  # noqa: E402
 from ds4x.model.transformer import Transformer  # noqa: E402
@@ -97,41 +97,29 @@ def test_ggml_tensor_basics():
         GGMLTensor(torch.zeros(33, dtype=torch.uint8), T.Q8_0, (1, 32))
 
 
-@pytest.mark.parametrize("qt, k, fields", [
-    (T.Q8_0, 256, ((2, 34), (0, 2))),  # 32 codes, then the fp16 scale
-    (T.IQ2_XXS, 1024, ((2, 66), (0, 2))),  # 64 code bytes a block, then the scale
-    (T.Q2_K, 1024, ((16, 80), (0, 16), (80, 84))),  # 64 code bytes, then 16 scale bytes, then d and dmin
-], ids=lambda v: v.name if isinstance(v, T) else None)
-def test_split_layout_keeps_the_weights(qt, k, fields):
-    # rows re-laid field by field (each block's bytes of a field, block after block, then the next field): same
-    # size, same values, the file's bytes back on request
+def test_split_layout_keeps_the_weights():
+    # Q8_0 rows re-laid as codes then scales: same size, same values, the file's bytes back on request
     g = torch.Generator().manual_seed(2)
-    w = GGMLTensor(random_blocks(qt, (3, 5, k), g), qt, (3, 5, k))
+    w = GGMLTensor(random_blocks(T.Q8_0, (3, 5, 256), g), T.Q8_0, (3, 5, 256))
     s = w.split()
     assert s.layout == "split" and s.split() is s and w.blocks() is w and s.raw.shape == w.raw.shape
-    blocks = w.raw.view(3, 5, k // QUANT_SIZES[qt][0], QUANT_SIZES[qt][1])
-    at = 0
-    for a, b in fields:
-        region = blocks[..., a:b].flatten(-2)
-        assert torch.equal(s.raw[..., at : at + region.shape[-1]], region), (a, b)
-        at += region.shape[-1]
-    assert at == w.row_bytes
+    blocks = w.raw.view(3, 5, 8, 34)
+    assert torch.equal(s.raw[..., :256], blocks[..., 2:].flatten(-2))  # codes first, in order
+    assert torch.equal(s.raw[..., 256:], blocks[..., :2].flatten(-2))  # then the fp16 scales
     assert torch.equal(s.blocks().raw, w.raw)
     assert torch.equal(s.dequantize(), w.dequantize())
     assert s[1].layout == "split" and torch.equal(s[1:3].dequantize(), w[1:3].dequantize())
     tokens = torch.tensor([4, 0, 4])
     assert torch.equal(s[2].dequantize_rows(tokens), w[2].dequantize_rows(tokens))
     assert "split" in repr(s) and s.to("cpu") is s
-
-
-def test_split_layout_errors():
-    g = torch.Generator().manual_seed(3)
-    with pytest.raises(ValueError, match="split layout is for Q8_0, IQ2_XXS, Q2_K rows, not Q4_K"):
+    iq = GGMLTensor(random_blocks(T.IQ2_XXS, (2, 1024), g), T.IQ2_XXS, (2, 1024))
+    iqs = iq.split()
+    assert torch.equal(iqs.raw[:, :256], iq.raw.view(2, 4, 66)[..., 2:].flatten(-2))  # 64 code bytes a block
+    assert torch.equal(iqs.blocks().raw, iq.raw) and torch.equal(iqs.dequantize(), iq.dequantize())
+    with pytest.raises(ValueError, match="split layout is for Q8_0 and IQ2_XXS"):
         GGMLTensor(random_blocks(T.Q4_K, (2, 256), g), T.Q4_K, (2, 256)).split()
-    with pytest.raises(ValueError, match="split layout is for"):
-        GGMLTensor(random_blocks(T.Q4_K, (2, 256), g), T.Q4_K, (2, 256), "split")
     with pytest.raises(ValueError, match="unknown GGMLTensor layout"):
-        GGMLTensor(random_blocks(T.Q8_0, (2, 256), g), T.Q8_0, (2, 256), "rows")
+        GGMLTensor(w.raw, T.Q8_0, (3, 5, 256), "rows")
 
 
 def test_linear_embedding_grouped_accept_ggml():

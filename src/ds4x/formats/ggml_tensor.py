@@ -6,13 +6,11 @@ file is not copied) plus its GGML type and its logical torch shape: ``[out, in]`
 ``[*shape[:-1], row_bytes]``: every row of ``in`` weights is a whole number of blocks, so indexing
 the leading dimensions is a plain view of the bytes and ``w[e]`` (one expert) copies nothing.
 
-Q8_0, IQ2_XXS and Q2_K rows have a second byte layout, ``"split"``: the same bytes of each row re-laid field by
-field (``SPLIT_RANGES``): the codes of its nb blocks (32 bytes each for Q8_0, 64 for IQ2_XXS and Q2_K), then its nb
-fp16 scales (Q2_K: its nb x 16 scale bytes, then its nb d | dmin words). A row is still ``row_bytes`` long, so
-views and row strides are unchanged. The CUDA matvec reads a unit's codes with one 8-byte load (Q2_K: 16 bytes),
-where the 34- and 66-byte blocks of the file only allow 2-byte loads and the 84-byte Q2_K blocks 4-byte ones;
-everything that needs the file's bytes (decoding on the CPU, writing a GGUF, fingerprints) goes through
-:meth:`GGMLTensor.blocks`.
+Q8_0 and IQ2_XXS rows have a second byte layout, ``"split"``: the same bytes of each row re-laid as the
+codes of its nb blocks (32 bytes each for Q8_0, 64 for IQ2_XXS) followed by its nb fp16 scales (a row is still
+``row_bytes`` long, so views and row strides are unchanged). The CUDA matvec reads it with 8-byte loads, where
+the 34- and 66-byte blocks of the file only allow 2-byte ones; everything that needs the file's bytes (decoding
+on the CPU, writing a GGUF, fingerprints) goes through :meth:`GGMLTensor.blocks`.
 
 The model never reads a GGMLTensor's storage itself: ``ds4x.kernels.linear`` multiplies by it (on
 the CPU by dequantizing with the bit-exact decoders of :mod:`ds4x.formats.ggml`, on CUDA with the
@@ -30,20 +28,8 @@ from ds4x.formats.ggml import QUANT_SIZES, GGMLQuantizationType, dequantize, qua
 __all__ = ["LAYOUTS", "GGMLTensor"]
 
 LAYOUTS = ("blocks", "split")
-# types with a split layout: the byte ranges [start, end) of a block in the order a split row holds them (the
-# first range of every block of the row, then the second range of every block, ...); together they cover the block
-SPLIT_RANGES: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
-    GGMLQuantizationType.Q8_0: ((2, 34), (0, 2)),  # 32 int8 codes, fp16 d
-    GGMLQuantizationType.IQ2_XXS: ((2, 66), (0, 2)),  # 8 groups of grid indices and signs, fp16 d
-    GGMLQuantizationType.Q2_K: ((16, 80), (0, 16), (80, 84)),  # 64 bytes of 2-bit codes, 16 scale | min, d | dmin
-}
-
-
-def _split_ranges(qtype: GGMLQuantizationType) -> tuple[tuple[int, int], ...]:
-    """``SPLIT_RANGES[qtype]``, or a ValueError for a type without a split layout."""
-    if qtype not in SPLIT_RANGES:
-        raise ValueError(f"the split layout is for {', '.join(t.name for t in SPLIT_RANGES)} rows, not {qtype.name}")
-    return SPLIT_RANGES[qtype]
+# types with a split layout: block bytes; each block is a 2-byte fp16 scale, then its codes
+SPLIT_BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.IQ2_XXS: 66}
 
 
 class GGMLTensor:
@@ -77,8 +63,8 @@ class GGMLTensor:
             self.raw = self.raw.contiguous()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown GGMLTensor layout {layout!r} (have {', '.join(LAYOUTS)})")
-        if layout == "split":
-            _split_ranges(qt)
+        if layout == "split" and qt not in SPLIT_BLOCK_BYTES:
+            raise ValueError(f"the split layout is for Q8_0 and IQ2_XXS rows, not {qt.name}")
         self.qtype = qt
         self._shape = torch.Size(shape)
         self.layout = layout
@@ -150,20 +136,21 @@ class GGMLTensor:
 
     # ---- layouts ------------------------------------------------------------------------------
     def split(self) -> GGMLTensor:
-        """The same weights with every row re-laid field by field (``SPLIT_RANGES``: codes, then scales; self if
-        already so). Q8_0, IQ2_XXS and Q2_K only."""
+        """The same Q8_0 / IQ2_XXS weights with every row re-laid as its codes, then its scales (self if already
+        so)."""
         if self.layout == "split":
             return self
-        ranges = _split_ranges(self.qtype)
-        blocks = self.raw.view(*self.raw.shape[:-1], -1, QUANT_SIZES[self.qtype][1])
-        raw = torch.cat([blocks[..., a:b].flatten(-2) for a, b in ranges], dim=-1)
+        if self.qtype not in SPLIT_BLOCK_BYTES:
+            raise ValueError(f"the split layout is for Q8_0 and IQ2_XXS rows, not {self.qtype.name}")
+        blocks = self.raw.view(*self.raw.shape[:-1], -1, SPLIT_BLOCK_BYTES[self.qtype])
+        raw = torch.cat((blocks[..., 2:].flatten(-2), blocks[..., :2].flatten(-2)), dim=-1)
         return GGMLTensor(raw, self.qtype, tuple(self._shape), "split")
 
     def blocks(self) -> GGMLTensor:
         """The same weights with the file's block layout (self if already so)."""
         if self.layout == "blocks":
             return self
-        return GGMLTensor(_rows_as_blocks(self.raw, SPLIT_RANGES[self.qtype]), self.qtype, tuple(self._shape))
+        return GGMLTensor(_rows_as_blocks(self.raw, SPLIT_BLOCK_BYTES[self.qtype]), self.qtype, tuple(self._shape))
 
     # ---- decoding -----------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -179,16 +166,15 @@ class GGMLTensor:
         idx = rows.reshape(-1).to(device=self.raw.device, dtype=torch.long)
         picked = self.raw.index_select(0, idx)
         if self.layout == "split":
-            picked = _rows_as_blocks(picked, SPLIT_RANGES[self.qtype])
+            picked = _rows_as_blocks(picked, SPLIT_BLOCK_BYTES[self.qtype])
         out = dequantize(picked, self.qtype, (idx.numel(), self._shape[1]))
         out = out if out.dtype == dtype else out.to(dtype)
         return out.reshape(*rows.shape, self._shape[1])
 
 
-def _rows_as_blocks(raw: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """Split-layout rows ``[..., row_bytes]`` back in the file's blocks, whose byte ranges ``ranges`` the split
-    rows hold one after another (``SPLIT_RANGES``)."""
-    nb = raw.shape[-1] // sum(b - a for a, b in ranges)
-    regions = raw.split([nb * (b - a) for a, b in ranges], dim=-1)
-    fields = sorted(zip(ranges, regions, strict=True), key=lambda field: field[0][0])  # in block order
-    return torch.cat([region.unflatten(-1, (nb, b - a)) for (a, b), region in fields], dim=-1).flatten(-2)
+def _rows_as_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """Split-layout rows ``[..., row_bytes]`` back in the file's blocks of ``block_bytes``."""
+    nb = raw.shape[-1] // block_bytes
+    codes = raw[..., : (block_bytes - 2) * nb].unflatten(-1, (nb, block_bytes - 2))
+    scales = raw[..., (block_bytes - 2) * nb :].unflatten(-1, (nb, 2))
+    return torch.cat((scales, codes), dim=-1).flatten(-2)

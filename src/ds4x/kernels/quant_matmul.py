@@ -12,7 +12,7 @@ Two kernels:
   A unit is the run of weights one thread decodes at once, sized so that scales apply to in-thread
   sums (Q8_0: a quarter block, 8 weights; Q4_K: one code word, 8; Q2_K: 16 code bytes, 64;
   IQ2_XXS: one 32-weight group). Every tile keeps that one layout, so nothing goes through shared
-  memory until the final sum; weight loads are unmasked 2/4/8/16-byte loads (rows past N read row N - 1).
+  memory until the final sum; weight loads are unmasked 2/4/8-byte loads (rows past N read row N - 1).
 * ``_qmm_kernel`` (skinny matrix, up to ``DOT_MAX_ROWS`` rows): the decoded ``[BN, BK]`` tile goes
   through ``tl.dot`` against ``BM`` activation rows (in x's dtype; float32 activations use TF32 on
   GPU), for rows that share one expert. Its 4-D tiles ``[BN, G, W, V]`` decode G scale groups of
@@ -231,29 +231,20 @@ if HAVE_TRITON:
         return q * d
 
     @triton.jit
-    def _tile_q2_k(wp, rowoff, rmask, k0, K, G: tl.constexpr, SPLIT: tl.constexpr):
+    def _tile_q2_k(wp, rowoff, rmask, k0, K, G: tl.constexpr):
         # [BN, G, 4, 4]: G sub-blocks of 16; sub-block j16 = 8h + 2k + jh of its block reads bit
-        # pair k of bytes 16jh..16jh+15 of half h (4 int32 words). SPLIT rows (nb = K / 256 blocks): block b's
-        # 64 code bytes at 64 b, its 16 scale bytes at 64 nb + 16 b, its d and dmin at 80 nb + 4 b
+        # pair k of bytes 16jh..16jh+15 of half h (4 int32 words)
         sb = k0 // 16 + tl.arange(0, G)[None, :, None, None]
         j16 = sb % 16
         m = rmask & (sb * 16 < K)
-        blk = (sb // 16).to(tl.int64)
-        if SPLIT:
-            qoff = rowoff + 64 * blk
-            soff = rowoff + K // 4 + 16 * blk
-            doff = rowoff + (K // 4 + K // 16) + 4 * blk
-        else:
-            soff = rowoff + blk * 84
-            qoff = soff + 16
-            doff = soff + 80
-        d = _f16(wp, doff, m)
-        dmin = _f16(wp, doff + 2, m)
-        sc = tl.load(wp + soff + j16, mask=m, other=0).to(tl.int32)
+        boff = rowoff + (sb // 16).to(tl.int64) * 84
+        d = _f16(wp, boff + 80, m)
+        dmin = _f16(wp, boff + 82, m)
+        sc = tl.load(wp + boff + j16, mask=m, other=0).to(tl.int32)
         dl = d * _magic(sc & 15, 0.0)
         ml = dmin * _magic(sc >> 4, 0.0)
         wi = tl.arange(0, 4)[None, None, :, None]
-        woff = qoff + 32 * (j16 // 8) + 16 * (j16 % 2) + 4 * wi
+        woff = boff + 16 + 32 * (j16 // 8) + 16 * (j16 % 2) + 4 * wi
         words = tl.load((wp + woff).to(tl.pointer_type(tl.int32)), mask=m, other=0)
         v = tl.arange(0, 4)[None, None, None, :]
         q = _magic((words >> (8 * v + 2 * ((j16 // 2) % 4))) & 3, 0.0)
@@ -323,8 +314,8 @@ if HAVE_TRITON:
             out = _tile_q8_0(wp, rowoff, rmask, k0, K, G)
         elif QTYPE == 9:
             out = _tile_q8_0_split(wp, rowoff, rmask, k0, K, G)
-        elif QTYPE == 10 or QTYPE == 11:
-            out = _tile_q2_k(wp, rowoff, rmask, k0, K, G, QTYPE == 11)
+        elif QTYPE == 10:
+            out = _tile_q2_k(wp, rowoff, rmask, k0, K, G)
         elif QTYPE == 12:
             out = _tile_q4_k(wp, rowoff, rmask, k0, K, G)
         else:
@@ -335,9 +326,8 @@ if HAVE_TRITON:
     # The matvec tile is [U, R]: U "units" along K (one per thread, spread over the lanes and warps)
     # times R weight rows (in each thread's registers). A unit is the run of weights one thread decodes
     # at once, sized so that its scales apply to whole in-thread sums: it loads its own bytes (plain
-    # 2- to 16-byte loads, as wide as its layout aligns them; never masked: rows past N read row N - 1
-    # and U divides K's units), its x values (16-byte vector loads, shared by the R rows), and returns
-    # its R partial dot products.
+    # 2- and 4-byte loads, never masked: rows past N read row N - 1 and U divides K's units), its x
+    # values (16-byte vector loads, shared by the R rows), and returns its R partial dot products.
     # Everything stays in one layout, so no tile goes through shared memory until the final sum.
 
     @triton.jit
@@ -541,38 +531,23 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, kb, SPLIT: tl.constexpr, ACT8: tl.constexpr, XQ: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+    def _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, ACT8: tl.constexpr, XQ: tl.constexpr, INTERPRET: tl.constexpr):
         # unit: code bytes 16 jj .. 16 jj + 15 (jj = c % 2) of half h = (c // 2) % 2 of block c // 4 (4 words).
         # Bit pair kk of these bytes holds the 16 weights 128 h + 32 kk + 16 jj + 0..15, sub-block
         # 8 h + 2 kk + jj, whose scale byte is byte jj + 2 (kk % 2) of scale word 2 h + kk // 2.
         # w = d * (sc & 15) * q - dmin * (sc >> 4), so each sub-block adds d * sc_lo * sum(q x) - dmin * sc_hi * sum(x).
-        # File blocks (84 bytes, 4-byte aligned only): 7 word loads. SPLIT rows (GGMLTensor.split; kb = K / 4 code
-        # bytes, every region 16-byte aligned): the unit's 16 code bytes at 16 c (one 16-byte load), the half's two
-        # scale words at kb + 16 (c // 4) + 8 h (one 8-byte load), d | dmin at kb + kb / 4 + 4 (c // 4): the same
-        # words, so the same bits.
         # XQ: x's 16-value groups quantized beforehand (codes, scale and float sum of group k / 16), not here
         h = (c // 2) % 2
         jj = c % 2
-        if SPLIT:
-            v = tl.load((rowp + 16 * c).to(tl.pointer_type(tl.int32))[:, :, None] + tl.arange(0, 4)[None, None, :])
-            even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
-            q0, q2 = tl.split(even)
-            q1, q3 = tl.split(odd)
-            sw = tl.load((rowp + kb + 16 * (c // 4) + 8 * h).to(tl.pointer_type(tl.int64)))
-            sw0 = sw.to(tl.int32)
-            sw1 = (sw >> 32).to(tl.int32)
-            dd = _ld32(rowp + kb + kb // 4 + 4 * (c // 4))
-        else:
-            bp = rowp + (c // 4) * 84
-            dd = _ld32(bp + 80)
-            sw0 = _ld32(bp + 8 * h)
-            sw1 = _ld32(bp + 8 * h + 4)
-            qp = bp + 16 + 32 * h + 16 * jj
-            q0 = _ld32(qp)
-            q1 = _ld32(qp + 4)
-            q2 = _ld32(qp + 8)
-            q3 = _ld32(qp + 12)
+        bp = rowp + (c // 4) * 84
+        dd = _ld32(bp + 80)
+        sw0 = _ld32(bp + 8 * h)
+        sw1 = _ld32(bp + 8 * h + 4)
+        qp = bp + 16 + 32 * h + 16 * jj
+        q0 = _ld32(qp)
+        q1 = _ld32(qp + 4)
+        q2 = _ld32(qp + 8)
+        q3 = _ld32(qp + 12)
         k = (c // 4) * 256 + 128 * h + 16 * jj
         a = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
         b = tl.zeros((c.shape[0], rowp.shape[1]), tl.float32)
@@ -800,8 +775,8 @@ if HAVE_TRITON:
             out = _mv_dense(rowp, c, xp, QTYPE == 30)
         elif QTYPE == 8 or QTYPE == 9:
             out = _mv_q8_0(rowp, c, xp, kb, QTYPE == 9, ACT8, INTERPRET)
-        elif QTYPE == 10 or QTYPE == 11:
-            out = _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, kb, QTYPE == 11, ACT8, XQ, INTERPRET)
+        elif QTYPE == 10:
+            out = _mv_q2_k(rowp, c, xp, xqp, xsp, xsump, ACT8, XQ, INTERPRET)
         elif QTYPE == 12:
             out = _mv_q4_k(rowp, c, xp)
         else:
@@ -848,7 +823,7 @@ if HAVE_TRITON:
             # rows past N read row N - 1 (never stored), so no weight load needs a mask
             rowp = w_ptr + e * expert_bytes + tl.minimum(rows, N - 1).to(tl.int64)[None, :] * row_bytes
         acc = tl.zeros((U, R), dtype=tl.float32)
-        kb = n_units * (16 if QTYPE == 11 else 8)  # split rows: code bytes per unit (Q8_0, IQ2_XXS 8; Q2_K 16)
+        kb = n_units * 8  # split rows (Q8_0, IQ2_XXS): 8 code bytes per unit
         if PRELOAD:
             # split Q8_0 rows whose whole K is one step (U == n_units, host side): the weights are loaded before
             # the wait for the kernels upstream (they write x, never the weights), so the words are on their way
@@ -892,7 +867,7 @@ if HAVE_TRITON:
         xrow = (pair // X_DIV).to(tl.int64)
         xp = x_ptr + xrow * stride_x
         # XQ: x's row quantized per 16 values, K / 4 code words and K / 16 scales (and sums) a row
-        if QTYPE == 10 or QTYPE == 11:
+        if QTYPE == 10:
             n_groups = n_units * 4  # Q2_K units of 64 weights
         else:
             n_groups = n_units * 2  # IQ2_XXS units of 32
@@ -1144,24 +1119,18 @@ def supports(w: GGMLTensor) -> bool:
         return False
     if w.raw.device.type != "cuda" and not interpret_mode():
         return False
-    # the widest word a kernel reads (split Q2_K rows: a unit's 16 code bytes)
-    if w.layout == "split":
-        align = 16 if w.qtype == T.Q2_K else 8
-    else:
-        align = 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2
+    align = 8 if w.layout == "split" else 4 if w.qtype in (T.Q2_K, T.Q4_K) else 2  # widest word a kernel reads
     return w.raw.is_contiguous() and w.raw.data_ptr() % align == 0 and w.row_bytes % align == 0
 
 
 def kernel_layout(w: GGMLTensor) -> GGMLTensor:
-    """``w`` in the layout these kernels read fastest: Q8_0, IQ2_XXS and Q2_K rows split into codes and scales
-    (:meth:`GGMLTensor.split`) when every row and its regions then start aligned for the matvec's widest load (a
-    row's Q8_0 codes a multiple of 128 bytes and IQ2_XXS rows of a multiple of 4 blocks: 8-byte aligned, a unit's
-    code bytes one 8-byte load; Q2_K rows of a multiple of 4 blocks: 16-byte aligned, a unit's 16 code bytes one
-    16-byte load, its scale words one 8-byte load); anything else as it is. IQ2_XXS split rows: routed gate / up
-    at one token 27.5 -> 25.3 us (H200, 12 slots of 4096 -> 2048 experts), the same on the routed tensor-core
-    kernel at 64 and 512 tokens. Q2_K split rows (the routed down projection, K = 2048): not yet timed on a GPU."""
+    """``w`` in the layout these kernels read fastest: Q8_0 and IQ2_XXS rows split into codes and scales
+    (:meth:`GGMLTensor.split`) when every row and its scales then start 8-byte aligned (a row's Q8_0 codes a
+    multiple of 128 bytes, IQ2_XXS rows of a multiple of 4 blocks), so a matvec unit's code bytes are one 8-byte
+    load; anything else as it is. IQ2_XXS split rows: routed gate / up at one token 27.5 -> 25.3 us (H200, 12
+    slots of 4096 -> 2048 experts), the same on the routed tensor-core kernel at 64 and 512 tokens."""
     if w.ndim in (2, 3) and ((w.qtype == T.Q8_0 and w.shape[-1] % 128 == 0)
-                             or (w.qtype in (T.IQ2_XXS, T.Q2_K) and w.shape[-1] % 1024 == 0)):
+                             or (w.qtype == T.IQ2_XXS and w.shape[-1] % 1024 == 0)):
         return w.split()
     return w
 
@@ -1172,9 +1141,10 @@ def _fields(qtype: GGMLQuantizationType) -> tuple[int, int, int, int, int]:
 
 
 def _code(w: GGMLTensor) -> int:
-    """The kernels' QTYPE for ``w``: the type's code (`_TYPES`), plus one in split rows (9: Q8_0, 11: Q2_K, 17:
-    IQ2_XXS)."""
-    return _fields(w.qtype)[0] + (w.layout == "split")
+    """The kernels' QTYPE for ``w`` (9: split-layout Q8_0, 17: split-layout IQ2_XXS)."""
+    if w.layout == "split":
+        return 9 if w.qtype == T.Q8_0 else 17
+    return _fields(w.qtype)[0]
 
 
 @lru_cache(maxsize=8)
@@ -1406,7 +1376,7 @@ def _launch(x2: torch.Tensor, w: GGMLTensor, ids: torch.Tensor | None, x_div: in
             PRELOAD=weights_preloaded(w, u, has_ids), **launch_options(dev, "matvec"))
         return y
     bm, bn, bk, nw = config if config is not None else matmul_config(w.qtype, n_pairs, n, k)
-    wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 11: 4, 12: 8}[code]
+    wv = 8 if iq2 else {8: 16, 9: 8, 10: 4, 12: 8}[code]
     dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x2.dtype]
     if interpret_mode():  # the interpreter's tl.dot mishandles bfloat16; it computes exactly anyway
         dot_dtype = tl.float32

@@ -135,40 +135,24 @@ if HAVE_GLUON:
         return _prmt(va + 0 * sel, vb + 0 * sel, sel) ^ neg
 
     @gluon.jit
-    def _fetch_step(rowp, wexp, k0, grp, K, QTYPE: gl.constexpr):
-        # one K step's raw fields of the tile's rows, by the weights' type (see the kernel's QTYPE): rowp the rows'
-        # pointers [BN, 1, 1, 1], or for split Q2_K rows (11) their int32 byte offsets from wexp, the expert's bytes
+    def _fetch_step(rowp, k0, grp, K, QTYPE: gl.constexpr):
+        # one K step's raw fields of the tile's rows, by the weights' type (see the kernel's QTYPE)
         if QTYPE == 16 or QTYPE == 17:
             return _fetch_iq2_xxs(rowp, k0, grp, K, QTYPE == 17)
         else:
-            return _fetch_q2_k(rowp, wexp, k0, grp, K, QTYPE == 11)
+            return _fetch_q2_k(rowp, k0, grp)
 
     @gluon.jit
-    def _fetch_q2_k(rowp, wexp, k0, unit, K, SPLIT: gl.constexpr):
+    def _fetch_q2_k(rowp, k0, unit):
         # the raw fields of the K step at k0 (half h of a block: 4 bit pairs kk x 2 sub-blocks jj x 16 weights): d
         # and dmin, the 8 scale bytes of the half (sub-block 8 h + 2 kk + jj), and the two code words of unit
-        # 2 jj + u (code bytes 16 jj + 8 u .. + 7 of the half, which hold its 8 weights in each of the 4 bit pairs).
-        # File blocks (84 bytes, 4-byte aligned only; rowp pointers): five word loads. SPLIT rows (GGMLTensor.split,
-        # rows of a multiple of 4 blocks; rowp int32 offsets from wexp; nb = K / 256): the half's code bytes at
-        # k0 / 4 and its scale bytes at 64 nb + k0 / 16 (each pair of words one 8-byte load), d | dmin of block b at
-        # 80 nb + 4 b. Each address is wexp + (a 32-bit sum): a 64-bit pointer per row and region (three, where the
-        # blocks' fields sit at immediate offsets of one) made the prompts' tile (64, 128, 4) spill
+        # 2 jj + u (code bytes 16 jj + 8 u .. + 7 of the half, which hold its 8 weights in each of the 4 bit pairs)
+        h = (k0 % 256) // 128
+        bp = rowp + (k0 // 256) * 84
+        qp = bp + 16 + 32 * h + 8 * unit  # [BN, 4, 1, 1]
         i32 = gl.pointer_type(gl.int32)
-        if SPLIT:
-            i64 = gl.pointer_type(gl.int64)
-            dd = gl.load((wexp + (rowp + (K // 4 + K // 16 + 4 * (k0 // 256)))).to(i32))
-            sw = gl.load((wexp + (rowp + (K // 4 + k0 // 16))).to(i64))
-            q = gl.load((wexp + (rowp + (k0 // 4 + 8 * unit))).to(i64))  # [BN, 4, 1, 1]
-            s_lo, s_hi = sw.to(gl.int32), (sw >> 32).to(gl.int32)
-            q0, q1 = q.to(gl.int32), (q >> 32).to(gl.int32)
-        else:
-            h = (k0 % 256) // 128
-            bp = rowp + (k0 // 256) * 84
-            qp = bp + 16 + 32 * h + 8 * unit  # [BN, 4, 1, 1]
-            dd = gl.load((bp + 80).to(i32))
-            s_lo, s_hi = gl.load((bp + 8 * h).to(i32)), gl.load((bp + 8 * h + 4).to(i32))
-            q0, q1 = gl.load(qp.to(i32)), gl.load((qp + 4).to(i32))
-        return dd, s_lo, s_hi, q0, q1
+        return (gl.load((bp + 80).to(i32)), gl.load((bp + 8 * h).to(i32)), gl.load((bp + 8 * h + 4).to(i32)),
+                gl.load(qp.to(i32)), gl.load((qp + 4).to(i32)))
 
     @gluon.jit
     def _words_q2_k(dd, s_lo, s_hi, q0, q1, unit, kk, pw):
@@ -252,12 +236,7 @@ if HAVE_GLUON:
 
             rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
             # rows past N decode row N - 1 (never stored), so no weight load needs a mask
-            row_c = gl.minimum(rows, N - 1)[:, None, None, None]
-            wexp = w_ptr + e * expert_bytes
-            if QTYPE == 11:  # split Q2_K rows: 32-bit offsets from the expert's bytes (see _fetch_q2_k)
-                rowp = row_c * row_bytes
-            else:
-                rowp = wexp + row_c.to(gl.int64) * row_bytes
+            rowp = w_ptr + e * expert_bytes + gl.minimum(rows, N - 1).to(gl.int64)[:, None, None, None] * row_bytes
             grp = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
             grp = grp[None, :, None, None]
             ent = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
@@ -281,8 +260,8 @@ if HAVE_GLUON:
             n_steps = K // STEP
             # raw fields are fetched two steps ahead and the activations one step ahead (registers), so the
             # DRAM latency overlaps the decode of earlier steps
-            a0, a1, a2, a3, a4 = _fetch_step(rowp, wexp, 0, grp, K, QTYPE)
-            b0, b1, b2, b3, b4 = _fetch_step(rowp, wexp, gl.minimum(STEP, K - STEP), grp, K, QTYPE)
+            a0, a1, a2, a3, a4 = _fetch_step(rowp, 0, grp, K, QTYPE)
+            b0, b1, b2, b3, b4 = _fetch_step(rowp, gl.minimum(STEP, K - STEP), grp, K, QTYPE)
             if X_ASYNC:
                 async_copy.async_copy_global_to_shared(x_smem.index(0), xrow + kx)
                 async_copy.commit_group()
@@ -293,7 +272,7 @@ if HAVE_GLUON:
                 s = i % 2
                 k2 = gl.minimum(k0 + 2 * STEP, K - STEP)  # past the end: fetch the last step again (unused)
                 if X_ASYNC:
-                    c0, c1, c2, c3, c4 = _fetch_step(rowp, wexp, k2, grp, K, QTYPE)
+                    c0, c1, c2, c3, c4 = _fetch_step(rowp, k2, grp, K, QTYPE)
                 if QTYPE == 16 or QTYPE == 17:
                     words = _words_iq2_xxs(a0, a1, a2, a3, a4, tab_ptr, ent, pw)
                 else:
@@ -333,7 +312,7 @@ if HAVE_GLUON:
                     # prompts' tiles, before / after: IQ2_XXS gate 1,024 tokens 2,430 / 2,378, 4,096 tokens 2,651 /
                     # 2,529; Q2_K down 1,464 / 1,440 and 2,338 / 2,292. With X_ASYNC they stay before it: after it
                     # its x async tiles measured 2-42% slower (most 12-23%)
-                    c0, c1, c2, c3, c4 = _fetch_step(rowp, wexp, k2, grp, K, QTYPE)
+                    c0, c1, c2, c3, c4 = _fetch_step(rowp, k2, grp, K, QTYPE)
                     x_next = gl.load(x_at)
                 if not REG_W:
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -371,15 +350,9 @@ def hopper(device: torch.device) -> bool:
 def available(x: torch.Tensor, w: GGMLTensor) -> bool:
     """Whether :func:`routed_wgmma` can run this product here."""
     return (x.dtype == torch.bfloat16 and w.qtype in _CODES and w.ndim == 3
-            and w.shape[-1] % 256 == 0 and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0
-            and w.row_bytes % 4 == 0 and (w.qtype != T.Q2_K or w.layout != "split" or _split_q2_k_fits(w))
-            and hopper(x.device))
-
-
-def _split_q2_k_fits(w: GGMLTensor) -> bool:
-    """Whether the kernel reads these split Q2_K rows: 8-byte aligned (it reads words two at a time) and each expert
-    under 2 GiB (rows are addressed by 32-bit offsets within their expert, see `_fetch_q2_k`)."""
-    return w.row_bytes % 8 == 0 and w.shape[-2] * w.row_bytes < 2**31
+            and (w.layout != "split" or w.qtype == T.IQ2_XXS) and w.shape[-1] % 256 == 0
+            and w.raw.is_contiguous() and w.raw.data_ptr() % 16 == 0
+            and w.row_bytes % 4 == 0 and hopper(x.device))
 
 
 # the weights decoded straight into the wgmma's register operand (`_routed_wgmma_kernel` REG_W), with its own tiles
