@@ -451,12 +451,9 @@ if HAVE_TRITON:
                     ai = (a << (24 - 8 * i)) >> 24
                 acc += ai * ((b << (24 - 8 * i)) >> 24)
             out = acc
-        elif UNSIGNED_A:
-            out = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
-                                            dtype=tl.int32, is_pure=True, pack=1)
         else:
-            out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
-                                            dtype=tl.int32, is_pure=True, pack=1)
+            asm: tl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;" if UNSIGNED_A else "dp4a.s32.s32 $0, $1, $2, $3;"
+            out = tl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, acc], dtype=tl.int32, is_pure=True, pack=1)
         return out
 
     @triton.jit
@@ -564,18 +561,8 @@ if HAVE_TRITON:
                     x0, x1, x2, x3, dx, sx = _xq16(xp, k + 32 * kk, INTERPRET)
                 # the bit pairs masked in place, not shifted down: the sum is 4^kk times the codes', which the
                 # x scale takes back (a power of two: the same bits), one multiply a unit instead of a shift a word
-                if kk == 0:
-                    pairs = 0x03030303
-                    dxk = dx
-                elif kk == 1:
-                    pairs = 0x0C0C0C0C
-                    dxk = dx * 0.25
-                elif kk == 2:
-                    pairs = 0x30303030
-                    dxk = dx * 0.0625
-                else:
-                    pairs = -0x3F3F3F40  # 0xC0C0C0C0 as an int32
-                    dxk = dx * 0.015625
+                pairs = ((0x03030303 << (2 * kk)) ^ 0x80000000) - 0x80000000  # as an int32
+                dxk = dx * (1.0 / (1 << (2 * kk)))
                 isum = _dp4a(q0 & pairs, x0, tl.zeros_like(q0), INTERPRET, True)
                 isum = _dp4a(q1 & pairs, x1, isum, INTERPRET, True)
                 isum = _dp4a(q2 & pairs, x2, isum, INTERPRET, True)
