@@ -381,12 +381,13 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             rest = need + tl.arange(0, KP)
             tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
             tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
-        # the last program to finish leaves the histograms zeroed for the next call
+        # the last program to finish leaves the histograms and both counters zeroed for the next call: plain
+        # stores, since every other program has passed its last barrier and the next launch sees this one's writes
+        # (an atomic exchange would hold the program for its round trip before it may exit)
         if not LOCAL:
             if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
                 tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
-                tl.atomic_xchg(ws_ptr, 0)
-                tl.atomic_xchg(ws_ptr + 1, 0)
+                tl.store(ws_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
 @triton.jit
