@@ -384,10 +384,8 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
         # the last program to finish leaves the histograms and both counters zeroed for the next call: plain
         # stores, since every other program has passed its last barrier and the next launch sees this one's writes
         # (an atomic exchange would hold the program for its round trip before it may exit). H100,
-        # scripts/compressed_kernels_ab.py --parts select,pair, 2178764 against its parent, two alternating rounds (the
-        # first cut short by its time limit),
-        # us: 262,144 scores 14.2, 14.1 -> 13.2, 13.0; 32,768 11.4, 11.6 -> 10.2, 10.1; 4,160 10.5 -> 9.1, 9.2;
-        # scoring + top-512 at 1M 29.6 -> 28.2
+        # scripts/compressed_kernels_ab.py --parts select,pair, 2178764 against its parent, us: 262,144 scores
+        # 14.2, 14.1 -> 13.2, 13.0; 32,768 11.4, 11.6 -> 10.2, 10.1; scoring + top-512 at 1M 29.6 -> 28.2
         if not LOCAL:
             if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
                 tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
