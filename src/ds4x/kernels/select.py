@@ -143,8 +143,9 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # bench frontier --weights q2 --experts 128 --contexts 1048576 --steps 50 --variant "cand: ...CANDIDATES=256"`, two
 # rounds alternating; the 41 layers 1.452, 1.456 against 1.343, 1.338 ms).
 
-# workspace (int32), one per row of scores: [0] barrier count, [1] finished programs, [2] barrier timeouts; from 64
-# the levels' histograms (at most 1,024 bins in all); from 1088 per program the rows above / equal to the k-th score
+# workspace (int32), one per row of scores: [0] and [1] the barrier counts of alternate fused launches, [2] barrier
+# timeouts, [3] fused launches so far; from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per
+# program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
 _WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
@@ -335,6 +336,8 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
                                             SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
+        if not fused:  # each phase's launch re-read the histograms, so none of them could zero them
+            ws[r0:r1, 64 : 64 + 1024].zero_()
     return (index, valid) if batched else (index[0], valid[0])
 
 

@@ -186,21 +186,22 @@ def load_acquire(ptr):
 
 
 @triton.jit
-def grid_sync(ws_ptr, phase, nprog):
-    """Waits until all ``nprog`` programs of the row have finished phase ``phase`` (1, 2, ...); one program needs
-    only its own barrier."""
+def grid_sync(barrier_ptr, timeouts_ptr, phase, nprog):
+    """Waits until all ``nprog`` programs of the row have finished phase ``phase`` (1, 2, ...), counted at
+    ``barrier_ptr`` (zero before phase 1); a wait that gives up adds 1 at ``timeouts_ptr``. One program needs only
+    its own barrier."""
     tl.debug_barrier()  # this program's phase is complete
     if nprog > 1:
         target = phase * nprog
         # the arrival's own result tells the last program to arrive that it need not wait; the others wait by
         # loads (each thread its own, so no broadcast of an atomic's result behind a barrier per try)
-        seen = tl.atomic_add(ws_ptr, 1, sem="acq_rel", scope="gpu") + 1
+        seen = tl.atomic_add(barrier_ptr, 1, sem="acq_rel", scope="gpu") + 1
         spins = tl.full([], 0, tl.int32)
         while (seen < target) & (spins < 4_000_000):  # bounded: a broken barrier fails the result, not the GPU
-            seen = load_acquire(ws_ptr)
+            seen = load_acquire(barrier_ptr)
             spins += 1
         if seen < target:
-            tl.atomic_add(ws_ptr + 2, 1)
+            tl.atomic_add(timeouts_ptr, 1)
         tl.debug_barrier()
 
 
@@ -253,8 +254,8 @@ def shared_histogram(base, level: tl.constexpr, digit, mask, BINS: tl.constexpr)
 
 
 @triton.jit
-def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr, BINS: tl.constexpr,
-                    bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
+def digit_histogram(ws_ptr, barrier_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC: tl.constexpr,
+                    BINS: tl.constexpr, bins_base, SHARED_BINS: tl.constexpr, LOCAL: tl.constexpr):
     """This program's histogram of one digit level, added to the row's (unless LOCAL: the program's own is the
     row's), then (SYNC) waits for every program's at grid barrier ``phase``. SHARED_BINS: counted by shared-memory
     atomics into the bins at ``bins_base`` (`shared_histogram`), else by tl.histogram."""
@@ -265,7 +266,7 @@ def digit_histogram(ws_ptr, level: tl.constexpr, digit, mask, phase, nprog, SYNC
     if not LOCAL:
         tl.atomic_add(ws_ptr + 64 + level * BINS + tl.arange(0, BINS), h, mask=h > 0, sem="relaxed")
         if SYNC:
-            grid_sync(ws_ptr, phase, nprog)
+            grid_sync(barrier_ptr, ws_ptr + 2, phase, nprog)
     return h
 
 
@@ -298,6 +299,14 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     valid_ptr += r * kk
     gt_counts = ws_ptr + 64 + 1024  # per program: its rows above the k-th code, then those equal to it
     eq_counts = gt_counts + MAX_PROGRAMS
+    # the grid barriers count in word 0 or 1 by the parity of the fused launches so far (word 3); program 0 of
+    # each zeroes the other word at its end, the launch before's counter, which nothing reads any more
+    FUSED: tl.constexpr = FIRST < LAST and not LOCAL
+    launches = tl.zeros([], tl.int32)
+    barrier_ptr = ws_ptr
+    if FUSED:
+        launches = tl.load(ws_ptr + 3, cache_modifier=".cg")
+        barrier_ptr = ws_ptr + (launches & 1)
     if DEVICE_COUNT:  # visible rows counted on the device (CUDA graphs); the grid covers all n scores
         n_visible = tl.load(count_ptr + r).to(tl.int32)
     n_visible = tl.minimum(n_visible, n)
@@ -329,8 +338,8 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             digit = ((u >> (32 - BITS * (level + 1))) & (BINS - 1)).to(tl.int32)
             if FIRST <= level:
                 if not done:
-                    h = digit_histogram(ws_ptr, level, digit, match, barriers + 1, nprog, LAST > level, BINS,
-                                        bins_base, SHARED_BINS, LOCAL)
+                    h = digit_histogram(ws_ptr, barrier_ptr, level, digit, match, barriers + 1, nprog, LAST > level,
+                                        BINS, bins_base, SHARED_BINS, LOCAL)
                     barriers += 1
     # phase LEVELS: the k-th code (its settled bits); each program counts its rows above it and equal to it
     if LAST >= LEVELS:
@@ -355,7 +364,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tl.store(gt_counts + pid, total & 0xFFFF)
                 tl.store(eq_counts + pid, total >> 16)
                 if LAST > LEVELS:
-                    grid_sync(ws_ptr, barriers + 1, nprog)
+                    grid_sync(barrier_ptr, ws_ptr + 2, barriers + 1, nprog)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
     if LAST == LEVELS + 1:
         if LOCAL:  # the only program
@@ -381,15 +390,14 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
             rest = need + tl.arange(0, KP)
             tl.store(index_ptr + rest, tl.full([KP], pad, tl.int64), mask=rest < kk)
             tl.store(valid_ptr + rest, tl.zeros([KP], tl.int8), mask=rest < kk)
-        # the last program to finish leaves the histograms and both counters zeroed for the next call: plain
-        # stores, since every other program has passed its last barrier and the next launch sees this one's writes
-        # (an atomic exchange would hold the program for its round trip before it may exit). H100,
-        # scripts/compressed_kernels_ab.py --parts select,pair, 2178764 against its parent, us: 262,144 scores
-        # 14.2, 14.1 -> 13.2, 13.0; 32,768 11.4, 11.6 -> 10.2, 10.1; scoring + top-512 at 1M 29.6 -> 28.2
-        if not LOCAL:
-            if tl.atomic_add(ws_ptr + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
+        # program 0 leaves the histograms and the next launch's barrier counter zeroed by plain stores, with no
+        # atomic to wait for: every program has read the histograms before the last barrier, and the next launch
+        # sees this one's writes. (Unfused phases re-read the histograms in each launch; the host zeroes them.)
+        if FUSED:
+            if pid == 0:
                 tl.store(ws_ptr + 64 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
-                tl.store(ws_ptr + tl.arange(0, 2), tl.zeros([2], tl.int32))
+                tl.store(ws_ptr + 1 - (launches & 1), 0)
+                tl.store(ws_ptr + 3, launches + 1)
 
 
 @triton.jit
