@@ -1237,12 +1237,11 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
       1024 -> 32768 12.7 against 16.5 at 8 rows, the output head 4096 -> 129280 135.8 against 155.3, the
       grouped wo_a 12.8 against 15.0, wo_b and the shared expert unchanged; wq_a 4096 -> 1024 at 2 rows
       5.1; Q4_K, off the q2 mix, not re-measured under this rule), each thread holding about 8 (unit, row) pairs
-      per step so that many loads are in flight;
-    - Q8_0 where that rule gives 2 rows and all of K fits one step at 4 rows a thread (at most 512 units): 4 rows
-      and all of K (``PRELOAD_ROWS4``: the weights still loaded before the PDL wait, half the programs). H100,
-      3b3356a, graph of 16 calls with PDL (scripts/quant_matmul_bench.py), int8 split rows preloaded, us at (2,
-      512) / (4, 512) / (8, 512): wq_a + wkv stacked 4096 -> 1536 (the step's launch) 3.80 / 3.60 / 3.78, wq_a
-      4096 -> 1024 3.05 / 2.84 / -."""
+      per step so that many loads are in flight. Not kept: wq_a + wkv (4096 -> 1536) at 4 rows with all of K in
+      one step, the weights still preloaded: 3.60 against 3.80 us alone (H100, 3b3356a, scripts/quant_matmul_bench.py)
+      but no faster in the step (`ds4x bench frontier --weights q2 --experts 128`, 303a787, two rounds alternating:
+      at 1M 6.895, 6.867 / 6.854, 6.839 ms against 6.860, 6.843 / 6.841, 6.831 at 2 rows; at 4K 6.004, 5.999
+      against 6.002, 5.996)."""
     unit = _fields(qtype)[4]
     units = k // unit
     tiles = {**MATVEC_TILES, **MATVEC_TILES_PREPARED} if prepared else MATVEC_TILES
@@ -1251,8 +1250,6 @@ def matvec_config(qtype: GGMLQuantizationType, n: int, k: int, slots: int = 1,
         u = _fit_units(units, u)
         return r, u, max(1, min(warps, u // 32))
     r = 4 if -(-n // 4) * slots >= 1024 else 2
-    if r == 2 and qtype == T.Q8_0 and PRELOAD_ROWS4 and units <= 512 and _fit_units(units, 512) == units:
-        return 4, units, max(1, min(4, units // 32))
     u = _fit_units(units, 1024 // r)
     return r, u, max(1, min(4, u // 32))
 
@@ -1633,7 +1630,6 @@ PREPARED_ACTIVATIONS = True  # False: each program of the routed gate / up launc
 # int8 tile 15.65 -> 16.60 (slower alone); the replayed step (`scripts/batched_decode.py -m flash:q2:128`, two
 # alternating rounds) 6.13 -> 6.06 ms at one session, 13.97 / 13.98 at eight
 PRELOAD_WEIGHTS = True
-PRELOAD_ROWS4 = True  # False: small Q8_0 products at 2 rows a program (`matvec_config`; an A/B switch)
 # The Q2_K matvec (the routed down projection) from Q2_K_PREPARED_MIN_PAIRS (row, expert) pairs reads x quantized
 # once per row with its groups' sums (one more launch) instead of quantizing it in each of a pair's N / R programs
 # (512 at Flash's 4096 rows); the same bits. H200 (9fa0861, flash:q2 seed 0): routed down at 8 tokens 46.3 against
