@@ -162,9 +162,10 @@ def _indexed(device: torch.device) -> torch.device:
 
 
 def _workspace(device: torch.device, rows: int) -> torch.Tensor:
-    """Scratch of the radix select for ``rows`` rows of scores on ``device`` (zero between calls; one stream at a
-    time; one per row count, so a captured step keeps its own). "cuda" is the current CUDA device, so that its
-    caller and a tensor's ``.device`` ("cuda:0") find the same scratch."""
+    """Scratch of the radix select for ``rows`` rows of scores on ``device`` (its histograms and the next launch's
+    barrier counter zero between calls; one stream at a time; one per row count, so a captured step keeps its
+    own). "cuda" is the current CUDA device, so that its caller and a tensor's ``.device`` ("cuda:0") find the same
+    scratch."""
     key = (_indexed(device), rows)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = torch.zeros(rows, _WORKSPACE, dtype=torch.int32, device=device)
