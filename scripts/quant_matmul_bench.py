@@ -37,8 +37,8 @@ T = GGMLQuantizationType
 # "grouped": wo_a, 8 groups of [1024, 4096], one x row per group; "expert": one routed expert, then 6 experts
 # in one launch (the real decode step: gate/up share the token's x, down has one x row per expert)
 CASES: tuple[tuple[str, GGMLQuantizationType, int, int, str, tuple[tuple[int, int, int], ...]], ...] = (
-    # (4, 512, 4) and (8, 512, 4): all of K in one step, so the weights may still be loaded before the PDL wait,
-    # with fewer programs (a launch's programs leave room for the next launch's, whose loads then start earlier)
+    # (4, 512, 4) and (8, 512, 4): all of K in one step, so the weights are still loaded before the PDL wait, with
+    # fewer programs; faster here, not in the step (see `matvec_config`)
     ("attn wq_a 4096->1024", T.Q8_0, 1024, 4096, "linear", ((4, 256, 4), (8, 128, 4), (4, 512, 4))),
     # the step launches wq_a stacked with wkv (ds4x.model.projections): one product of 1,536 rows
     ("attn wq_a+wkv 4096->1536 stacked", T.Q8_0, 1536, 4096, "linear", ((4, 256, 4), (4, 512, 4), (8, 512, 4))),

@@ -147,7 +147,8 @@ def select_topk_threshold(scores: torch.Tensor, n_visible: int, k: int) -> tuple
 # timeouts, [3] fused launches so far; from 64 the levels' histograms (at most 1,024 bins in all); from 1088 per
 # program the rows above / equal to the k-th score
 _MAX_PROGRAMS = 1024
-_WORKSPACE = 64 + 1024 + 2 * _MAX_PROGRAMS
+_BINS_AT = 64  # the histograms' first word
+_WORKSPACE = _BINS_AT + 1024 + 2 * _MAX_PROGRAMS
 _MAX_TILE = 8192  # a program's scores stay in registers
 
 
@@ -246,7 +247,7 @@ def radix_first_level(n: int, rows: int, device: torch.device) -> torch.Tensor |
     FIRST_LEVEL_IN_INDEXER is off."""
     if not FIRST_LEVEL_IN_INDEXER or not _multi_program(n, rows, None):
         return None
-    return _workspace(device, rows)[:, 64 : 64 + (1 << RADIX_BITS)]
+    return _workspace(device, rows)[:, _BINS_AT : _BINS_AT + (1 << RADIX_BITS)]
 
 
 def radix_tiling(n: int, rows: int, sms: int) -> tuple[int, int]:
@@ -338,7 +339,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
                                             SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
         if not fused:  # each phase's launch re-read the histograms, so none of them could zero them
-            ws[r0:r1, 64 : 64 + 1024].zero_()
+            ws[r0:r1, _BINS_AT : _BINS_AT + 1024].zero_()
     return (index, valid) if batched else (index[0], valid[0])
 
 
