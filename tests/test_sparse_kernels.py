@@ -907,6 +907,36 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("query", ["float32", "bf16"])
+def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch, query):
+    """STATE_BF16 (the partial accumulators stored as bf16, the merge summing them in float32) against the float32
+    states: window + picks with holes and window + 8,194 compressed rows (111 splits), a batch of 3 queries. A
+    split's rounding errors (at most 2^-9 of each element, ~2^-9 / sqrt(3) rms) average like its values in the
+    merge, so the outputs stay ~1e-3 from the float32 ones and from the float64 softmax; a scrambled element is
+    O(1) off."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(17, query != "float32", 8400, [1_048_575, 700_000, 5_000],
+                                                          8194)
+    window = Slots(128, position=pos, ring=8400)
+    for sources in ([(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
+        monkeypatch.setattr(A, "STATE_BF16", False)
+        full = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        monkeypatch.setattr(A, "STATE_BF16", True)
+        half = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
+        assert not torch.equal(half, full)  # the variant ran
+        err = (half - full).abs() / full.abs().amax(-1, keepdim=True)
+        assert float(err.max()) < 2**-8, float(err.max())
+        for b in range(3):
+            seen = [(s if isinstance(s, torch.Tensor) else s.explicit())[b] for _, s in sources]
+            keys = unpack_kv_rows(rows[b]).double()[torch.cat([i[i >= 0] for i in seen])]
+            logits = torch.cat([q[b].double() @ keys.T * 512**-0.5, sinks.double()[:, None]], dim=1)
+            ref = logits.softmax(-1)[:, :-1] @ keys
+            assert float((half[b].double() - ref).norm() / ref.norm()) < 2**-8
+
+
+@pytest.mark.gpu
 def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
     """QUERY_ASYNC (the two phases' bf16 query copied to shared memory by cp.async) against the query through
     registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3

@@ -122,6 +122,11 @@ QUERY_ASYNC = True
 # layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625)
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
+# The Hopper kernel's partial accumulators stored as bf16 (`attention_wgmma._store_state_bf16`: rounded once, after
+# the RoPE columns' low parts are added; m and l stay float32), halving the bytes the partial pass stores and the
+# merge reads back (an HCA layer at 1M: 111 splits, 14.5 MB as float32). Not the float32 state's bits: each split's
+# output carries one more bf16 rounding (relative 2^-9 at most) before the merge's float32 sum. Off: not yet timed.
+STATE_BF16 = False
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
 # each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
@@ -246,13 +251,14 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     n_split = sum(n_splits)
     skip_empty = SKIP_EMPTY_SPLITS and not one_pass and n_split > 1 and 2 in (slots[0].mode, slots[1].mode)
     qc = q.contiguous()
+    state_bf16 = wide and STATE_BF16 and not one_pass
     if one_pass:
         out = torch.empty(B, H, D, device=q.device)
         m = l = acc = out  # unwritten
     else:
         m = torch.empty(B, n_split, hp, device=q.device)
         l = torch.empty(B, n_split, hp, device=q.device)
-        acc = torch.empty(B, n_split, hp, D, device=q.device)
+        acc = torch.empty(B, n_split, hp, D, device=q.device, dtype=torch.bfloat16 if state_bf16 else torch.float32)
         out = m  # unwritten by the partial pass
     args = []
     for rows, s in zip(rows_of, slots, strict=True):
@@ -271,7 +277,8 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if wide:
         two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
-        tma_state = not one_pass and (TMA_STATE if TMA_STATE is not None else B == 1 and n_split >= TMA_STATE_SPLITS)
+        tma_state = not (one_pass or state_bf16) and (TMA_STATE if TMA_STATE is not None
+                                                      else B == 1 and n_split >= TMA_STATE_SPLITS)
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
@@ -279,7 +286,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
-            Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, **pdl)
+            Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -339,24 +339,49 @@ if HAVE_GLUON:
         return m, l, o, o_r
 
     @gluon.jit
-    def _store_state_tma(o, o_r, acc_desc, row, NOPE: gl.constexpr):
-        # the partial accumulator [64, 512] stored by the TMA unit: written once to a swizzled shared tile (a warp's
-        # 8-byte pieces of 8 rows fall in different banks), the RoPE columns' low-part products added there, then one
-        # bulk copy per 32 columns (a 128-byte swizzled box), in place of 64 global 8-byte stores a thread over 8 rows
-        # each (~4,300 cycles a program by the stamps) and a global atomic add per RoPE element
+    def _stage_state(o, o_r, NOPE: gl.constexpr):
+        # the partial accumulator [64, 512] written to a swizzled shared tile (state_descriptor's layout) and the
+        # RoPE columns' low-part products added there: one tile of the whole state, no global atomic per element
         HP: gl.constexpr = o.shape[0]
         D: gl.constexpr = o.shape[1]
-        BOX: gl.constexpr = acc_desc.block_type.shape[1]
-        stage = gl.allocate_shared_memory(gl.float32, [HP, D], acc_desc.layout)
+        SWIZZLED: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        stage = gl.allocate_shared_memory(gl.float32, [HP, D], SWIZZLED)
         stage.store(o)
         gl.thread_barrier()
         rope = stage.slice(NOPE, D - NOPE, dim=1)
         rope.store(rope.load(o_r.type.layout) + o_r)
+        return stage
+
+    @gluon.jit
+    def _store_state_tma(o, o_r, acc_desc, row, NOPE: gl.constexpr):
+        # the partial accumulator stored by the TMA unit from a swizzled stage (a warp's 8-byte pieces of 8 rows fall
+        # in different banks): one bulk copy per 32 columns (a 128-byte swizzled box), in place of 64 global 8-byte
+        # stores a thread over 8 rows each (~4,300 cycles a program by the stamps) and a global atomic add per RoPE
+        # element
+        D: gl.constexpr = o.shape[1]
+        BOX: gl.constexpr = acc_desc.block_type.shape[1]
+        stage = _stage_state(o, o_r, NOPE)
         fence_async_shared()
         gl.thread_barrier()
         for c in gl.static_range(D // BOX):
             tma.async_copy_shared_to_global(acc_desc, [row, c * BOX], stage.slice(c * BOX, BOX, dim=1))
         tma.store_wait(0)
+
+    @gluon.jit
+    def _store_state_bf16(o, o_r, acc_ptr, NOPE: gl.constexpr, num_warps: gl.constexpr):
+        # the partial accumulator rounded once to bf16 after its RoPE columns' low parts are added (half the bytes
+        # to store and for the merge to read back), read from the stage 64 columns at a time as 16-byte pieces of
+        # rows and stored in order
+        HP: gl.constexpr = o.shape[0]
+        D: gl.constexpr = o.shape[1]
+        stage = _stage_state(o, o_r, NOPE)
+        gl.thread_barrier()
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])  # [rows, 64]
+        h = gl.arange(0, HP, layout=gl.SliceLayout(1, LB))[:, None]
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))[None, :]
+        for j in gl.static_range(D // 64):
+            part = stage.slice(j * 64, 64, dim=1).load(LB)
+            gl.store(acc_ptr + h * D + j * 64 + c, part.to(gl.bfloat16))
 
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
@@ -368,7 +393,7 @@ if HAVE_GLUON:
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
                        TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
-                       SKIP_EMPTY: gl.constexpr = False):
+                       SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -377,7 +402,8 @@ if HAVE_GLUON:
         instead of the online loop; the same state to float rounding. Q_ASYNC (with TWO_PHASE): the query copied to
         shared memory by cp.async (`_copy_query`), not through registers; the same bits. SKIP_EMPTY (not WHOLE): a
         split with no row to read (`triton_attention.empty_split`) stores m = -inf, l = 0 and no accumulator, as
-        triton_attention.partial_kernel's."""
+        triton_attention.partial_kernel's. STATE_BF16 (not WHOLE): the accumulator stored to a bf16 acc
+        buffer, rounded once after its RoPE columns' low parts are added (m and l stay float32)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -513,13 +539,15 @@ if HAVE_GLUON:
             base = b * n_split * HP + split * HP
             gl.store(m_ptr + base + hs, m)
             gl.store(l_ptr + base + hs, l)
-            if TMA_STATE:
+            if STATE_BF16:
+                _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)
+            elif TMA_STATE:
                 _store_state_tma(o, o_r, acc_desc, base.to(gl.int32), NOPE)
             else:
                 gl.store(acc_ptr + base * D + ho * D + do, o)
             at = acc_ptr + base * D + hr * D + dr
             r_ok = (hr >= 0) & (dr >= 0)
-        if WHOLE or not TMA_STATE:
+        if WHOLE or not (TMA_STATE or STATE_BF16):
             gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
             # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
             gl.atomic_add(at, o_r, mask=r_ok, sem="relaxed")
@@ -527,7 +555,7 @@ if HAVE_GLUON:
 
 def state_descriptor(acc: torch.Tensor) -> TensorDescriptor:
     """The TMA descriptor of a partial state buffer [..., 64, D] float32 as the partial kernel's TMA_STATE stores it:
-    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width)."""
+    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width), the layout of `_stage_state`'s tile."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 32], layout)
 

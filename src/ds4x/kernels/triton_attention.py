@@ -255,7 +255,7 @@ def combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, 
         if SKIP_EMPTY:
             live = live & (m > float("-inf"))
         part = tl.load(acc_ptr + ((s0 + offs) * HP + h)[:, None] * D + cols[None, :], mask=live[:, None],
-                       other=0.0)
+                       other=0.0).to(tl.float32)  # float32 or bf16 accumulators (attention.STATE_BF16)
         new_top = tl.maximum(top, tl.max(m, 0))
         alpha = tl.exp(top - new_top)
         w = tl.exp(m - new_top)  # 0 for empty blocks
