@@ -913,7 +913,7 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
     states: window + picks with holes and window + 8,194 compressed rows (111 splits), a batch of 3 queries. A
     split's rounding errors (at most 2^-9 of each element, ~2^-9 / sqrt(3) rms) average like its values in the
     merge, so the outputs stay ~1e-3 from the float32 ones and from the float64 softmax; a scrambled element is
-    O(1) off."""
+    O(1) off. The default takes bf16 states for the 111 splits only."""
     from ds4x.kernels import attention as A
     from ds4x.kernels.attention import Slots, attention_decode_triton
 
@@ -926,6 +926,9 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
         monkeypatch.setattr(A, "STATE_BF16", True)
         half = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         assert not torch.equal(half, full)  # the variant ran
+        monkeypatch.setattr(A, "STATE_BF16", None)  # the default: bf16 at 64 splits or more (the compressed rows')
+        assert torch.equal(attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True),
+                           half if isinstance(sources[1][1], Slots) else full)
         err = (half - full).abs() / full.abs().amax(-1, keepdim=True)
         assert float(err.max()) < 2**-8, float(err.max())
         for b in range(3):

@@ -123,10 +123,20 @@ QUERY_ASYNC = True
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
 # The Hopper kernel's partial accumulators stored as bf16 (`attention_wgmma._store_state_bf16`: rounded once, after
-# the RoPE columns' low parts are added; m and l stay float32), halving the bytes the partial pass stores and the
-# merge reads back (an HCA layer at 1M: 111 splits, 14.5 MB as float32). Not the float32 state's bits: each split's
-# output carries one more bf16 rounding (relative 2^-9 at most) before the merge's float32 sum. Off: not yet timed.
-STATE_BF16 = False
+# the RoPE columns' low parts are added; m and l stay float32, as split-KV decoders commonly keep them), halving the
+# bytes the partial pass stores and the merge reads back (an HCA layer at 1M: 111 splits, 14.5 MB as float32). Not
+# the float32 state's bits: each split's output carries one more bf16 rounding (at most 2^-9 of an element, ~1e-3
+# of the output's norm after the merge, as the GPU test measures) before the merge's float32 sum, and the merged
+# output is rounded to the model's bf16 anyway. True / False in every launch; None (the default) in launches with
+# at least STATE_BF16_SPLITS splits, whatever the batch (so a query's bits do not depend on its batch). H100,
+# e0da670, `compressed_kernels_ab.py --parts attention-variants`, us in L2 / from DRAM, float32 / bf16 in every
+# launch: window 128 (8 programs) 10.2 / 11.0, 10.2 / 11.6; CSA top-512 at 1M (40) 11.2 / 11.6, 11.7 / 12.2; HCA at
+# 4K (11) 10.3 / 11.0, 10.7 / 11.6; HCA at 1M (111) 23.3 / 21.4, 24.0 / 22.3. The frontier (`--weights q2 --experts
+# 128 --contexts 4096,1048576 --variant "bf16 state: ds4x.kernels.attention.STATE_BF16=True"`, two rounds): at 1M
+# HCA 24.6 / 22.7-22.8 us, CSA 11.9 / 12.3-12.4, 41 layers 1.301, 1.300 / 1.273, 1.270 ms (sum); at 4K 0.609 /
+# 0.634-0.636. So only the many-split launches take it.
+STATE_BF16: bool | None = None
+STATE_BF16_SPLITS = 64
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
 # each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
@@ -251,7 +261,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     n_split = sum(n_splits)
     skip_empty = SKIP_EMPTY_SPLITS and not one_pass and n_split > 1 and 2 in (slots[0].mode, slots[1].mode)
     qc = q.contiguous()
-    state_bf16 = wide and STATE_BF16 and not one_pass
+    state_bf16 = wide and not one_pass and (STATE_BF16 if STATE_BF16 is not None else n_split >= STATE_BF16_SPLITS)
     if one_pass:
         out = torch.empty(B, H, D, device=q.device)
         m = l = acc = out  # unwritten
