@@ -806,6 +806,15 @@ def test_attention_over_hca_sized_rows_on_gpu(query):
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
 
 
+def test_fitted_splits_fill_one_wave_with_the_shortest_longest_program():
+    from ds4x.kernels.attention import fitted_blocks_per_split
+
+    assert fitted_blocks_per_split([8, 513], [1, 3], 132) == [4, 4]  # HCA at 1M: 2 + 129 programs
+    assert fitted_blocks_per_split([8, 513], [1, 5], 132) == [4, 5]  # a source's cap still bounds it
+    assert fitted_blocks_per_split([8, 32], [1, 1], 132) == [1, 1]  # CSA's 40 programs fit already
+    assert fitted_blocks_per_split([3, 2000], [1, 16], 8) == [3, 286]  # one wave even past the cap
+
+
 def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list[int], pick_below: int):
     """Three decode queries at Flash shapes (RMS-normed, bf16 or float32), a packed store of ``n_rows`` rows per
     query, sinks, the queries' positions and 512 picks per query below ``pick_below`` with every 7th a hole;
