@@ -134,7 +134,11 @@ TMA_STATE_SPLITS = 64
 # 4K (11) 10.3 / 11.0, 10.7 / 11.6; HCA at 1M (111) 23.3 / 21.4, 24.0 / 22.3. The frontier (`--weights q2 --experts
 # 128 --contexts 4096,1048576 --variant "bf16 state: ds4x.kernels.attention.STATE_BF16=True"`, two rounds): at 1M
 # HCA 24.6 / 22.7-22.8 us, CSA 11.9 / 12.3-12.4, 41 layers 1.301, 1.300 / 1.273, 1.270 ms (sum); at 4K 0.609 /
-# 0.634-0.636. So only the many-split launches take it.
+# 0.634-0.636. So only the many-split launches take it; the default against float32 states (H100, 678cb91, the same
+# frontier with "f32 state: ...STATE_BF16=False", two rounds): at 1M HCA 22.9, 22.8 / 24.6, 24.5 us, CSA 11.8-11.9
+# both, 41 layers 1.267, 1.269 / 1.302, 1.298 ms (sum); at 4K 0.610 both. In that run splits fitted to one wave
+# again (an HCA layer at 1M as 2 x 4 + 129 x 4 blocks, 131 programs, against 8 x 1 + 103 x 5; dropped with float32
+# states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
@@ -163,12 +167,6 @@ SKIP_EMPTY_SPLITS = True
 # attention-variants`, us in L2 / from DRAM, none / 128 / 256 columns: window 10.3 / 10.3, 10.4 / 11.0, 10.6 / 11.0;
 # CSA top-512 at 1M 11.4 / 12.0, 11.4 / 12.0, 11.2 / 11.9; HCA at 1M 24.1 / 24.8, 23.9 / 24.6, 24.2 / 25.1): the
 # A operand's shared-memory reads are not what the products cost
-# One query's splits fitted to one program a multiprocessor (`fitted_blocks_per_split`): the fewest blocks a program
-# for which the sources' splits together fill at most one wave, instead of each source's splits capped alone. An HCA
-# layer at 1M on 132 multiprocessors with the cap at 256: the window 2 x 4 blocks and the compressed rows 129 x 4
-# (131 programs) instead of 8 x 1 and 103 x 5 (111). Tried with float32 states and dropped (29.5 against 26.9 us from
-# DRAM, H100, 41242c6: 20 more 128 KB states); off, to time again now that the states are bf16.
-FIT_SPLITS = False
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -186,16 +184,6 @@ BATCH_SPLIT_WAVES = 1
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
-
-
-def fitted_blocks_per_split(blocks: list[int], per_split: list[int], programs: int) -> list[int]:
-    """Blocks per split of each source of ``blocks`` blocks: at least ``per_split`` (each source's cap), and at least
-    the fewest k for which the sources' splits of k blocks together fit ``programs`` (a source shorter than k is one
-    split)."""
-    k = 1
-    while k < max(blocks) and sum(-(-n // k) for n in blocks) > programs:
-        k += 1
-    return [min(n, max(k, p)) for n, p in zip(blocks, per_split, strict=True)]
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -267,13 +255,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         from ds4x.kernels.indexer import num_sms
 
         max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * num_sms(q.device) // (B * len(slots))))
-    blocks = [max(1, -(-s.n // block)) for s in slots]
-    per_split = [-(-n // max_splits) for n in blocks]
-    if FIT_SPLITS and wide and B == 1 and not one_pass:
-        from ds4x.kernels.indexer import num_sms
-
-        per_split = fitted_blocks_per_split(blocks, per_split, num_sms(q.device))
-    n_splits = [-(-n // k) for n, k in zip(blocks, per_split, strict=True)]
+    per_split, n_splits = [], []
+    for s in slots:
+        n_blocks = max(1, -(-s.n // block))
+        per_split.append(-(-n_blocks // max_splits))
+        n_splits.append(-(-n_blocks // per_split[-1]))
     if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
