@@ -119,7 +119,8 @@ QUERY_ASYNC = True
 # decode step's layers only HCA at long contexts takes it (111 splits at 1M). That default against global stores
 # everywhere (H100, 6e57e4f, `ds4x bench frontier --weights q2 --experts 128 --contexts 4096,1048576 --variant
 # "global state: ds4x.kernels.attention.TMA_STATE=False"`, two rounds): HCA at 1M 24.8, 24.9 / 25.5, 25.5 us, 41
-# layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625)
+# layers 1.355, 1.359 / 1.371, 1.368 ms (sum); at 4K level (0.625 / 0.624-0.625). Since STATE_BF16 (below), the
+# launches that would take it by default store bf16 states instead: it serves float32 states (STATE_BF16=False).
 TMA_STATE: bool | None = None
 TMA_STATE_SPLITS = 64
 # The Hopper kernel's partial accumulators stored as bf16 (`attention_wgmma._store_state_bf16`: rounded once, after
