@@ -832,6 +832,24 @@ def _hopper_attention_inputs(seed: int, bf16: bool, n_rows: int, positions: list
     return q, rows, sinks, torch.tensor(positions, device="cuda"), picks
 
 
+def _picks_and_hca_sources(rows: torch.Tensor, pos: torch.Tensor, picks: torch.Tensor) -> list[list]:
+    """The two source sets the Hopper tests run over ``_hopper_attention_inputs``: the window + picks with holes
+    (CSA), and the window + 8,194 closed compressed rows (HCA at 1M: 111 splits)."""
+    from ds4x.kernels.attention import Slots
+
+    window = Slots(128, position=pos, ring=rows.shape[1])
+    return [[(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]]
+
+
+def _float64_attention(q: torch.Tensor, rows: torch.Tensor, seen: list[torch.Tensor], sinks: torch.Tensor
+                       ) -> torch.Tensor:
+    """One query's attention over the packed ``rows`` it reads (``seen``: each source's slots, -1 holes) with the
+    sinks, in float64."""
+    keys = unpack_kv_rows(rows).double()[torch.cat([i[i >= 0] for i in seen])]
+    logits = torch.cat([q.double() @ keys.T * 512**-0.5, sinks.double()[:, None]], dim=1)
+    return logits.softmax(-1)[:, :-1] @ keys
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("query", ["float32", "bf16"])
 def test_hopper_attention_kernel_matches_the_triton_kernel(monkeypatch, query):
@@ -888,9 +906,7 @@ def test_hopper_attention_in_two_phases_matches_the_online_loop(monkeypatch):
                       Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]
             assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 512**-0.5, 448, True))
             seen = [(s if isinstance(s, torch.Tensor) else s.explicit())[b] for _, s in sources]
-            keys = unpack_kv_rows(rows[b]).double()[torch.cat([i[i >= 0] for i in seen])]
-            logits = torch.cat([q[b].double() @ keys.T * 512**-0.5, sinks.double()[:, None]], dim=1)
-            ref = logits.softmax(-1)[:, :-1] @ keys
+            ref = _float64_attention(q[b], rows[b], seen, sinks)
             assert float((out[b].double() - ref).norm() / ref.norm()) < 1e-5
         plain = torch.stack([unpack_kv_rows(r) for r in rows])
         native = [(plain, s) for _, s in sources]
@@ -905,14 +921,12 @@ def test_hopper_attention_state_by_tma_gives_the_same_bits(monkeypatch, query):
     phases (bf16), window + picks with holes and window + 8,194 compressed rows, a batch of 3 queries, bit for bit
     (float32 states: the bf16 ones take neither path)."""
     from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention import attention_decode_triton
 
     monkeypatch.setattr(A, "STATE_BF16", False)
-
     q, rows, sinks, pos, picks = _hopper_attention_inputs(11, query != "float32", 8400, [1_048_575, 700_000, 5_000],
                                                           8194)
-    window = Slots(128, position=pos, ring=8400)
-    for sources in ([(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
+    for sources in _picks_and_hca_sources(rows, pos, picks):
         monkeypatch.setattr(A, "TMA_STATE", False)
         stored = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         monkeypatch.setattr(A, "TMA_STATE", True)
@@ -932,8 +946,7 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(17, query != "float32", 8400, [1_048_575, 700_000, 5_000],
                                                           8194)
-    window = Slots(128, position=pos, ring=8400)
-    for sources in ([(rows, window), (rows, picks)], [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
+    for sources in _picks_and_hca_sources(rows, pos, picks):
         monkeypatch.setattr(A, "STATE_BF16", False)
         full = attention_decode_triton(q, sources, sinks, 512**-0.5, 448, True)
         monkeypatch.setattr(A, "STATE_BF16", True)
@@ -946,9 +959,7 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
         assert float(err.max()) < 2**-8, float(err.max())
         for b in range(3):
             seen = [(s if isinstance(s, torch.Tensor) else s.explicit())[b] for _, s in sources]
-            keys = unpack_kv_rows(rows[b]).double()[torch.cat([i[i >= 0] for i in seen])]
-            logits = torch.cat([q[b].double() @ keys.T * 512**-0.5, sinks.double()[:, None]], dim=1)
-            ref = logits.softmax(-1)[:, :-1] @ keys
+            ref = _float64_attention(q[b], rows[b], seen, sinks)
             assert float((half[b].double() - ref).norm() / ref.norm()) < 2**-8
 
 
@@ -958,14 +969,12 @@ def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
     registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3
     queries, and 40 of the 64 heads (the copy masked to the query's own heads), bit for bit."""
     from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.attention import attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(13, True, 8400, [1_048_575, 700_000, 5_000], 8194)
-    window = Slots(128, position=pos, ring=8400)
     for heads in (64, 40):
         qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
-        for sources in ([(rows, window), (rows, picks)],
-                        [(rows, window), (rows, Slots(8194, position=pos, ratio=128))]):
+        for sources in _picks_and_hca_sources(rows, pos, picks):
             for overlap in (False, True):
                 monkeypatch.setattr(A, "TWO_PHASE_OVERLAP", overlap)
                 monkeypatch.setattr(A, "QUERY_ASYNC", False)
