@@ -338,14 +338,16 @@ if HAVE_GLUON:
         o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
         return m, l, o, o_r
 
+    # the partial state's shared tile: 128-byte swizzled float32 rows, as the TMA descriptor's boxes need them
+    _STATE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+
     @gluon.jit
     def _stage_state(o, o_r, NOPE: gl.constexpr):
-        # the partial accumulator [64, 512] written to a swizzled shared tile (state_descriptor's layout) and the
+        # the partial accumulator [64, 512] written to a swizzled shared tile (_STATE_LAYOUT) and the
         # RoPE columns' low-part products added there: one tile of the whole state, no global atomic per element
         HP: gl.constexpr = o.shape[0]
         D: gl.constexpr = o.shape[1]
-        SWIZZLED: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        stage = gl.allocate_shared_memory(gl.float32, [HP, D], SWIZZLED)
+        stage = gl.allocate_shared_memory(gl.float32, [HP, D], _STATE_LAYOUT)
         stage.store(o)
         gl.thread_barrier()
         rope = stage.slice(NOPE, D - NOPE, dim=1)
@@ -555,9 +557,8 @@ if HAVE_GLUON:
 
 def state_descriptor(acc: torch.Tensor) -> TensorDescriptor:
     """The TMA descriptor of a partial state buffer [..., 64, D] float32 as the partial kernel's TMA_STATE stores it:
-    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width), the layout of `_stage_state`'s tile."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 32], layout)
+    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width) of `_stage_state`'s tile."""
+    return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 32], _STATE_LAYOUT.value)
 
 
 def available(q: torch.Tensor, heads: int, dim: int, nope: int) -> bool:
