@@ -72,7 +72,8 @@ TWO_PHASE_STAMPS = (
      "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
     ("            top = gl.maximum(top, s)\n",
      "+            _stamp(stamps_ptr, srow, 8 + j, num_warps)\n"),
-    ("                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)\n",
+    ("                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False, "
+     "PARTS)\n",
      "+                    _stamp(stamps_ptr, srow, 21 + j, num_warps)\n"),
     ("            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))\n",
      "-            _stamp(stamps_ptr, srow, 26 + j, num_warps)\n"),
@@ -85,10 +86,9 @@ TWO_PHASE_STAMPS = (
 # ``--no-score-products`` (with --two-phase, TWO_PHASE_OVERLAP on): phase 1's score products and their wait left out
 # of the overlapped loop, so that its stamps time the decode alone (timing only: the outputs are wrong)
 NO_SCORE_PRODUCTS = (
-    ("                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)\n"
-     "                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, "
-     "is_async=True)\n",
-     ""),
+    ("                ok_j = ok\n"
+     "                s = _score_products(q1, keys, j * PARTS, keys_lo.index(j), s, NOPE, PARTS)\n",
+     "                ok_j = ok\n"),
     ("            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))\n", ""),
 )
 # a program's stamps in the order they are taken: (slot, label of the time since the stamp before it)

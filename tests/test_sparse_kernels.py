@@ -964,6 +964,45 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
 
 
 @pytest.mark.gpu
+def test_hopper_attention_column_parts_give_the_same_bits(monkeypatch):
+    """COLUMN_PARTS (a split's output product and state stores spread over 2 or 4 programs, each scoring all the
+    split's rows) against one program a split: window + picks with holes for each query alone (40 splits: 2 parts
+    fit 132 multiprocessors, 4 do not), window + 34 closed compressed rows for a batch of 3 (11 splits a query: 4
+    parts fit), 64 and 40 heads, bit for bit; the launch's grid shows the parts taken."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.indexer import num_sms
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(19, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    if num_sms(q.device) < 132:
+        pytest.skip("the parts chosen below assume 132 multiprocessors or more")
+    kernel, grids = attention_wgmma.partial_kernel, []
+
+    class _Spy:  # records each launch's grid
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
+    short_pos = torch.tensor([4_400, 4_300, 4_351], device="cuda")
+    cases = [([(rows[b], Slots(128, position=pos[b : b + 1], ring=8400)), (rows[b], picks[b])], qb, {2: 2, 4: 2})
+             for b, qb in enumerate(q)]
+    cases.append(([(rows, Slots(128, position=short_pos, ring=8400)), (rows, Slots(34, position=short_pos,
+                                                                                     ratio=128))], q, {2: 2, 4: 4}))
+    for heads in (64, 40):
+        for sources, query, taken in cases:
+            qh, sh = query[..., :heads, :].contiguous(), sinks[:heads].contiguous()
+            monkeypatch.setattr(A, "COLUMN_PARTS", 1)
+            whole = attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True)
+            assert grids[-1][1] == 1
+            for parts in (2, 4):
+                monkeypatch.setattr(A, "COLUMN_PARTS", parts)
+                assert torch.equal(attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True), whole), parts
+                assert grids[-1][1] == taken[parts]
+
+
+@pytest.mark.gpu
 def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
     """QUERY_ASYNC (the two phases' bf16 query copied to shared memory by cp.async) against the query through
     registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3

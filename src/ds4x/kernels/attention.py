@@ -142,6 +142,14 @@ TMA_STATE_SPLITS = 64
 # states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
+# A split's output columns spread over programs (`attention_wgmma.partial_kernel` PARTS): in a two-phase launch
+# storing float32 states by global stores, each split runs as up to COLUMN_PARTS programs (a power of two, as many
+# as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
+# but runs the output product and stores the partial state for 512 / PARTS columns only. A launch of few splits
+# (the window's 8, CSA's 40) waits on each program's 128 KB of state stores (~4,300 cycles by the phases' stamps,
+# as long as its one block's decode and scores); this spreads them over idle multiprocessors. The same bits (the
+# same k16 steps in the same order for each output element). 1: off.
+COLUMN_PARTS = 1
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
 # each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
@@ -294,14 +302,24 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         tma_state = not (one_pass or state_bf16) and (TMA_STATE if TMA_STATE is not None
                                                       else B == 1 and n_split >= TMA_STATE_SPLITS)
-        attention_wgmma.partial_kernel[(1 if one_pass else n_split, 1, B)](
+        parts = 1
+        if two_phase and not (tma_state or state_bf16):
+            from ds4x.kernels.indexer import num_sms
+
+            if COLUMN_PARTS not in (1, 2, 4):
+                raise ValueError(f"COLUMN_PARTS is 1, 2 or 4 (64-value chunks a part), got {COLUMN_PARTS}")
+            parts = COLUMN_PARTS
+            while parts > 1 and parts * n_split * B > num_sms(q.device):
+                parts //= 2
+        attention_wgmma.partial_kernel[(1 if one_pass else n_split, parts, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
-            Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, **pdl)
+            Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, PARTS=parts,
+            **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

@@ -172,25 +172,41 @@ if HAVE_GLUON:
             args=[at.to(gl.int64), live.to(gl.int32)], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _store_keys(rows_ptr, idx, stride, k_smem, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
-                    D: gl.constexpr, L3: gl.constexpr):
-        # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, each tile with one store:
-        # the E4M3 codes x their power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value
-        # chunk [BLOCK, 8, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE
-        # values' low parts [BLOCK, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive
-        # values (the word loads' groups)
+    def _store_keys(rows_ptr, idx, stride, keys, at, klo_smem, BLOCK: gl.constexpr, NOPE: gl.constexpr,
+                    D: gl.constexpr, L3: gl.constexpr, PARTS: gl.constexpr):
+        # rows ``idx`` [BLOCK] (-1: none, stored as zeros) decoded into shared memory, the block's columns by part
+        # into tiles ``keys``[at .. at + PARTS - 1] [BLOCK, D / PARTS], one store a part: the E4M3 codes x their
+        # power-of-two scale (the Triton kernel's exact decode, then bf16: exact) by 64-value chunk [BLOCK, 8 /
+        # PARTS, 64], the RoPE values' place (chunk 7) holding their bf16 high parts, and the RoPE values' low parts
+        # [BLOCK, 64] (high + low is the FP16 value exactly). L3 gives each thread 4 consecutive values (the word
+        # loads' groups)
+        CP: gl.constexpr = 8 // PARTS  # 64-value chunks a part
         ok = (idx >= 0)[:, None, None]
         row = (rows_ptr + gl.where(idx >= 0, idx, 0).to(gl.int64) * stride)[:, None, None]
-        chunk = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
         col = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-        nope = ok & (chunk < NOPE // 64)
-        sbyte = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127).to(gl.int32)
-        codes = _e4m3_words(row + chunk * 64 + col, nope & (col >= 0), _ue8m0_decode(sbyte))
-        rope = _fp16_words(row + NOPE + 2 * col, ok & (col >= 0)).to(gl.float32)
-        rope_hi = rope.to(gl.bfloat16)
-        keys = gl.where(chunk < NOPE // 64, codes, rope_hi)
-        k_smem.store(gl.reshape(keys, [BLOCK, D]))
-        klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
+        for part in gl.static_range(PARTS):
+            chunk = part * CP + gl.arange(0, CP, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))[None, :, None]
+            nope = ok & (chunk < NOPE // 64)
+            sbyte = gl.load(row + NOPE + 2 * (D - NOPE) + chunk, mask=nope, other=127).to(gl.int32)
+            keys_part = _e4m3_words(row + chunk * 64 + col, nope & (col >= 0), _ue8m0_decode(sbyte))
+            if part == PARTS - 1:  # the RoPE values (chunk 7)
+                rope = _fp16_words(row + NOPE + 2 * col, ok & (col >= 0)).to(gl.float32)
+                rope_hi = rope.to(gl.bfloat16)
+                keys_part = gl.where(chunk < NOPE // 64, keys_part, rope_hi)
+                klo_smem.store(gl.reshape((rope - rope_hi.to(gl.float32)).to(gl.bfloat16), [BLOCK, D - NOPE]))
+            keys.index(at + part).store(gl.reshape(keys_part, [BLOCK, D // PARTS]))
+
+    @gluon.jit
+    def _score_products(q1, keys, at, keys_lo, s, NOPE: gl.constexpr, PARTS: gl.constexpr):
+        # S = q K^T, issued asynchronously over the block's column parts ``keys``[at ..] in order (the same k16 steps
+        # in the same order as one product over all columns: the same bits), then the RoPE columns' low parts'
+        # product added
+        C: gl.constexpr = keys.shape[2]
+        D: gl.constexpr = PARTS * C
+        for part in gl.static_range(PARTS):
+            s = warpgroup_mma(q1.slice(part * C, C, dim=1), keys.index(at + part).permute((1, 0)), s,
+                              use_acc=part > 0, is_async=True)
+        return warpgroup_mma(q1.slice(NOPE, D - NOPE, dim=1), keys_lo.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _block_rows(i, na, a0, b0, idx_a, pos_a, n_a, ring_a, idx_b, pos_b, n_b, ring_b, slots, live,
@@ -204,11 +220,12 @@ if HAVE_GLUON:
         return gl.where(in_a, from_a, from_b)
 
     @gluon.jit
-    def _decode_block(i, idx, rows_ptr, stride, k_dst, klo_dst, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a,
-                      ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK: gl.constexpr,
+    def _decode_block(i, idx, rows_ptr, stride, keys, k_at, klo_dst, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a,
+                      n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK: gl.constexpr,
                       NOPE: gl.constexpr, D: gl.constexpr, MODE_A: gl.constexpr, MODE_B: gl.constexpr,
-                      L3: gl.constexpr, OK_L: gl.constexpr, REUSED: gl.constexpr):
-        # block i's rows ``idx`` (at rows_ptr, stride) decoded into the key tiles (REUSED: tiles the previous
+                      L3: gl.constexpr, OK_L: gl.constexpr, REUSED: gl.constexpr, PARTS: gl.constexpr = 1):
+        # block i's rows ``idx`` (at rows_ptr, stride) decoded into the key tiles (its PARTS column parts
+        # ``keys``[k_at ..] and the RoPE low parts ``klo_dst``; REUSED: tiles the previous
         # block's products read, so every warp waits until they are done), and block i + 1's rows found and asked
         # of L2 -> (block i's live rows in layout OK_L, block i + 1's rows, their source's pointer and stride).
         # The next block's rows are found first: an index read (mode 0) then waits alongside this block's row loads
@@ -221,7 +238,7 @@ if HAVE_GLUON:
                          gl.arange(0, BLOCK, layout=OK_L), i < na + nb, BLOCK, MODE_A, MODE_B) >= 0
         if REUSED:
             gl.thread_barrier()
-        _store_keys(rows_ptr, idx, stride, k_dst, klo_dst, BLOCK, NOPE, D, L3)
+        _store_keys(rows_ptr, idx, stride, keys, k_at, klo_dst, BLOCK, NOPE, D, L3, PARTS)
         if i + 1 < na:
             rows_ptr, stride = rows_a, stride_a
         else:
@@ -245,11 +262,11 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
-                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, HP: gl.constexpr,
+                          rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, scale, part, HP: gl.constexpr,
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False):
+                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
@@ -258,7 +275,9 @@ if HAVE_GLUON:
         # block j + 1 is decoded while block j's score product runs (each block has its own key tile; the one
         # accumulator is waited for within the block, so no wgmma is in flight across the loop). -> (m, l, o, o_r) as
         # the online loop leaves them (to float rounding). Q_ASYNC: ``q_in`` is the query's tile on its way
-        # (`_copy_query`), waited for before the first score product
+        # (`_copy_query`), waited for before the first score product. PARTS: the key tiles held as that many column
+        # parts; every score product runs over all of them, the output products over part ``part`` only (o: [64,
+        # 512 / PARTS]; o_r: the RoPE columns' low parts, whichever part holds them)
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
@@ -269,7 +288,7 @@ if HAVE_GLUON:
             q1 = q_in
         else:
             q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))
-        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, D], SH)
+        keys = gl.allocate_shared_memory(gl.bfloat16, [MAXB * PARTS, BLOCK, D // PARTS], SH)  # block j: j * PARTS..
         keys_lo = gl.allocate_shared_memory(gl.bfloat16, [MAXB, BLOCK, RD], SH)
         scores = gl.allocate_shared_memory(gl.float32, [MAXB, HP, BLOCK], PLAIN)
         probs = gl.allocate_shared_memory(gl.bfloat16, [2 * MAXB, HP, BLOCK], PSH)  # per block: high, low parts
@@ -277,10 +296,10 @@ if HAVE_GLUON:
         n_blocks = na + nb
         s = gl.zeros([HP, BLOCK], gl.float32, S1_ACC)
         if OVERLAP:
-            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, keys.index(0), keys_lo.index(0), na,
+            ok, idx, rows_ptr, stride = _decode_block(0, idx, rows_ptr, stride, keys, 0, keys_lo.index(0), na,
                                                       nb, a0, b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a,
                                                       rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE,
-                                                      D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                                                      D, MODE_A, MODE_B, L3, gl.SliceLayout(0, S1_ACC), False, PARTS)
             if Q_ASYNC:
                 async_copy.wait_group(0)
             fence_async_shared()
@@ -288,29 +307,26 @@ if HAVE_GLUON:
         for j in range(n_blocks):
             if OVERLAP:
                 ok_j = ok
-                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
+                s = _score_products(q1, keys, j * PARTS, keys_lo.index(j), s, NOPE, PARTS)
                 if j + 1 < n_blocks:
-                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride, keys.index(j + 1),
+                    ok, idx, rows_ptr, stride = _decode_block(j + 1, idx, rows_ptr, stride, keys, (j + 1) * PARTS,
                                                               keys_lo.index(j + 1), na, nb, a0, b0, rows_a, stride_a,
                                                               idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                                               pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
-                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                                                              MODE_B, L3, gl.SliceLayout(0, S1_ACC), False, PARTS)
                     fence_async_shared()
                     gl.thread_barrier()
             else:
-                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys.index(j),
+                ok_j, idx, rows_ptr, stride = _decode_block(j, idx, rows_ptr, stride, keys, j * PARTS,
                                                             keys_lo.index(j), na, nb, a0, b0, rows_a, stride_a,
                                                             idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b,
                                                             pos_b, n_b, ring_b, slots, BLOCK, NOPE, D, MODE_A,
-                                                            MODE_B, L3, gl.SliceLayout(0, S1_ACC), False)
+                                                            MODE_B, L3, gl.SliceLayout(0, S1_ACC), False, PARTS)
                 if Q_ASYNC:  # (nothing outstanding after the first block)
                     async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
-                s = warpgroup_mma(q1, keys.index(j).permute((1, 0)), gl.zeros([HP, BLOCK], gl.float32, S1_ACC),
-                                  is_async=True)
-                s = warpgroup_mma(q1.slice(NOPE, RD, dim=1), keys_lo.index(j).permute((1, 0)), s, is_async=True)
+                s = _score_products(q1, keys, j * PARTS, keys_lo.index(j), s, NOPE, PARTS)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             s = gl.where(ok_j[None, :], s * scale, float("-inf"))
             scores.index(j).store(s)
@@ -321,7 +337,7 @@ if HAVE_GLUON:
         m_safe = gl.where(m == float("-inf"), 0.0, m)
         l = gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L))
         # async accumulators from the start: the loop carries them across products it does not wait for
-        o = warpgroup_mma_init(gl.zeros([HP, D], gl.float32, O_ACC))
+        o = warpgroup_mma_init(gl.zeros([HP, D // PARTS], gl.float32, O_ACC))
         o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
         for j in range(na + nb):
             p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
@@ -331,8 +347,8 @@ if HAVE_GLUON:
             probs.index(2 * j + 1).store((p - p_hi.to(gl.float32)).to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            o = warpgroup_mma(probs.index(2 * j), keys.index(j), o, is_async=True)
-            o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j), o, is_async=True)
+            o = warpgroup_mma(probs.index(2 * j), keys.index(j * PARTS + part), o, is_async=True)
+            o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j * PARTS + part), o, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
         o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
@@ -395,7 +411,8 @@ if HAVE_GLUON:
                        MODE_A: gl.constexpr, MODE_B: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
                        TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
-                       SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False):
+                       SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False,
+                       PARTS: gl.constexpr = 1):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -405,12 +422,21 @@ if HAVE_GLUON:
         shared memory by cp.async (`_copy_query`), not through registers; the same bits. SKIP_EMPTY (not WHOLE): a
         split with no row to read (`triton_attention.empty_split`) stores m = -inf, l = 0 and no accumulator, as
         triton_attention.partial_kernel's. STATE_BF16 (not WHOLE): the accumulator stored to a bf16 acc
-        buffer, rounded once after its RoPE columns' low parts are added (m and l stay float32)."""
+        buffer, rounded once after its RoPE columns' low parts are added (m and l stay float32). PARTS (with
+        TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
+        output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
+        the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, the
+        same bits."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
+        gl.static_assert(PARTS == 1 or (TWO_PHASE > 0 and not (WHOLE or TMA_STATE or STATE_BF16)))
         split = gl.program_id(0)
+        if PARTS > 1:
+            part = gl.program_id(1)
+        else:
+            part = 0  # constant: the masks below fold away
         b = gl.program_id(2).to(gl.int64)
         slots = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         wait_upstream(PDL)
@@ -421,7 +447,7 @@ if HAVE_GLUON:
         # the softmax's layout: each warp holds whole rows (reductions by shuffles, no barrier)
         S_L: gl.constexpr = gl.BlockedLayout([1, BLOCK // 4], [32 // 4, 4], [num_warps, 1], [1, 0])
         O_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                         instr_shape=[16, D // (num_warps // 4), 16])
+                                                         instr_shape=[16, D // PARTS // (num_warps // 4), 16])
         R_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                          instr_shape=[16, RD // (num_warps // 4), 16])
         P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_ACC, k_width=2)
@@ -455,8 +481,9 @@ if HAVE_GLUON:
                            MODE_A, MODE_B):
                 hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
                 base = b * n_split * HP + split * HP
-                gl.store(m_ptr + base + hs, gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L)))
-                gl.store(l_ptr + base + hs, gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L)))
+                gl.store(m_ptr + base + hs, gl.full([HP], float("-inf"), gl.float32, gl.SliceLayout(1, S_L)),
+                         mask=part == 0)
+                gl.store(l_ptr + base + hs, gl.zeros([HP], gl.float32, gl.SliceLayout(1, S_L)), mask=part == 0)
                 return
         # the query's loads first: they need no index, so they are on their way while the first block's rows are
         # found (a device position or an index read) and asked of L2
@@ -477,11 +504,12 @@ if HAVE_GLUON:
         if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
             m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
                                              pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
-                                             scale, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L, O_ACC,
-                                             R_ACC, num_warps, OVERLAP, Q_ASYNC)
+                                             scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L,
+                                             O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC, PARTS)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
-            k_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, D], SH)
+            k_tiles = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, D], SH)  # one column part
+            k_smem = k_tiles.index(0)
             klo_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, RD], SH)
             s_smem = gl.allocate_shared_memory(gl.float32, [2 * HP, BLOCK], PLAIN)
             q = q_in.to(gl.float32)
@@ -494,8 +522,8 @@ if HAVE_GLUON:
             o = gl.zeros([HP, D], gl.float32, O_ACC)
             o_r = gl.zeros([HP, RD], gl.float32, R_ACC)  # the RoPE columns' products with the keys' low parts
             for i in range(na + nb):
-                ok, idx, rows_ptr, stride = _decode_block(i, idx, rows_ptr, stride, k_smem, klo_smem, na, nb, a0, b0,
-                                                          rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
+                ok, idx, rows_ptr, stride = _decode_block(i, idx, rows_ptr, stride, k_tiles, 0, klo_smem, na, nb, a0,
+                                                          b0, rows_a, stride_a, idx_a, pos_a, n_a, ring_a, rows_b,
                                                           stride_b, idx_b, pos_b, n_b, ring_b, slots, BLOCK, NOPE, D,
                                                           MODE_A, MODE_B, L3, gl.SliceLayout(0, S_L), True)
                 fence_async_shared()
@@ -524,7 +552,7 @@ if HAVE_GLUON:
                 m = m_new
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
-        do = gl.arange(0, D, layout=gl.SliceLayout(0, O_ACC))[None, :]
+        do = gl.arange(0, D // PARTS, layout=gl.SliceLayout(0, O_ACC))[None, :]
         hr = gl.arange(0, HP, layout=gl.SliceLayout(1, R_ACC))[:, None]
         dr = NOPE + gl.arange(0, RD, layout=gl.SliceLayout(0, R_ACC))[None, :]
         if WHOLE:  # the sink's share of the softmax, then out = o / (sum of weights)
@@ -539,16 +567,16 @@ if HAVE_GLUON:
             r_ok = (hr < H) & (dr >= 0)
         else:
             base = b * n_split * HP + split * HP
-            gl.store(m_ptr + base + hs, m)
-            gl.store(l_ptr + base + hs, l)
+            gl.store(m_ptr + base + hs, m, mask=part == 0)
+            gl.store(l_ptr + base + hs, l, mask=part == 0)
             if STATE_BF16:
                 _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)
             elif TMA_STATE:
                 _store_state_tma(o, o_r, acc_desc, base.to(gl.int32), NOPE)
             else:
-                gl.store(acc_ptr + base * D + ho * D + do, o)
+                gl.store(acc_ptr + base * D + part * (D // PARTS) + ho * D + do, o)
             at = acc_ptr + base * D + hr * D + dr
-            r_ok = (hr >= 0) & (dr >= 0)
+            r_ok = (hr >= 0) & (dr >= 0) & (part == PARTS - 1)
         if WHOLE or not (TMA_STATE or STATE_BF16):
             gl.thread_barrier()  # the RoPE columns' sums are written: add the low parts' products
             # one add per element onto the stored sum, no round trip (the hardware float atomic flushes subnormals)
