@@ -963,6 +963,24 @@ def test_hopper_attention_state_in_bf16_is_one_rounding_from_float32(monkeypatch
             assert float((half[b].double() - ref).norm() / ref.norm()) < 2**-8
 
 
+def test_column_parts_fill_at_most_one_wave(monkeypatch):
+    """COLUMN_PARTS as a launch takes it: the largest power of two up to the setting within one program a
+    multiprocessor (the window's 8 splits 4 parts, CSA's 40 at 1M 2, HCA's 111 none), off at 1, bad settings
+    refused."""
+    from ds4x.kernels import attention as A
+
+    monkeypatch.setattr(A, "COLUMN_PARTS", 4)
+    assert [A.column_parts(n, 132) for n in (8, 11, 33, 34, 40, 66, 67, 111, 300)] == [4, 4, 4, 2, 2, 2, 1, 1, 1]
+    monkeypatch.setattr(A, "COLUMN_PARTS", 2)
+    assert [A.column_parts(n, 132) for n in (8, 40, 66, 67)] == [2, 2, 2, 1]
+    monkeypatch.setattr(A, "COLUMN_PARTS", 1)
+    assert A.column_parts(8, 132) == 1
+    for bad in (0, 3, 8):
+        monkeypatch.setattr(A, "COLUMN_PARTS", bad)
+        with pytest.raises(ValueError, match="COLUMN_PARTS"):
+            A.column_parts(8, 132)
+
+
 @pytest.mark.gpu
 def test_hopper_attention_column_parts_give_the_same_bits(monkeypatch):
     """COLUMN_PARTS (a split's output product and state stores spread over 2 or 4 programs, each scoring all the

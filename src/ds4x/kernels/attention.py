@@ -147,8 +147,12 @@ STATE_BF16_SPLITS = 64
 # as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
 # but runs the output product and stores the partial state for 512 / PARTS columns only. A launch of few splits
 # (the window's 8, CSA's 40) waits on each program's 128 KB of state stores (~4,300 cycles by the phases' stamps,
-# as long as its one block's decode and scores); this spreads them over idle multiprocessors. The same bits (the
-# same k16 steps in the same order for each output element). 1: off.
+# as long as its one block's decode and scores); this spreads them over idle multiprocessors. Meant to give the same
+# bits (each output element's k16 steps in the same order; `test_hopper_attention_column_parts_give_the_same_bits`).
+# sm_90 offline (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --overlap --q-async --skip-empty
+# --parts 1 2 4): 188 / 120 / 89 registers, 68 / 36 / 20 global stores, 2,056 / 1,992 / 1,992 instructions, no
+# spills. Not yet run on a GPU (no machine was lent, 2026-12-07): off until the test passes there and the A/B
+# (`DS4X_AB_VARIANT="p4: ds4x.kernels.attention.COLUMN_PARTS=4" bash scripts/device_ab.sh frontier`) says. 1: off.
 COLUMN_PARTS = 1
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
@@ -193,6 +197,17 @@ BATCH_SPLIT_WAVES = 1
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
+
+
+def column_parts(programs: int, sms: int) -> int:
+    """Programs a split of a launch of ``programs`` splits takes by COLUMN_PARTS: the largest power of two up to it
+    that keeps the launch within one program a multiprocessor (``sms``), at least 1."""
+    if COLUMN_PARTS not in (1, 2, 4):
+        raise ValueError(f"COLUMN_PARTS is 1, 2 or 4 (64-value chunks a part), got {COLUMN_PARTS}")
+    parts = COLUMN_PARTS
+    while parts > 1 and parts * programs > sms:
+        parts //= 2
+    return parts
 
 
 def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, Slots | torch.Tensor]],
@@ -306,11 +321,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         if two_phase and not (tma_state or state_bf16):
             from ds4x.kernels.indexer import num_sms
 
-            if COLUMN_PARTS not in (1, 2, 4):
-                raise ValueError(f"COLUMN_PARTS is 1, 2 or 4 (64-value chunks a part), got {COLUMN_PARTS}")
-            parts = COLUMN_PARTS
-            while parts > 1 and parts * n_split * B > num_sms(q.device):
-                parts //= 2
+            parts = column_parts(n_split * B, num_sms(q.device))
         attention_wgmma.partial_kernel[(1 if one_pass else n_split, parts, B)](
             qc, ra, ia, pa, na, ga, sa, n_splits[0], per_split[0], rb, ib, pb, nb, gb, sb, per_split[1], m, l, acc,
             scale, store_a, store_b, index_a, index_b, n_split, sinks, out,
