@@ -3,7 +3,9 @@
 The same partial pass as `ds4x.kernels.triton_attention.partial_kernel` (one launch per layer over the window and
 the compressed rows, a program per split of consecutive row blocks, online softmax, `combine_kernel` merges the
 splits with the sink), shaped for many rows: a program takes all (up to 64) heads and all 512 output columns, so
-each row is loaded, decoded and scored once per layer, and both products run as ``wgmma``.
+each row is loaded, decoded and scored once per layer, and both products run as ``wgmma``. (A launch of few splits
+may spread a split's output columns over 2 or 4 programs, each decoding and scoring all its rows: PARTS, see
+`ds4x.kernels.attention.COLUMN_PARTS`.)
 
 Per program the query is split once into bf16 high and low parts (about 16 bits together), stacked in shared
 memory as one [128, 512] operand. Per block of ``BLOCK`` rows the threads decode the packed rows into a bf16 key
