@@ -30,8 +30,8 @@
 #                                       # kernels per case with the online loop as the variant of the two phases, then
 #                                       # `ds4x bench frontier --weights q2 --contexts 4096,1048576 --steps 50` (H200),
 #                                       # with DS4X_AB_VARIANT (e.g. "global state:
-#                                       # ds4x.kernels.attention.TMA_STATE=False") as the --variant of both the
-#                                       # attention kernels (their bits too) and the frontier
+#                                       # ds4x.kernels.attention.TMA_STATE=False"; several: one a line) as the
+#                                       # --variant of both the attention kernels (their bits too) and the frontier
 #   bash scripts/device_ab.sh candidates # the GPU tests of the newest switches (indexer PIPELINED and the two
 #                                       # phases' TWO_PHASE_OVERLAP, on; routed REGISTER_WEIGHTS, off), then the
 #                                       # attention and indexer kernels with them flipped as variants (~2 min; an H100
@@ -183,11 +183,15 @@ frontier)
     # H200)
     piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
         -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
-    piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention \
-        ${DS4X_AB_VARIANT:+--variant "$DS4X_AB_VARIANT"} --ledger "$out/ledger.jsonl"
+    variants=()  # DS4X_AB_VARIANT: one --variant spec a line
+    while IFS= read -r spec; do
+        [ -n "$spec" ] && variants+=(--variant "$spec")
+    done <<< "${DS4X_AB_VARIANT:-}"
+    piece attention_ab.log 90 python scripts/compressed_kernels_ab.py --parts attention "${variants[@]}" \
+        --ledger "$out/ledger.jsonl"
     experts=$(echo "$model" | cut -s -d: -f3)  # flash:q2:128 -> --experts 128
     piece frontier.log 300 python -m ds4x bench frontier --weights q2 ${experts:+--experts "$experts"} \
-        --contexts 4096,1048576 --steps 50 ${DS4X_AB_VARIANT:+--variant "$DS4X_AB_VARIANT"} \
+        --contexts 4096,1048576 --steps 50 "${variants[@]}" \
         --ledger "$out/ledger.jsonl"
     ;;
 routed)

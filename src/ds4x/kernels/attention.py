@@ -152,7 +152,7 @@ STATE_BF16_SPLITS = 64
 # sm_90 offline (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --overlap --q-async --skip-empty
 # --parts 1 2 4): 188 / 120 / 89 registers, 68 / 36 / 20 global stores, 2,056 / 1,992 / 1,992 instructions, no
 # spills. Not yet run on a GPU (no machine was lent, 2026-12-07): off until the test passes there and the A/B
-# (`DS4X_AB_VARIANT="p4: ds4x.kernels.attention.COLUMN_PARTS=4" bash scripts/device_ab.sh frontier`) says. 1: off.
+# (`bash scripts/device_ab.sh frontier` with DS4X_AB_VARIANT its 2 and 4, docs/PROFILE.md) says. 1: off.
 COLUMN_PARTS = 1
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
