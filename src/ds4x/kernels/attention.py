@@ -200,8 +200,9 @@ COMBINE_ROWS_WAVES = 2
 
 
 def column_parts(programs: int, sms: int) -> int:
-    """Programs a split of a launch of ``programs`` splits takes by COLUMN_PARTS: the largest power of two up to it
-    that keeps the launch within one program a multiprocessor (``sms``), at least 1."""
+    """How many programs each split takes under COLUMN_PARTS in a launch of ``programs`` splits (all its queries'):
+    the largest power of two up to COLUMN_PARTS that keeps the launch within one program a multiprocessor (``sms``),
+    at least 1."""
     if COLUMN_PARTS not in (1, 2, 4):
         raise ValueError(f"COLUMN_PARTS is 1, 2 or 4 (64-value chunks a part), got {COLUMN_PARTS}")
     parts = COLUMN_PARTS
