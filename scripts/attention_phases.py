@@ -15,7 +15,7 @@ and latest over programs), cycles per row block, and the prologue's and epilogue
 stores; compare "plain" and "stamped". Needs the kernel's text as the copy expects it (it stops if a marker line
 moved).
 
-    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products]]
+    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products] [--parts N]]
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
     ("                       store_a, store_b, index_a, index_b, n_split, sinks_ptr, out_ptr, acc_desc,",
      "+ stamps_ptr,"),
     ("        HP: gl.constexpr = 64\n",
-     "-        srow = gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)\n"
+     "-        srow = gl.program_id(0) + (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * "
+     "gl.num_programs(0)\n"
      "        _stamp(stamps_ptr, srow, 0, num_warps)\n"),
     ("        wait_upstream(PDL)\n", "+        _stamp(stamps_ptr, srow, 1, num_warps)\n"),
     ("            q2.slice(HP, HP, dim=0).store((q - q_hi.to(gl.float32)).to(gl.bfloat16))\n",
@@ -135,10 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-score-products", action="store_true",
                     help="with --two-phase: phase 1 without its score products (the decode alone; timing only, the "
                          "outputs are wrong)")
+    ap.add_argument("--parts", type=int, default=1,
+                    help="with --two-phase: attention.COLUMN_PARTS (a split's output columns over up to that many "
+                         "programs, each stamped)")
     args = ap.parse_args(argv)
     two_phase = args.two_phase
     if args.no_score_products and not two_phase:
         ap.error("--no-score-products goes with --two-phase")
+    if args.parts != 1 and not two_phase:
+        ap.error("--parts goes with --two-phase")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds4x.kernels.attention import attention_decode_triton
 
     A.TMA_STATE = False  # the stamps around the state's stores and atomics mark the global-store path
+    A.COLUMN_PARTS = args.parts
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448
