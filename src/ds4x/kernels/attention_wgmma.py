@@ -200,9 +200,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _score_products(q1, keys, at, keys_lo, s, NOPE: gl.constexpr, PARTS: gl.constexpr):
-        # S = q K^T, issued asynchronously over the block's column parts ``keys``[at ..] in order (the same k16 steps
-        # in the same order as one product over all columns: the same bits), then the RoPE columns' low parts'
-        # product added
+        # S = q K^T, issued asynchronously over the block's column parts ``keys``[at ..] in order (the k16 steps of
+        # one product over all columns, in the same order: meant to give the same bits; GPU test not yet run), then
+        # the RoPE columns' low parts' product added
         C: gl.constexpr = keys.shape[2]
         D: gl.constexpr = PARTS * C
         for part in gl.static_range(PARTS):
@@ -279,7 +279,8 @@ if HAVE_GLUON:
         # the online loop leaves them (to float rounding). Q_ASYNC: ``q_in`` is the query's tile on its way
         # (`_copy_query`), waited for before the first score product. PARTS: the key tiles held as that many column
         # parts; every score product runs over all of them, the output products over part ``part`` only (o: [64,
-        # 512 / PARTS]; o_r: the RoPE columns' low parts, whichever part holds them)
+        # 512 / PARTS]); o_r, the RoPE columns' low parts' products, is computed by every part (``part`` is not a
+        # constant) and used by the last
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
@@ -427,8 +428,8 @@ if HAVE_GLUON:
         buffer, rounded once after its RoPE columns' low parts are added (m and l stay float32). PARTS (with
         TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
         output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
-        the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, the
-        same bits."""
+        the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, meant
+        to give the same bits (test_hopper_attention_column_parts_give_the_same_bits, not yet run on a GPU)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
