@@ -151,9 +151,11 @@ STATE_BF16_SPLITS = 64
 # bits (each output element's k16 steps in the same order; `test_hopper_attention_column_parts_give_the_same_bits`).
 # sm_90 offline (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --overlap --q-async --skip-empty
 # --parts 1 2 4): 188 / 120 / 89 registers, 68 / 36 / 20 global stores, 2,056 / 1,992 / 1,992 instructions, no
-# spills. Not yet run on a GPU (no machine was lent, 2026-12-07): off until the test passes there and the A/B
-# (`bash scripts/device_ab.sh frontier` with DS4X_AB_VARIANT its 2 and 4, docs/PROFILE.md) says. 1: off.
-COLUMN_PARTS = 1
+# spills. H100 (8ab700f, `bash scripts/device_ab.sh frontier` with 2 and 4 as variants; the same bits in every
+# case), us from DRAM 1 / 2 / 4: window 10.8 / 9.4 / 9.0, CSA 11.8 / 10.7 / 10.7, HCA at 4K 10.9 / 9.4 / 9.4, HCA at
+# 1M 21.9 (one part); the frontier's 41 compressed layers at 4K 0.607 / 0.550 / 0.552 ms, at 1M 1.260 / 1.232 /
+# 1.233 (sum, two rounds alternating). 1: off.
+COLUMN_PARTS = 4
 # A captured step sizes a source's splits by its store's capacity, not the query's position: a session opened for
 # 1M tokens runs HCA's 111 splits at every position, and at a 4K position all but one of them read no row yet
 # each wrote a 128 KB zero state that the merge read back (H100, 03d142b, `scripts/batched_decode.py --batches 1
