@@ -147,8 +147,8 @@ STATE_BF16_SPLITS = 64
 # as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
 # but runs the output product and stores the partial state for 512 / PARTS columns only. A launch of few splits
 # (the window's 8, CSA's 40) waits on each program's 128 KB of state stores (~4,300 cycles by the phases' stamps,
-# as long as its one block's decode and scores); this spreads them over idle multiprocessors. Meant to give the same
-# bits (each output element's k16 steps in the same order; `test_hopper_attention_column_parts_give_the_same_bits`).
+# as long as its one block's decode and scores); this spreads them over idle multiprocessors. The same bits (each
+# output element's k16 steps in the same order; `test_hopper_attention_column_parts_give_the_same_bits`).
 # sm_90 offline (scripts/kernel_sass.py attention --query bf16 --two-phase 5 --overlap --q-async --skip-empty
 # --parts 1 2 4): 188 / 120 / 89 registers, 68 / 36 / 20 global stores, 2,056 / 1,992 / 1,992 instructions, no
 # spills. H100 (8ab700f, `bash scripts/device_ab.sh frontier` with 2 and 4 as variants; the same bits in every

@@ -201,8 +201,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _score_products(q1, keys, at, keys_lo, s, NOPE: gl.constexpr, PARTS: gl.constexpr):
         # S = q K^T, issued asynchronously over the block's column parts ``keys``[at ..] in order (the k16 steps of
-        # one product over all columns, in the same order: meant to give the same bits; GPU test not yet run), then
-        # the RoPE columns' low parts' product added
+        # one product over all columns, in the same order: the same bits, a GPU test), then the RoPE columns' low
+        # parts' product added
         C: gl.constexpr = keys.shape[2]
         D: gl.constexpr = PARTS * C
         for part in gl.static_range(PARTS):
@@ -428,8 +428,8 @@ if HAVE_GLUON:
         buffer, rounded once after its RoPE columns' low parts are added (m and l stay float32). PARTS (with
         TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
         output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
-        the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, meant
-        to give the same bits (test_hopper_attention_column_parts_give_the_same_bits, not yet run on a GPU)."""
+        the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, with
+        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
