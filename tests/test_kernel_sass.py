@@ -47,11 +47,20 @@ def test_overlapped_products_stay_asynchronous(args: list[str], kernels: int) ->
 def test_attention_phases_stamps_find_their_markers() -> None:
     """scripts/attention_phases.py stamps a copy of the attention kernel at marker lines; a kernel edit that moves
     one made the script stop on the device (found there twice), so the copy is made and imported here for every
-    set of stamps."""
+    set of stamps. Every line of the kernel is in the stamped copy, in order and at its indentation (a marker that
+    began inside a line once moved the RoPE atomics out of their branch in the copy)."""
     code = ("import tempfile, pathlib, attention_phases as a\n"
+            "from ds4x.kernels import attention_wgmma\n"
             "d = pathlib.Path(tempfile.mkdtemp())\n"
+            "kernel = pathlib.Path(attention_wgmma.__file__).read_text().splitlines()\n"
             "for two_phase, no_scores in ((False, False), (True, False), (True, True)):\n"
-            "    a.stamped_module(d, two_phase, no_scores)\n")
+            "    a.stamped_module(d, two_phase, no_scores)\n"
+            "    if no_scores:\n"
+            "        continue\n"
+            "    copy = iter((d / 'attention_wgmma_stamped.py').read_text()\n"
+            "                .replace('stamps_ptr, srow, ', '').replace(' stamps_ptr,', '').splitlines())\n"
+            "    lost = [line for line in kernel if not any(line == c for c in copy)]\n"
+            "    assert not lost, (two_phase, lost[:3])\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts")])
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
