@@ -15,7 +15,7 @@ and latest over programs), cycles per row block, and the prologue's and epilogue
 stores; compare "plain" and "stamped". Needs the kernel's text as the copy expects it (it stops if a marker line
 moved).
 
-    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products] [--parts N] [--one-barrier]]
+    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products] [--parts N]]
 """
 
 from __future__ import annotations
@@ -86,10 +86,8 @@ TWO_PHASE_STAMPS = (
      "-            _stamp(stamps_ptr, srow, 26 + j, num_warps)\n"),
     ("        gl.thread_barrier()  # every block's scores are stored\n",
      "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),
-    ("                o, o_r = _output_products(probs, keys, keys_lo, j, part, PARTS, o, o_r)\n",
-     "+                _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
-    ("                o, o_r = _output_products(probs, keys, keys_lo, i, part, PARTS, o, o_r)\n",
-     "+                _stamp(stamps_ptr, srow, 16 + i, num_warps)\n"),
+    ("            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)\n",
+     "+            _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
     ("        return m, l, o, o_r\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
 )
 # ``--no-score-products`` (with --two-phase, TWO_PHASE_OVERLAP on): phase 1's score products and their wait left out
@@ -144,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-score-products", action="store_true",
                     help="with --two-phase: phase 1 without its score products (the decode alone; timing only, the "
                          "outputs are wrong)")
-    ap.add_argument("--one-barrier", action="store_true",
-                    help="with --two-phase: attention.TWO_PHASE_ONE_BARRIER (phase 2's products after one barrier; "
-                         "its first block's stamp then covers every block's probabilities)")
     ap.add_argument("--parts", type=int, default=1,
                     help="with --two-phase: attention.COLUMN_PARTS (a split's output columns over up to that many "
                          "programs, each stamped)")
@@ -154,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     two_phase = args.two_phase
     if args.no_score_products and not two_phase:
         ap.error("--no-score-products goes with --two-phase")
-    if (args.parts != 1 or args.one_barrier) and not two_phase:
-        ap.error("--parts and --one-barrier go with --two-phase")
+    if args.parts != 1 and not two_phase:
+        ap.error("--parts goes with --two-phase")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -168,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
     A.TMA_STATE = False  # the stamps around the state's stores and atomics mark the global-store path
     A.COLUMN_PARTS = args.parts
-    A.TWO_PHASE_ONE_BARRIER = args.one_barrier
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448

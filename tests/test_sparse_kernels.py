@@ -4,7 +4,6 @@ On the CPU they run in the Triton interpreter (tests/conftest.py selects it) at 
 tests run compiled at Flash shapes.
 """
 
-import dataclasses
 from functools import partial
 
 import pytest
@@ -1019,31 +1018,6 @@ def test_hopper_attention_column_parts_give_the_same_bits(monkeypatch):
                 monkeypatch.setattr(A, "COLUMN_PARTS", parts)
                 assert torch.equal(attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True), whole), parts
                 assert grids[-1][1] == taken[parts]
-
-
-@pytest.mark.gpu
-def test_hopper_attention_one_barrier_gives_the_same_bits(monkeypatch):
-    """TWO_PHASE_ONE_BARRIER (phase 2's probabilities of every block stored before one barrier, then all the output
-    products) against a barrier a block: window + picks with holes and window + 8,194 compressed rows (programs of
-    several blocks; bf16 states at 1M), a batch of 3 queries and each query alone, 64 and 40 heads, with one and
-    with several column parts where a launch takes them, bit for bit."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels.attention import attention_decode_triton
-
-    q, rows, sinks, pos, picks = _hopper_attention_inputs(23, True, 8400, [1_048_575, 700_000, 5_000], 8194)
-    for heads in (64, 40):
-        qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
-        for sources in _picks_and_hca_sources(rows, pos, picks):
-            singles = [([(r[b], s[b] if isinstance(s, torch.Tensor) else
-                          dataclasses.replace(s, position=s.position[b : b + 1])) for r, s in sources], qh[b])
-                       for b in range(3)]
-            for srcs, query in [(sources, qh), *singles]:
-                for parts in (1, 4):
-                    monkeypatch.setattr(A, "COLUMN_PARTS", parts)
-                    monkeypatch.setattr(A, "TWO_PHASE_ONE_BARRIER", False)
-                    per_block = attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True)
-                    monkeypatch.setattr(A, "TWO_PHASE_ONE_BARRIER", True)
-                    assert torch.equal(attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True), per_block)
 
 
 @pytest.mark.gpu

@@ -99,13 +99,12 @@ TWO_PHASE_BLOCKS = 5
 # 10.9 / 10.7, CSA top-512 at 1M 11.7 / 11.5, HCA at 4K 10.6 / 10.7, HCA at 1M 26.2 / 25.8; the batches and the
 # prefill chunk (the online loop) level.
 TWO_PHASE_OVERLAP = True
-# In the two phases' second, every block's probabilities stored first and all the output products issued after one
-# fence and barrier (`attention_wgmma._two_phase_blocks` ONE_BARRIER) instead of a fence, a barrier and the block's
-# products after each block's probabilities: the same products in the same order (the same bits); it changes only
-# programs of several blocks (HCA at long contexts: ~5 a program at 1M, where the stamps gave a block's phase 2
-# ~1,150 cycles on an H100). Not yet run on a GPU: off until `test_hopper_attention_one_barrier_gives_the_same_bits`
-# passes there and the frontier's A/B says.
-TWO_PHASE_ONE_BARRIER = False
+# Not kept: phase 2 with one barrier (4cb9a49, reverted): every block's probabilities stored first, then one fence
+# and barrier and all the output products back to back, instead of a fence, a barrier and the block's products
+# after each block's probabilities. The same bits (GPU test), fewer registers (171 against 184), phase 2's issue
+# ~776 -> ~608 cycles a block by the stamps, yet no faster: HCA at 1M 21.9 -> 22.2 us from DRAM
+# (`compressed_kernels_ab.py --parts attention`), the frontier's HCA 22.4, 22.5 -> 22.8, 22.7 us and its 41 layers
+# at 1M 1.228, 1.232 -> 1.238, 1.237 ms (H100, 4cb9a49, two rounds alternating); one-block programs level
 # In the two phases, the query copied to shared memory by cp.async (`attention_wgmma._copy_query`) instead of loaded
 # into registers and stored: the first block's rows are decoded while it arrives (a program waited ~1.4 us for the
 # query before its first decode, 389dd87's stamps). The same bits (GPU test). H100, `ds4x bench frontier --weights q2
@@ -338,8 +337,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             attention_wgmma.state_descriptor(acc) if tma_state else None, H=H, D=D, NOPE=nope,
             BLOCK=block,
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
-            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, ONE_BARRIER=TWO_PHASE_ONE_BARRIER and two_phase > 0,
-            TMA_STATE=tma_state,
+            OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
             Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, PARTS=parts,
             **pdl)
         if one_pass:

@@ -268,8 +268,7 @@ if HAVE_GLUON:
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1,
-                          ONE_BARRIER: gl.constexpr = False):
+                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
@@ -281,9 +280,7 @@ if HAVE_GLUON:
         # (`_copy_query`), waited for before the first score product. PARTS: the key tiles held as that many column
         # parts; every score product runs over all of them, the output products over part ``part`` only (o: [64,
         # 512 / PARTS]); o_r, the RoPE columns' low parts' products, is computed by every part (``part`` is not a
-        # constant) and used by the last. ONE_BARRIER: phase 2 stores every block's probabilities first and issues
-        # all the output products after one fence and barrier (a barrier a block otherwise); the same products in
-        # the same order
+        # constant) and used by the last
         RD: gl.constexpr = D - NOPE
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
@@ -351,27 +348,14 @@ if HAVE_GLUON:
             p_hi = p.to(gl.bfloat16)
             probs.index(2 * j).store(p_hi)
             probs.index(2 * j + 1).store((p - p_hi.to(gl.float32)).to(gl.bfloat16))
-            if not ONE_BARRIER:
-                fence_async_shared()
-                gl.thread_barrier()
-                o, o_r = _output_products(probs, keys, keys_lo, j, part, PARTS, o, o_r)
-        if ONE_BARRIER:  # every block's probabilities stored, then all the products issued back to back
             fence_async_shared()
             gl.thread_barrier()
-            for i in range(na + nb):
-                o, o_r = _output_products(probs, keys, keys_lo, i, part, PARTS, o, o_r)
+            o = warpgroup_mma(probs.index(2 * j), keys.index(j * PARTS + part), o, is_async=True)
+            o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j * PARTS + part), o, is_async=True)
+            o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
+            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
         o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
         return m, l, o, o_r
-
-    @gluon.jit
-    def _output_products(probs, keys, keys_lo, j, part, PARTS: gl.constexpr, o, o_r):
-        # block j's probabilities (their bf16 high and low parts) times its keys, added to the accumulators
-        # asynchronously: the part's columns and the RoPE columns' low parts
-        o = warpgroup_mma(probs.index(2 * j), keys.index(j * PARTS + part), o, is_async=True)
-        o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j * PARTS + part), o, is_async=True)
-        o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
-        o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
-        return o, o_r
 
     # the partial state's shared tile: 128-byte swizzled float32 rows, as the TMA descriptor's boxes need them
     _STATE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
@@ -431,7 +415,7 @@ if HAVE_GLUON:
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
                        TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
                        SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False,
-                       PARTS: gl.constexpr = 1, ONE_BARRIER: gl.constexpr = False):
+                       PARTS: gl.constexpr = 1):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -445,8 +429,7 @@ if HAVE_GLUON:
         TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
         output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
         the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, with
-        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100). ONE_BARRIER (with TWO_PHASE):
-        phase 2's products issued after one barrier for all blocks (`_two_phase_blocks`); the same bits."""
+        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -525,7 +508,7 @@ if HAVE_GLUON:
             m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
                                              pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
                                              scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L,
-                                             O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC, PARTS, ONE_BARRIER)
+                                             O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC, PARTS)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_tiles = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, D], SH)  # one column part
