@@ -4,6 +4,7 @@ On the CPU they run in the Triton interpreter (tests/conftest.py selects it) at 
 tests run compiled at Flash shapes.
 """
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -1018,6 +1019,30 @@ def test_hopper_attention_column_parts_give_the_same_bits(monkeypatch):
                 monkeypatch.setattr(A, "COLUMN_PARTS", parts)
                 assert torch.equal(attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True), whole), parts
                 assert grids[-1][1] == taken[parts]
+
+
+@pytest.mark.gpu
+def test_hopper_attention_bf16_state_from_registers_gives_the_same_bits(monkeypatch):
+    """STATE_BF16_DIRECT (a bf16 partial state stored from the accumulators' registers, its RoPE columns from a
+    second accumulator of their products) against the shared-memory stage: window + 8,194 compressed rows (111 splits,
+    bf16 states by default) and window + picks with holes with bf16 states forced, a batch of 3 queries and each
+    alone, 64 and 40 heads, bit for bit."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels.attention import attention_decode_triton
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(29, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    monkeypatch.setattr(A, "STATE_BF16", True)
+    for heads in (64, 40):
+        qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
+        for sources in _picks_and_hca_sources(rows, pos, picks):
+            singles = [([(r[b], s[b] if isinstance(s, torch.Tensor) else
+                          dataclasses.replace(s, position=s.position[b : b + 1])) for r, s in sources], qh[b])
+                       for b in range(3)]
+            for srcs, query in [(sources, qh), *singles]:
+                monkeypatch.setattr(A, "STATE_BF16_DIRECT", False)
+                staged = attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True)
+                monkeypatch.setattr(A, "STATE_BF16_DIRECT", True)
+                assert torch.equal(attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True), staged)
 
 
 @pytest.mark.gpu

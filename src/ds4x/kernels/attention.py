@@ -148,6 +148,15 @@ TMA_STATE_SPLITS = 64
 # states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
+# A bf16 state stored from the two phases' accumulator registers (`attention_wgmma.partial_kernel` BF16_DIRECT): each
+# thread stores its column pairs of o (4-byte stores, 16 contiguous bytes a row a warp instruction), and the RoPE
+# columns come from a second accumulator of their output products (each element the same products in the same
+# order as o's, so the same bits) plus the low parts', instead of staging the [64, 512] float32 accumulator in shared
+# memory (128 KB), adding the low parts there and reading it back 64 columns at a time. By the phases' stamps that
+# epilogue takes ~6,060 cycles (3.2 us) of an HCA call at 1M (17.8 us partial pass, H100, 4cb9a49). The cost: two
+# more small products a block (m64n32k16) and 16 registers. sm_90 offline: see docs/PROFILE.md. Not yet run on a GPU:
+# off until `test_hopper_attention_bf16_state_from_registers_gives_the_same_bits` passes there and the A/B says.
+STATE_BF16_DIRECT = False
 # A split's output columns spread over programs (`attention_wgmma.partial_kernel` PARTS): in a two-phase launch
 # storing float32 states by global stores, each split runs as up to COLUMN_PARTS programs (a power of two, as many
 # as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
@@ -339,6 +348,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
             Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, PARTS=parts,
+            BF16_DIRECT=STATE_BF16_DIRECT and state_bf16 and two_phase > 0,
             **pdl)
         if one_pass:
             return out if batched else out[0]
