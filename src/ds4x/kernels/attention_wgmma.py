@@ -527,7 +527,7 @@ if HAVE_GLUON:
                                                   idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
                                                   ring_b, slots, scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B,
                                                   TWO_PHASE, L3, S_L, O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC,
-                                                  PARTS, STATE_BF16 and BF16_DIRECT)
+                                                  PARTS, BF16_DIRECT)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_tiles = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, D], SH)  # one column part
@@ -591,7 +591,7 @@ if HAVE_GLUON:
             base = b * n_split * HP + split * HP
             gl.store(m_ptr + base + hs, m, mask=part == 0)
             gl.store(l_ptr + base + hs, l, mask=part == 0)
-            if STATE_BF16 and BF16_DIRECT:  # from the accumulators' registers, each thread's column pairs
+            if BF16_DIRECT:  # (a bf16 state) from the accumulators' registers, each thread's column pairs
                 gl.store(acc_ptr + base * D + ho * D + do, o.to(gl.bfloat16), mask=do < NOPE)
                 gl.store(acc_ptr + base * D + hr * D + dr, (o_h + o_r).to(gl.bfloat16))
             elif STATE_BF16:
