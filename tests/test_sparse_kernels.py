@@ -1026,11 +1026,22 @@ def test_hopper_attention_bf16_state_from_registers_gives_the_same_bits(monkeypa
     """STATE_BF16_DIRECT (a bf16 partial state stored from the accumulators' registers, its RoPE columns from a
     second accumulator of their products) against the shared-memory stage: window + 8,194 compressed rows (111 splits,
     bf16 states by default) and window + picks with holes with bf16 states forced, a batch of 3 queries and each
-    alone, 64 and 40 heads, bit for bit."""
+    alone, 64 and 40 heads, bit for bit; a spy on the launches shows the direct stores were compiled in."""
     from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma
     from ds4x.kernels.attention import attention_decode_triton
 
     q, rows, sinks, pos, picks = _hopper_attention_inputs(29, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    kernel, launched = attention_wgmma.partial_kernel, []
+
+    class _Spy:  # records each launch's BF16_DIRECT
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["BF16_DIRECT"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
     monkeypatch.setattr(A, "STATE_BF16", True)
     for heads in (64, 40):
         qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
@@ -1041,8 +1052,10 @@ def test_hopper_attention_bf16_state_from_registers_gives_the_same_bits(monkeypa
             for srcs, query in [(sources, qh), *singles]:
                 monkeypatch.setattr(A, "STATE_BF16_DIRECT", False)
                 staged = attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True)
+                assert launched[-1] is False
                 monkeypatch.setattr(A, "STATE_BF16_DIRECT", True)
                 assert torch.equal(attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True), staged)
+                assert launched[-1] is True
 
 
 @pytest.mark.gpu
