@@ -181,7 +181,8 @@ frontier)
     # on CUDA when there is one) and the blocks in two phases; the attention kernels per case with the online loop
     # (TWO_PHASE_BLOCKS = 0) as the variant; then the compressed layers at model scale on $model (flash:q2 needs an
     # H200)
-    piece attention_tests.log 150 python -m pytest -q tests/test_sparse_kernels.py \
+    # (4 workers: one ran out of the 150 s on a fresh H100 compiling its kernels in turn, 2026-12-07)
+    piece attention_tests.log 150 python -m pytest -q -p no:cacheprovider -n 4 tests/test_sparse_kernels.py \
         -k "hopper_attention or bit_identical or hca_sized or many_splits or merge or prefill_attention_kernel"
     variants=()  # DS4X_AB_VARIANT: one --variant spec a line
     while IFS= read -r spec; do
