@@ -1216,3 +1216,43 @@ def test_gpu_prefill_default_mode_tracks_reference_mode():
     ref = logits["reference"]
     assert float((logits["default"] - ref).abs().max() / ref.abs().max()) < 2e-2
     assert tokens["default"][:8] == tokens["reference"][:8]
+
+
+@pytest.mark.gpu
+def test_early_release_gives_the_same_results(monkeypatch):
+    """EARLY_RELEASE (the Hopper indexer, the fused multi-program top-k and the Hopper attention let the next
+    kernel place its programs before their last stores) against releasing as their programs exit: a CSA layer's
+    chain launched back to back (the scores of 40,000 rows, their top-512, the attention over the window and those
+    picks) and HCA's window + 8,194 rows, the same bits; a spy shows the attention launched with EARLY."""
+    from ds4x.formats import pdl
+    from ds4x.kernels import attention_wgmma
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+    from ds4x.kernels.select import scored_topk_radix
+
+    q, rows, sinks, pos, _ = _hopper_attention_inputs(37, True, 40_000, [1_048_575, 160_003, 5_000], 8194)
+    idx_rows, idx_q, idx_w = _indexer_case(40_000, 64, 38, "cuda")
+    kernel, early = attention_wgmma.partial_kernel, []
+
+    class _Spy:  # records each launch's EARLY
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                early.append(kw["EARLY"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
+
+    def layers() -> list[torch.Tensor]:
+        picks = scored_topk_radix(idx_q, idx_w, idx_rows, 40_000, True, 512)
+        window = Slots(128, position=pos[:1], ring=40_000)
+        csa = attention_decode_triton(q[0], [(rows[0], window), (rows[0], picks)], sinks, 512**-0.5, 448, True)
+        hca = attention_decode_triton(q[0], [(rows[0], window), (rows[0], Slots(8194, position=pos[:1], ratio=128))],
+                                      sinks, 512**-0.5, 448, True)
+        return [picks, csa, hca]
+
+    at_exit = layers()
+    monkeypatch.setattr(pdl, "EARLY_RELEASE", frozenset({"indexer", "topk", "attention"}))
+    for _ in range(3):
+        for a, b in zip(layers(), at_exit, strict=True):
+            assert torch.equal(a, b)
+    assert early == [False, False] + [True] * 6 or not pdl.launch_options(q.device)["PDL"]

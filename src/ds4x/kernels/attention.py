@@ -327,7 +327,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    from ds4x.formats.pdl import launch_options
+    from ds4x.formats.pdl import early_release, launch_options
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
@@ -349,7 +349,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
             Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, PARTS=parts,
             BF16_DIRECT=STATE_BF16_DIRECT and state_bf16 and two_phase > 0,
-            **pdl)
+            EARLY=early_release(q.device, "attention"), **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

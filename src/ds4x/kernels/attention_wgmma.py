@@ -89,7 +89,7 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
-    from ds4x.formats.pdl import wait_upstream
+    from ds4x.formats.pdl import release_dependents, wait_upstream
     from ds4x.formats.rows_triton import _ue8m0_decode
     from ds4x.kernels.triton_attention import closed_rows, empty_split, online_softmax_step
 
@@ -429,7 +429,7 @@ if HAVE_GLUON:
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
                        TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
                        SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False,
-                       PARTS: gl.constexpr = 1, BF16_DIRECT: gl.constexpr = False):
+                       PARTS: gl.constexpr = 1, BF16_DIRECT: gl.constexpr = False, EARLY: gl.constexpr = False):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -446,7 +446,8 @@ if HAVE_GLUON:
         the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100). BF16_DIRECT (with TWO_PHASE and
         STATE_BF16): the bf16 state stored from the accumulators' registers, the RoPE columns from a second
         accumulator of their products (`_two_phase_blocks` ROPE_COPY) plus the low parts', instead of through a
-        float32 shared-memory stage; the same bits."""
+        float32 shared-memory stage; the same bits. EARLY: the dependents released before the state's stores
+        (`ds4x.formats.pdl.EARLY_RELEASE`)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
@@ -572,6 +573,7 @@ if HAVE_GLUON:
                 o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
                 o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
                 m = m_new
+        release_dependents(EARLY)
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
         do = gl.arange(0, D // PARTS, layout=gl.SliceLayout(0, O_ACC))[None, :]
