@@ -1256,3 +1256,62 @@ def test_early_release_gives_the_same_results(monkeypatch):
         for a, b in zip(layers(), at_exit, strict=True):
             assert torch.equal(a, b)
     assert early == [False, False] + [True] * 6 or not pdl.launch_options(q.device)["PDL"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(32, 128, 3), (16, 96, 6)])
+def test_hopper_attention_long_blocks_for_many_splits(monkeypatch, config):
+    """LONG_CONFIG (longer blocks or more of them a program where a bf16 query's rows take 64 splits or more):
+    window + 8,194 compressed rows (111 splits at WGMMA_CONFIG; 4 + 86 with 32-row blocks, 8 + 86 of 6 blocks with
+    (16, 96, 6)) in two phases, the float64 softmax within the bf16 states' rounding, a batch of 3 with each
+    query's bits alone, packed and native rows bit for bit, with and without STATE_BF16_DIRECT; window + picks (40
+    splits) keeps WGMMA_CONFIG, the same bits as without it. The spy shows the blocks and the two phases
+    launched."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma
+    from ds4x.kernels.attention import Slots, attention_decode_triton
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(41, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    kernel, launched = attention_wgmma.partial_kernel, []
+
+    class _Spy:  # records each launch's grid, BLOCK and TWO_PHASE
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((grid[0], kw["BLOCK"], kw["TWO_PHASE"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
+    picked, hca = _picks_and_hca_sources(rows, pos, picks)
+    before = attention_decode_triton(q, picked, sinks, 512**-0.5, 448, True)
+    monkeypatch.setattr(A, "LONG_CONFIG", config)
+    assert torch.equal(attention_decode_triton(q, picked, sinks, 512**-0.5, 448, True), before)
+    assert launched[-1] == (40, 16, 5)
+    expect = {(32, 128, 3): (90, 32, 3), (16, 96, 6): (94, 16, 6)}[config]
+    outs = []
+    for direct in (False, True):
+        monkeypatch.setattr(A, "STATE_BF16_DIRECT", direct)
+        out = attention_decode_triton(q, hca, sinks, 512**-0.5, 448, True)
+        outs.append(out)
+        assert launched[-1] == expect
+        plain = torch.stack([unpack_kv_rows(r) for r in rows])
+        assert torch.equal(out, attention_decode_triton(q, [(plain, s) for _, s in hca], sinks, 512**-0.5, 448,
+                                                        False))
+        for b in range(3):
+            alone = [(r[b], Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in hca]
+            assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 512**-0.5, 448, True))
+            ref = _float64_attention(q[b], rows[b], [s.explicit()[b] for _, s in hca], sinks)
+            assert float((out[b].double() - ref).norm() / ref.norm()) < 2**-8
+    assert torch.equal(outs[1], outs[0])  # the state from registers: the staged stores' bits
+
+
+def test_sources_split_into_equal_runs_of_blocks():
+    """`attention._splits`: each source's blocks in at most the most splits, of equal length: the window (128 rows)
+    and HCA's 8,194 rows at 1M at WGMMA_CONFIG and at the longer configurations LONG_CONFIG may take."""
+    from ds4x.kernels.attention import Slots, _splits
+
+    sources = [Slots(128, position=torch.tensor([1_048_575]), ring=8400),
+               Slots(8194, position=torch.tensor([1_048_575]), ratio=128)]
+    assert _splits(sources, 16, 128) == ([1, 5], [8, 103])
+    assert _splits(sources, 32, 128) == ([1, 3], [4, 86])
+    assert _splits(sources, 16, 96) == ([1, 6], [8, 86])
