@@ -150,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", type=int, default=1,
                     help="with --two-phase: attention.COLUMN_PARTS (a split's output columns over up to that many "
                          "programs, each stamped)")
+    ap.add_argument("--long", default=None,
+                    help="with --two-phase: attention.LONG_CONFIG as 'rows,splits,blocks' (the calls of 64+ splits: "
+                         "HCA at 1M), at most 5 blocks a program (the stamps' slots)")
     args = ap.parse_args(argv)
     two_phase = args.two_phase
+    long_config = tuple(int(v) for v in args.long.split(",")) if args.long else None
+    if long_config is not None and (not two_phase or len(long_config) != 3 or long_config[2] > 5):
+        ap.error("--long takes 'rows,splits,blocks' with at most 5 blocks, with --two-phase")
     if args.no_score_products and not two_phase:
         ap.error("--no-score-products goes with --two-phase")
     if (args.parts != 1 or args.bf16_direct) and not two_phase:
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     A.TMA_STATE = False  # the stamps around the state's stores and atomics mark the global-store path
     A.COLUMN_PARTS = args.parts
     A.STATE_BF16_DIRECT = args.bf16_direct
+    A.LONG_CONFIG = long_config
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448
