@@ -15,7 +15,7 @@ and latest over programs), cycles per row block, and the prologue's and epilogue
 stores; compare "plain" and "stamped". Needs the kernel's text as the copy expects it (it stops if a marker line
 moved).
 
-    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products] [--parts N] [--bf16-direct]]
+    PYTHONPATH=src python scripts/attention_phases.py [--two-phase [--no-score-products] [--parts N]]
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
     # a bf16 state (the launches of many splits) has no atomics after it: its stores stamped where they end
     ("                _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)\n",
      "+                _stamp(stamps_ptr, srow, 4, num_warps)\n"),
-    ("                gl.store(acc_ptr + base * D + hr * D + dr, (o_h + o_r).to(gl.bfloat16))\n",
-     "+                _stamp(stamps_ptr, srow, 4, num_warps)\n"),
     ("            gl.atomic_add(at, o_r, mask=r_ok, sem=\"relaxed\")\n",
      "+        _stamp(stamps_ptr, srow, 5, num_warps)\n"),
     ("    # row and block counts change",
@@ -76,7 +74,7 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
 # issued (16 + j), the products waited for (7)
 TWO_PHASE_STAMPS = (
     ("    def _two_phase_blocks(", "+stamps_ptr, srow, "),
-    ("            m, l, o, o_r, o_h = _two_phase_blocks(", "+stamps_ptr, srow, "),
+    ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
     ("        else:\n            q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))\n",
      "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
     ("            top = gl.maximum(top, s)\n",
@@ -90,7 +88,7 @@ TWO_PHASE_STAMPS = (
      "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),
     ("            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)\n",
      "+            _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
-    ("        return m, l, o, o_r, o_h\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
+    ("        return m, l, o, o_r\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
 )
 # ``--no-score-products`` (with --two-phase, TWO_PHASE_OVERLAP on): phase 1's score products and their wait left out
 # of the overlapped loop, so that its stamps time the decode alone (timing only: the outputs are wrong)
@@ -144,24 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-score-products", action="store_true",
                     help="with --two-phase: phase 1 without its score products (the decode alone; timing only, the "
                          "outputs are wrong)")
-    ap.add_argument("--bf16-direct", action="store_true",
-                    help="with --two-phase: attention.STATE_BF16_DIRECT (a bf16 state stored from the accumulators' "
-                         "registers)")
     ap.add_argument("--parts", type=int, default=1,
                     help="with --two-phase: attention.COLUMN_PARTS (a split's output columns over up to that many "
                          "programs, each stamped)")
-    ap.add_argument("--long", default=None,
-                    help="with --two-phase: attention.LONG_CONFIG as 'rows,splits,blocks' (the calls of 64+ splits: "
-                         "HCA at 1M), at most 5 blocks a program (the stamps' slots)")
     args = ap.parse_args(argv)
     two_phase = args.two_phase
-    long_config = tuple(int(v) for v in args.long.split(",")) if args.long else None
-    if long_config is not None and (not two_phase or len(long_config) != 3 or long_config[2] > 5):
-        ap.error("--long takes 'rows,splits,blocks' with at most 5 blocks, with --two-phase")
     if args.no_score_products and not two_phase:
         ap.error("--no-score-products goes with --two-phase")
-    if (args.parts != 1 or args.bf16_direct) and not two_phase:
-        ap.error("--parts and --bf16-direct go with --two-phase")
+    if args.parts != 1 and not two_phase:
+        ap.error("--parts goes with --two-phase")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         print("attention_phases needs an sm_90 GPU", file=sys.stderr)
         return 2
@@ -174,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
 
     A.TMA_STATE = False  # the stamps around the state's stores and atomics mark the global-store path
     A.COLUMN_PARTS = args.parts
-    A.STATE_BF16_DIRECT = args.bf16_direct
-    A.LONG_CONFIG = long_config
     if not two_phase:
         A.TWO_PHASE_BLOCKS = 0  # the online loop's stamps (the default takes two phases for a bf16 query)
     dev, heads, dim, nope = "cuda", 64, 512, 448

@@ -17,8 +17,7 @@ launches it (window ring + compressed rows), per query dtype (float32, or the mo
     PYTHONPATH=src python scripts/kernel_sass.py qmv [--qtype iq2_xxs] [--tile 8,64,2 8,128,4] [--xq 1]
         [--dump DIR]   (--dump writes cubin / SASS / PTX / TTGIR)
     PYTHONPATH=src python scripts/kernel_sass.py attention [--block 16] [--query fp32,bf16] [--two-phase 0 5]
-        [--overlap] [--tma-state] [--q-async] [--skip-empty] [--state-bf16] [--parts 1 2 4] [--bf16-direct]
-        [--dump DIR]
+        [--overlap] [--tma-state] [--q-async] [--skip-empty] [--state-bf16] [--parts 1 2 4] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py indexer [--maxnreg N] [--pipelined] [--dump DIR]
     PYTHONPATH=src python scripts/kernel_sass.py routed [--qtype q2_k] [--tile 128,64,4] [--variant "shared,regs"]
     PYTHONPATH=src python scripts/kernel_sass.py select [--tile 2048]
@@ -86,16 +85,15 @@ def compile_gluon(fn, consts: dict, pointers: dict[str, str], options: dict) -> 
 
 
 def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool = False, tma_state: bool = False,
-                      q_async: bool = False, skip_empty: bool = False, state_bf16: bool = False, parts: int = 1,
-                      bf16_direct: bool = False) -> triton.compiler.CompiledKernel:
+                      q_async: bool = False, skip_empty: bool = False, state_bf16: bool = False, parts: int = 1
+                      ) -> triton.compiler.CompiledKernel:
     """``attention_wgmma.partial_kernel`` for one decode query per program over a window ring (mode 1) and compressed
     rows by ratio (mode 2), PDL on; the query ``fp32`` or ``bf16``;
     ``two_phase`` its TWO_PHASE (blocks a program, 0: the online loop), ``overlap`` its OVERLAP (the two phases'
     decode beside the score products), ``tma_state`` its TMA_STATE (the partial state stored by the TMA unit),
     ``q_async`` its Q_ASYNC (the two phases' query copied by cp.async), ``skip_empty`` its SKIP_EMPTY (splits past
     the closed compressed rows store only m and l), ``state_bf16`` its STATE_BF16 (the accumulator stored as bf16),
-    ``parts`` its PARTS (a split's output columns over that many programs), ``bf16_direct`` its BF16_DIRECT (a bf16
-    state stored from registers)."""
+    ``parts`` its PARTS (a split's output columns over that many programs)."""
     from triton.experimental.gluon import language as gl
 
     from ds4x.kernels import attention_wgmma
@@ -103,7 +101,7 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
     consts = {"H": 64, "D": 512, "NOPE": 448, "BLOCK": block, "MODE_A": 1, "MODE_B": 2,
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
               "OVERLAP": overlap, "TMA_STATE": tma_state, "Q_ASYNC": q_async,
-              "SKIP_EMPTY": skip_empty, "STATE_BF16": state_bf16, "PARTS": parts, "BF16_DIRECT": bf16_direct}
+              "SKIP_EMPTY": skip_empty, "STATE_BF16": state_bf16, "PARTS": parts}
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
@@ -269,16 +267,15 @@ def main_attention(args: argparse.Namespace) -> bool:
     overlaps = sorted({False, bool(args.overlap)})
     return report_all([(f"attention_b{block}_{kind}_t{two}" + ("_overlap" if ov else "") + ("_tma" if tm else "")
                         + ("_qasync" if qa else "") + ("_skip" if sk else "") + ("_bf16state" if sb else "")
-                        + (f"_parts{pa}" if pa > 1 else "") + ("_direct" if bd else ""),
-                        lambda block=block, kind=kind, two=two, ov=ov, tm=tm, qa=qa, sk=sk, sb=sb, pa=pa, bd=bd:
-                        compile_attention(block, kind, two, ov, tm, qa, sk, sb, pa, bd))
+                        + (f"_parts{pa}" if pa > 1 else ""),
+                        lambda block=block, kind=kind, two=two, ov=ov, tm=tm, qa=qa, sk=sk, sb=sb, pa=pa:
+                        compile_attention(block, kind, two, ov, tm, qa, sk, sb, pa))
                        for block in args.block for kind in args.query.split(",") for two in args.two_phase
                        for ov in overlaps if two or not ov for tm in sorted({False, bool(args.tma_state)})
                        for qa in sorted({False, bool(args.q_async)}) if two or not qa
                        for sk in sorted({False, bool(args.skip_empty)})
                        for sb in sorted({False, bool(args.state_bf16)}) if not (sb and tm)
-                       for pa in args.parts if pa == 1 or (two and not (tm or sb))
-                       for bd in sorted({False, bool(args.bf16_direct)}) if not bd or (two and sb and pa == 1)],
+                       for pa in args.parts if pa == 1 or (two and not (tm or sb))],
                       args.dump, "HGMMA")
 
 
@@ -326,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     att.add_argument("--state-bf16", action="store_true", help="also STATE_BF16 (the accumulator stored as bf16)")
     att.add_argument("--parts", nargs="+", type=int, default=[1],
                      help="PARTS values (a split's output columns over that many programs; > 1 with TWO_PHASE only)")
-    att.add_argument("--bf16-direct", action="store_true",
-                     help="also BF16_DIRECT with --state-bf16 and TWO_PHASE > 0 (the bf16 state from registers)")
     att.add_argument("--dump", type=Path, default=None, help="write cubin / SASS / PTX / TTGIR here")
     idx = sub.add_parser("indexer", help="the Hopper indexer scoring of ds4x.kernels.indexer_wgmma")
     idx.add_argument("--maxnreg", type=int, default=None, help="register ceiling per thread")

@@ -73,17 +73,3 @@ def test_no_pdl_off_cuda_or_when_disabled(monkeypatch: pytest.MonkeyPatch) -> No
     assert pdl.launch_options(torch.device("cpu"), "rows")["PDL"]
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert pdl.launch_options(torch.device("cpu"), "rows") == {"PDL": False}
-
-
-def test_early_release_only_where_named_and_launched_with_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pdl, "_supported", lambda device: True)
-    monkeypatch.setattr(pdl, "interpret_mode", lambda: False)
-    cpu = torch.device("cpu")
-    assert not pdl.early_release(cpu, "attention")  # off by default
-    monkeypatch.setattr(pdl, "EARLY_RELEASE", frozenset({"attention", "topk"}))
-    assert pdl.early_release(cpu, "attention") and pdl.early_release(cpu, "topk")
-    assert not pdl.early_release(cpu, "indexer")
-    monkeypatch.setattr(pdl, "OFF", frozenset({"topk"}))  # launched without PDL: nothing to release early
-    assert not pdl.early_release(cpu, "topk")
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert not pdl.early_release(cpu, "attention")

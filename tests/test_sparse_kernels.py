@@ -4,7 +4,6 @@ On the CPU they run in the Triton interpreter (tests/conftest.py selects it) at 
 tests run compiled at Flash shapes.
 """
 
-import dataclasses
 from functools import partial
 
 import pytest
@@ -1022,43 +1021,6 @@ def test_hopper_attention_column_parts_give_the_same_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_hopper_attention_bf16_state_from_registers_gives_the_same_bits(monkeypatch):
-    """STATE_BF16_DIRECT (a bf16 partial state stored from the accumulators' registers, its RoPE columns from a
-    second accumulator of their products) against the shared-memory stage: window + 8,194 compressed rows (111 splits,
-    bf16 states by default) and window + picks with holes with bf16 states forced, a batch of 3 queries and each
-    alone, 64 and 40 heads, bit for bit; a spy on the launches shows the direct stores were compiled in."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels import attention_wgmma
-    from ds4x.kernels.attention import attention_decode_triton
-
-    q, rows, sinks, pos, picks = _hopper_attention_inputs(29, True, 8400, [1_048_575, 700_000, 5_000], 8194)
-    kernel, launched = attention_wgmma.partial_kernel, []
-
-    class _Spy:  # records each launch's BF16_DIRECT
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(kw["BF16_DIRECT"])
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
-    monkeypatch.setattr(A, "STATE_BF16", True)
-    for heads in (64, 40):
-        qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
-        for sources in _picks_and_hca_sources(rows, pos, picks):
-            singles = [([(r[b], s[b] if isinstance(s, torch.Tensor) else
-                          dataclasses.replace(s, position=s.position[b : b + 1])) for r, s in sources], qh[b])
-                       for b in range(3)]
-            for srcs, query in [(sources, qh), *singles]:
-                monkeypatch.setattr(A, "STATE_BF16_DIRECT", False)
-                staged = attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True)
-                assert launched[-1] is False
-                monkeypatch.setattr(A, "STATE_BF16_DIRECT", True)
-                assert torch.equal(attention_decode_triton(query, srcs, sh, 512**-0.5, 448, True), staged)
-                assert launched[-1] is True
-
-
-@pytest.mark.gpu
 def test_hopper_attention_query_by_cp_async_gives_the_same_bits(monkeypatch):
     """QUERY_ASYNC (the two phases' bf16 query copied to shared memory by cp.async) against the query through
     registers, with and without OVERLAP: window + picks with holes and window + 8,194 compressed rows, a batch of 3
@@ -1216,102 +1178,3 @@ def test_gpu_prefill_default_mode_tracks_reference_mode():
     ref = logits["reference"]
     assert float((logits["default"] - ref).abs().max() / ref.abs().max()) < 2e-2
     assert tokens["default"][:8] == tokens["reference"][:8]
-
-
-@pytest.mark.gpu
-def test_early_release_gives_the_same_results(monkeypatch):
-    """EARLY_RELEASE (the Hopper indexer, the fused multi-program top-k and the Hopper attention let the next
-    kernel place its programs before their last stores) against releasing as their programs exit: a CSA layer's
-    chain launched back to back (the scores of 40,000 rows, their top-512, the attention over the window and those
-    picks) and HCA's window + 8,194 rows, the same bits; a spy shows the attention launched with EARLY."""
-    from ds4x.formats import pdl
-    from ds4x.kernels import attention_wgmma
-    from ds4x.kernels.attention import Slots, attention_decode_triton
-    from ds4x.kernels.select import scored_topk_radix
-
-    q, rows, sinks, pos, _ = _hopper_attention_inputs(37, True, 40_000, [1_048_575, 160_003, 5_000], 8194)
-    idx_rows, idx_q, idx_w = _indexer_case(40_000, 64, 38, "cuda")
-    kernel, early = attention_wgmma.partial_kernel, []
-
-    class _Spy:  # records each launch's EARLY
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                early.append(kw["EARLY"])
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
-
-    def layers() -> list[torch.Tensor]:
-        picks = scored_topk_radix(idx_q, idx_w, idx_rows, 40_000, True, 512)
-        window = Slots(128, position=pos[:1], ring=40_000)
-        csa = attention_decode_triton(q[0], [(rows[0], window), (rows[0], picks)], sinks, 512**-0.5, 448, True)
-        hca = attention_decode_triton(q[0], [(rows[0], window), (rows[0], Slots(8194, position=pos[:1], ratio=128))],
-                                      sinks, 512**-0.5, 448, True)
-        return [picks, csa, hca]
-
-    at_exit = layers()
-    monkeypatch.setattr(pdl, "EARLY_RELEASE", frozenset({"indexer", "topk", "attention"}))
-    for _ in range(3):
-        for a, b in zip(layers(), at_exit, strict=True):
-            assert torch.equal(a, b)
-    assert early == [False, False] + [True] * 6 or not pdl.launch_options(q.device)["PDL"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [(32, 128, 3), (16, 96, 6)])
-def test_hopper_attention_long_blocks_for_many_splits(monkeypatch, config):
-    """LONG_CONFIG (longer blocks or more of them a program where a bf16 query's rows take 64 splits or more):
-    window + 8,194 compressed rows (111 splits at WGMMA_CONFIG; 4 + 86 with 32-row blocks, 8 + 86 of 6 blocks with
-    (16, 96, 6)) in two phases, the float64 softmax within the bf16 states' rounding, a batch of 3 with each
-    query's bits alone, packed and native rows bit for bit, with and without STATE_BF16_DIRECT; window + picks (40
-    splits) keeps WGMMA_CONFIG, the same bits as without it. The spy shows the blocks and the two phases
-    launched."""
-    from ds4x.kernels import attention as A
-    from ds4x.kernels import attention_wgmma
-    from ds4x.kernels.attention import Slots, attention_decode_triton
-
-    q, rows, sinks, pos, picks = _hopper_attention_inputs(41, True, 8400, [1_048_575, 700_000, 5_000], 8194)
-    kernel, launched = attention_wgmma.partial_kernel, []
-
-    class _Spy:  # records each launch's grid, BLOCK and TWO_PHASE
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((grid[0], kw["BLOCK"], kw["TWO_PHASE"]))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
-    picked, hca = _picks_and_hca_sources(rows, pos, picks)
-    before = attention_decode_triton(q, picked, sinks, 512**-0.5, 448, True)
-    monkeypatch.setattr(A, "LONG_CONFIG", config)
-    assert torch.equal(attention_decode_triton(q, picked, sinks, 512**-0.5, 448, True), before)
-    assert launched[-1] == (40, 16, 5)
-    expect = {(32, 128, 3): (90, 32, 3), (16, 96, 6): (94, 16, 6)}[config]
-    outs = []
-    for direct in (False, True):
-        monkeypatch.setattr(A, "STATE_BF16_DIRECT", direct)
-        out = attention_decode_triton(q, hca, sinks, 512**-0.5, 448, True)
-        outs.append(out)
-        assert launched[-1] == expect
-        plain = torch.stack([unpack_kv_rows(r) for r in rows])
-        assert torch.equal(out, attention_decode_triton(q, [(plain, s) for _, s in hca], sinks, 512**-0.5, 448,
-                                                        False))
-        for b in range(3):
-            alone = [(r[b], Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in hca]
-            assert torch.equal(out[b], attention_decode_triton(q[b], alone, sinks, 512**-0.5, 448, True))
-            ref = _float64_attention(q[b], rows[b], [s.explicit()[b] for _, s in hca], sinks)
-            assert float((out[b].double() - ref).norm() / ref.norm()) < 2**-8
-    assert torch.equal(outs[1], outs[0])  # the state from registers: the staged stores' bits
-
-
-def test_sources_split_into_equal_runs_of_blocks():
-    """`attention._splits`: each source's blocks in at most the most splits, of equal length: the window (128 rows)
-    and HCA's 8,194 rows at 1M at WGMMA_CONFIG and at the longer configurations LONG_CONFIG may take."""
-    from ds4x.kernels.attention import Slots, _splits
-
-    sources = [Slots(128, position=torch.tensor([1_048_575]), ring=8400),
-               Slots(8194, position=torch.tensor([1_048_575]), ratio=128)]
-    assert _splits(sources, 16, 128) == ([1, 5], [8, 103])
-    assert _splits(sources, 32, 128) == ([1, 3], [4, 86])
-    assert _splits(sources, 16, 96) == ([1, 6], [8, 86])

@@ -31,13 +31,6 @@ from .triton_mode import HAVE_TRITON, interpret_mode, tl, triton
 
 ENABLED = True
 OFF: frozenset[str] = frozenset()  # kernel families launched without PDL (an A/B switch for benchmarks)
-# Long passes that release their dependents once their main work is done instead of as their programs exit: the
-# Hopper attention's partial pass before it stores its states ("attention"), the Hopper indexer after its last tile
-# before it adds its histogram counts ("indexer"), the fused multi-program top-k after its last grid barrier, before
-# the listing ("topk"). The next kernel's programs are then placed while those stores run, not after (its own wait
-# still waits for the whole pass, so the results cannot change). A trigger at these passes' start had admitted the
-# next kernel's programs while the long pass still ran, which was slower (above). Not yet timed: off.
-EARLY_RELEASE: frozenset[str] = frozenset()
 
 
 @cache
@@ -54,12 +47,6 @@ def launch_options(device: torch.device, family: str = "") -> dict:
     return {"PDL": False}
 
 
-def early_release(device: torch.device, family: str) -> bool:
-    """Whether a long pass of ``family`` launched on ``device`` with `launch_options` releases its dependents early
-    (`EARLY_RELEASE`; `release_dependents`)."""
-    return family in EARLY_RELEASE and launch_options(device, family)["PDL"]
-
-
 if HAVE_TRITON:  # the kernels' side (their modules import it only with triton)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -73,10 +60,3 @@ if HAVE_TRITON:  # the kernels' side (their modules import it only with triton)
             gdc_wait()
             if RELEASE:
                 gdc_launch_dependents()
-
-    @triton.jit
-    def release_dependents(EARLY: tl.constexpr):
-        """A long pass's early release (`early_release`): from here on, the kernel after this one may place its
-        programs. Its `wait_upstream` still waits for all of this kernel."""
-        if EARLY:
-            gdc_launch_dependents()

@@ -148,15 +148,6 @@ TMA_STATE_SPLITS = 64
 # states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
-# A bf16 state stored from the two phases' accumulator registers (`attention_wgmma.partial_kernel` BF16_DIRECT): each
-# thread stores its column pairs of o (4-byte stores, 16 contiguous bytes a row a warp instruction), and the RoPE
-# columns come from a second accumulator of their output products (each element the same products in the same
-# order as o's, so the same bits) plus the low parts', instead of staging the [64, 512] float32 accumulator in shared
-# memory (128 KB), adding the low parts there and reading it back 64 columns at a time. By the phases' stamps that
-# epilogue takes ~6,060 cycles (3.2 us) of an HCA call at 1M (17.8 us partial pass, H100, 4cb9a49). The cost: two
-# more small products a block (m64n32k16) and 16 registers. sm_90 offline: see docs/PROFILE.md. Not yet run on a GPU:
-# off until `test_hopper_attention_bf16_state_from_registers_gives_the_same_bits` passes there and the A/B says.
-STATE_BF16_DIRECT = False
 # A split's output columns spread over programs (`attention_wgmma.partial_kernel` PARTS): in a two-phase launch
 # storing float32 states by global stores, each split runs as up to COLUMN_PARTS programs (a power of two, as many
 # as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
@@ -197,18 +188,6 @@ SKIP_EMPTY_SPLITS = True
 # attention-variants`, us in L2 / from DRAM, none / 128 / 256 columns: window 10.3 / 10.3, 10.4 / 11.0, 10.6 / 11.0;
 # CSA top-512 at 1M 11.4 / 12.0, 11.4 / 12.0, 11.2 / 11.9; HCA at 1M 24.1 / 24.8, 23.9 / 24.6, 24.2 / 25.1): the
 # A operand's shared-memory reads are not what the products cost
-# Longer blocks for the calls of many splits: where a bf16 query's rows (one query's, whatever its batch) take at
-# least LONG_SPLITS splits at WGMMA_CONFIG (an HCA layer at long contexts: 111 at 1M), LONG_CONFIG's (rows per block,
-# most splits per source, blocks a program in two phases) instead; None: WGMMA_CONFIG everywhere. By the phases'
-# stamps (H100, 4cb9a49) an HCA program at 1M spends ~3,100 cycles on each of its five 16-row blocks in phase 1, a
-# chain of the rows' loads, their decode and a 36-step score product whose wgmma is m64n8 a warpgroup; 32-row blocks
-# make it m64n16 (about the same latency a step for twice the rows) and three blocks a program take 96 rows where
-# five took 80 (an HCA layer at 1M: 4 + 86 splits instead of 8 + 103, a quarter fewer partial states to store and
-# merge). sm_90 offline (`scripts/kernel_sass.py`, bf16 state, two phases of 3 x 32 rows): 195 registers (207 with
-# STATE_BF16_DIRECT), no spills, 225,280 B of shared memory (198,656 at 5 x 16 rows); (16, 96, 6), six 16-row
-# blocks a program (8 + 86 splits), compiles to 184 / 196 registers and the same 225,280 B. Not yet timed: off.
-LONG_CONFIG: tuple[int, int, int] | None = None
-LONG_SPLITS = 64
 # Splits of a batch of queries. Every split writes a partial state (64 heads x 512 float32: 128 KB) that the merge
 # reads back, and a Hopper program holds a multiprocessor's shared memory, so a batch at one query's splits (CSA at
 # 4K: 40 splits of one 16-row block each) ran B x 40 programs and moved 168 MB of partial states per layer at B = 32.
@@ -226,17 +205,6 @@ BATCH_SPLIT_WAVES = 1
 COMBINE_CHUNKS = (64, 1)
 COMBINE_ROWS = (16, 8)
 COMBINE_ROWS_WAVES = 2
-
-
-def _splits(slots: list[Slots], block: int, max_splits: int) -> tuple[list[int], list[int]]:
-    """Blocks per split and splits of each source: its blocks of ``block`` rows in at most ``max_splits`` splits of
-    equal length (the last may be shorter)."""
-    per_split, n_splits = [], []
-    for s in slots:
-        n_blocks = max(1, -(-s.n // block))
-        per_split.append(-(-n_blocks // max_splits))
-        n_splits.append(-(-n_blocks // per_split[-1]))
-    return per_split, n_splits
 
 
 def column_parts(programs: int, sms: int) -> int:
@@ -320,12 +288,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         from ds4x.kernels.indexer import num_sms
 
         max_splits = min(max_splits, max(1, BATCH_SPLIT_WAVES * num_sms(q.device) // (B * len(slots))))
-    per_split, n_splits = _splits(slots, block, max_splits)
-    two_phase_blocks = TWO_PHASE_BLOCKS if block == 16 else 0
-    if (wide and LONG_CONFIG is not None and not one_pass and q.dtype == torch.bfloat16
-            and sum(n_splits) >= LONG_SPLITS):
-        block, max_splits, two_phase_blocks = LONG_CONFIG
-        per_split, n_splits = _splits(slots, block, max_splits)
+    per_split, n_splits = [], []
+    for s in slots:
+        n_blocks = max(1, -(-s.n // block))
+        per_split.append(-(-n_blocks // max_splits))
+        n_splits.append(-(-n_blocks // per_split[-1]))
     if len(slots) == 1:  # source B repeats A with no splits and no blocks (a one-pass program runs B's blocks too)
         rows_of, slots, per_split, n_splits = rows_of * 2, slots * 2, [per_split[0], 0], [n_splits[0], 0]
     n_split = sum(n_splits)
@@ -351,12 +318,12 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
         args.append((rows, index, pos, s.n, s.ring or s.ratio or 1, rows.stride(-2),
                      rows.stride(0) if batched else 0, s.n if batched and s.index is not None else 0))
     (ra, ia, pa, na, ga, sa, store_a, index_a), (rb, ib, pb, nb, gb, sb, store_b, index_b) = args
-    from ds4x.formats.pdl import early_release, launch_options
+    from ds4x.formats.pdl import launch_options
 
     pdl = launch_options(q.device)  # the Gluon partial pass and the merge overlap their launches with what precedes
     if wide:
-        two_phase = (two_phase_blocks if not one_pass and qc.dtype == torch.bfloat16
-                     and max(per_split) <= two_phase_blocks else 0)
+        two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
+                     and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         tma_state = not (one_pass or state_bf16) and (TMA_STATE if TMA_STATE is not None
                                                       else B == 1 and n_split >= TMA_STATE_SPLITS)
         parts = 1
@@ -372,8 +339,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
             MODE_A=slots[0].mode, MODE_B=slots[1].mode, num_warps=warps, WHOLE=one_pass, TWO_PHASE=two_phase,
             OVERLAP=TWO_PHASE_OVERLAP and two_phase > 0, TMA_STATE=tma_state,
             Q_ASYNC=QUERY_ASYNC and two_phase > 0, SKIP_EMPTY=skip_empty, STATE_BF16=state_bf16, PARTS=parts,
-            BF16_DIRECT=STATE_BF16_DIRECT and state_bf16 and two_phase > 0,
-            EARLY=early_release(q.device, "attention"), **pdl)
+            **pdl)
         if one_pass:
             return out if batched else out[0]
     else:

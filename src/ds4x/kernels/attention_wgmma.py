@@ -89,7 +89,7 @@ WARPS = 8  # two warpgroups: each holds half of the [64, 512] output accumulator
 
 if HAVE_GLUON:
     # Triton helpers (elementwise or reductions over a given axis), so Gluon code may call them
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
     from ds4x.formats.rows_triton import _ue8m0_decode
     from ds4x.kernels.triton_attention import closed_rows, empty_split, online_softmax_step
 
@@ -268,8 +268,7 @@ if HAVE_GLUON:
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1,
-                          ROPE_COPY: gl.constexpr = False):
+                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
@@ -281,12 +280,8 @@ if HAVE_GLUON:
         # (`_copy_query`), waited for before the first score product. PARTS: the key tiles held as that many column
         # parts; every score product runs over all of them, the output products over part ``part`` only (o: [64,
         # 512 / PARTS]); o_r, the RoPE columns' low parts' products, is computed by every part (``part`` is not a
-        # constant) and used by the last. ROPE_COPY: the output products of the RoPE columns run a second time into
-        # an accumulator o_h in o_r's layout ([64, 64]: each element the same products in the same order as o's, so
-        # the same bits), so that o_h + o_r is the state's RoPE columns without a trip through shared memory; else o_h
-        # is o_r (unused). -> (m, l, o, o_r, o_h)
+        # constant) and used by the last
         RD: gl.constexpr = D - NOPE
-        gl.static_assert(not ROPE_COPY or PARTS == 1)
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -347,7 +342,6 @@ if HAVE_GLUON:
         # async accumulators from the start: the loop carries them across products it does not wait for
         o = warpgroup_mma_init(gl.zeros([HP, D // PARTS], gl.float32, O_ACC))
         o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
-        o_h = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC)) if ROPE_COPY else o_r
         for j in range(na + nb):
             p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
             l += gl.sum(p, axis=1)
@@ -360,16 +354,8 @@ if HAVE_GLUON:
             o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j * PARTS + part), o, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
-            if ROPE_COPY:
-                rope = keys.index(j).slice(NOPE, RD, dim=1)  # (one part: the whole row)
-                o_h = warpgroup_mma(probs.index(2 * j), rope, o_h, is_async=True)
-                o_h = warpgroup_mma(probs.index(2 * j + 1), rope, o_h, is_async=True)
-        if ROPE_COPY:
-            o, o_r, o_h = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r, o_h))
-        else:
-            o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
-            o_h = o_r
-        return m, l, o, o_r, o_h
+        o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+        return m, l, o, o_r
 
     # the partial state's shared tile: 128-byte swizzled float32 rows, as the TMA descriptor's boxes need them
     _STATE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
@@ -429,7 +415,7 @@ if HAVE_GLUON:
                        WHOLE: gl.constexpr = False, TWO_PHASE: gl.constexpr = 0, OVERLAP: gl.constexpr = False,
                        TMA_STATE: gl.constexpr = False, Q_ASYNC: gl.constexpr = False,
                        SKIP_EMPTY: gl.constexpr = False, STATE_BF16: gl.constexpr = False,
-                       PARTS: gl.constexpr = 1, BF16_DIRECT: gl.constexpr = False, EARLY: gl.constexpr = False):
+                       PARTS: gl.constexpr = 1):
         """Program (split, query): the softmax state of all heads over one split of the two row sources (as
         triton_attention.partial_kernel with one group of 64 heads): m, l and the output accumulator [64, 512].
         WHOLE: program (0, query) over all ``blocks_a`` blocks of source A then all ``blocks_b`` of B, and the
@@ -443,17 +429,12 @@ if HAVE_GLUON:
         TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
         output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
         the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, with
-        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100). BF16_DIRECT (with TWO_PHASE and
-        STATE_BF16): the bf16 state stored from the accumulators' registers, the RoPE columns from a second
-        accumulator of their products (`_two_phase_blocks` ROPE_COPY) plus the low parts', instead of through a
-        float32 shared-memory stage; the same bits. EARLY: the dependents released before the state's stores
-        (`ds4x.formats.pdl.EARLY_RELEASE`)."""
+        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100)."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
         gl.static_assert(PARTS == 1 or (TWO_PHASE > 0 and not (WHOLE or TMA_STATE or STATE_BF16)))
-        gl.static_assert(not BF16_DIRECT or (TWO_PHASE > 0 and STATE_BF16))
         split = gl.program_id(0)
         if PARTS > 1:
             part = gl.program_id(1)
@@ -524,11 +505,10 @@ if HAVE_GLUON:
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
         if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
-            m, l, o, o_r, o_h = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a,
-                                                  idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
-                                                  ring_b, slots, scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B,
-                                                  TWO_PHASE, L3, S_L, O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC,
-                                                  PARTS, BF16_DIRECT)
+            m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
+                                             pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
+                                             scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L,
+                                             O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC, PARTS)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_tiles = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, D], SH)  # one column part
@@ -573,7 +553,6 @@ if HAVE_GLUON:
                 o_r = warpgroup_mma(gl.convert_layout(a_lo, PR_OP), klo_smem, o_r, is_async=True)
                 o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
                 m = m_new
-        release_dependents(EARLY)
         hs = gl.arange(0, HP, layout=gl.SliceLayout(1, S_L))
         ho = gl.arange(0, HP, layout=gl.SliceLayout(1, O_ACC))[:, None]
         do = gl.arange(0, D // PARTS, layout=gl.SliceLayout(0, O_ACC))[None, :]
@@ -593,10 +572,7 @@ if HAVE_GLUON:
             base = b * n_split * HP + split * HP
             gl.store(m_ptr + base + hs, m, mask=part == 0)
             gl.store(l_ptr + base + hs, l, mask=part == 0)
-            if BF16_DIRECT:  # (a bf16 state) from the accumulators' registers, each thread's column pairs
-                gl.store(acc_ptr + base * D + ho * D + do, o.to(gl.bfloat16), mask=do < NOPE)
-                gl.store(acc_ptr + base * D + hr * D + dr, (o_h + o_r).to(gl.bfloat16))
-            elif STATE_BF16:
+            if STATE_BF16:
                 _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)
             elif TMA_STATE:
                 _store_state_tma(o, o_r, acc_desc, base.to(gl.int32), NOPE)

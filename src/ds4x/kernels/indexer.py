@@ -117,14 +117,13 @@ def indexer_scores_triton(q: torch.Tensor, weights: torch.Tensor, rows: torch.Te
                 -(-n_tiles // n_prog), n_prog, D**-0.5, out if first_level is None else first_level,
                 0 if first_level is None else first_level.stride(0))
         if wide:
-            from ds4x.formats.pdl import early_release, launch_options
+            from ds4x.formats.pdl import launch_options
 
             pdl = launch_options(q.device)
             indexer_wgmma.score_kernel[(n_prog, T)](*args, H=H, DEVICE_COUNT=count is not None, **pdl,
                                                     num_warps=indexer_wgmma.WARPS, BN=indexer_wgmma.block_rows(),
                                                     PIPELINED=indexer_wgmma.PIPELINED, HIST_BITS=hist_bits,
-                                                    FP8=indexer_wgmma.FP8_KEYS,
-                                                    EARLY=early_release(q.device, "indexer"))
+                                                    FP8=indexer_wgmma.FP8_KEYS)
         else:
             score_kernel[(n_prog, T)](*args, H=H, HP=max(16, 1 << (H - 1).bit_length()), BLOCK_N=block_n,
                                       PTX=q.is_cuda if ptx is None else ptx, PERSISTENT=persistent,

@@ -87,7 +87,7 @@ def block_rows() -> int:
 
 
 if HAVE_GLUON:
-    from ds4x.formats.pdl import release_dependents, wait_upstream
+    from ds4x.formats.pdl import wait_upstream
 
     # Triton helpers: elementwise, so Gluon code may call them
     from ds4x.kernels.triton_indexer import exp2_f32, first_digit
@@ -303,11 +303,9 @@ if HAVE_GLUON:
     def score_kernel(q_ptr, w_ptr, rows_ptr, rows_stride, out_ptr, n_rows, count_ptr, count_stride, n_iter, n_prog,
                      scale, hist_ptr, hist_stride, H: gl.constexpr, DEVICE_COUNT: gl.constexpr,
                      num_warps: gl.constexpr, BN: gl.constexpr = BLOCK_N, PIPELINED: gl.constexpr = False,
-                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False,
-                     EARLY: gl.constexpr = False):
+                     PDL: gl.constexpr = False, HIST_BITS: gl.constexpr = 0, FP8: gl.constexpr = False):
         """Program (persistent over row tiles, query): as triton_indexer.score_kernel with PERSISTENT (HIST_BITS
-        too). PIPELINED, FP8: see the module's switches PIPELINED, FP8_KEYS. EARLY: the dependents released after
-        the last tile, before the histogram's counts are added (`ds4x.formats.pdl.EARLY_RELEASE`)."""
+        too). PIPELINED, FP8: see the module's switches PIPELINED, FP8_KEYS."""
         wait_upstream(PDL)
         bins = 0
         if HIST_BITS > 0:
@@ -388,7 +386,6 @@ if HAVE_GLUON:
                     _store_scores(acc, smax, wq, tile, out_ptr, n_rows, bins, HIST_BITS, KD)
                 words = next_words
                 sw = next_sw
-        release_dependents(EARLY)
         if HIST_BITS > 0:
             _flush_bins(bins, hist_ptr, 1 << HIST_BITS, num_warps)
 

@@ -269,7 +269,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     phase. Slots no visible row fills hold index ``pad`` (-1: the attention's "no row", so the index needs no
     masking after). ``first_level_counted``: the scores' kernel counted the first digit level into
     `radix_first_level`'s bins (the multi-program select only)."""
-    from ds4x.formats.pdl import early_release, launch_options
+    from ds4x.formats.pdl import launch_options
     from ds4x.kernels.indexer import num_sms
     from ds4x.kernels.triton_indexer import radix_kernel, radix_small_kernel
 
@@ -328,7 +328,6 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
     listing = 32 // RADIX_BITS + 1  # phases: the histogram levels, the count, the listing
     first = 1 if first_level_counted else 0
     phases = [(first, listing)] if fused else [(i, i) for i in range(first, listing + 1)]
-    early = fused and early_release(scores.device, "topk")
     for r0 in range(0, B, per_launch):
         r1 = min(B, r0 + per_launch)
         counts = index[r0] if count is None else count.reshape(-1)[r0:r1]  # an unread pointer without a count
@@ -338,8 +337,7 @@ def select_topk_radix(scores: torch.Tensor, n_visible: int | torch.Tensor, k: in
             radix_kernel[(n_prog, r1 - r0)](*args, TILE=tile, KP=kp, BITS=RADIX_BITS, FIRST=first, LAST=last,
                                             DEVICE_COUNT=count is not None, WS=_WORKSPACE,
                                             MAX_PROGRAMS=_MAX_PROGRAMS, num_warps=RADIX_WARPS,
-                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM,
-                                            EARLY=early, **pdl)
+                                            SHARED_BINS=fused and scores.is_cuda and SHARED_HISTOGRAM, **pdl)
         if not fused:  # each phase's launch re-read the histograms, so none of them could zero them
             ws[r0:r1, _BINS_AT : _BINS_AT + 1024].zero_()
     return (index, valid) if batched else (index[0], valid[0])

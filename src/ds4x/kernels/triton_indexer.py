@@ -6,7 +6,7 @@ packed MXFP4 rows (`score_kernel`, see `ds4x.kernels.indexer`) and the exact rad
 import triton
 import triton.language as tl
 
-from ds4x.formats.pdl import release_dependents, wait_upstream
+from ds4x.formats.pdl import wait_upstream
 
 
 @triton.jit
@@ -274,7 +274,7 @@ def digit_histogram(ws_ptr, barrier_ptr, level: tl.constexpr, digit, mask, phase
 def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_ptr, valid_ptr, pad,
                  TILE: tl.constexpr, KP: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                  DEVICE_COUNT: tl.constexpr, WS: tl.constexpr, MAX_PROGRAMS: tl.constexpr, PDL: tl.constexpr = False,
-                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                 SHARED_BINS: tl.constexpr = False, LOCAL: tl.constexpr = False):
     """Phases FIRST..LAST of the multi-program exact top-k of a row of scores: phases 0 .. 32 / BITS - 1 each add
     the histogram of one more BITS-bit digit of the order-preserving codes (among the rows matching the k-th
     code's digits so far), the next counts each program's rows above and equal to the k-th code, the last lists the
@@ -282,8 +282,7 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
     the ones still needed, the remaining digit levels are skipped (all of those rows are selected). SHARED_BINS
     (GPU only): each program counts its histograms by shared-memory atomics (`shared_histogram`). LOCAL: one
     program per row, all phases in one launch (FIRST 0, LAST the listing), with no workspace (its histograms and
-    counts stay its own). EARLY (a fused launch): the dependents released after the last grid barrier, before the
-    listing (`ds4x.formats.pdl.EARLY_RELEASE`)."""
+    counts stay its own)."""
     wait_upstream(PDL, RELEASE=LOCAL)  # (programs that meet at grid barriers release their dependents as they exit)
     LEVELS: tl.constexpr = 32 // BITS
     BINS: tl.constexpr = 1 << BITS
@@ -366,7 +365,6 @@ def radix_kernel(scores_ptr, n, n_visible, count_ptr, kk, nprog, ws_ptr, index_p
                 tl.store(eq_counts + pid, total >> 16)
                 if LAST > LEVELS:
                     grid_sync(barrier_ptr, ws_ptr + 2, barriers + 1, nprog)
-                    release_dependents(EARLY)
     # phase LEVELS + 1: the selected rows in ascending row order (programs in order, rows in order in a program)
     if LAST == LEVELS + 1:
         if LOCAL:  # the only program
