@@ -18,7 +18,13 @@ compressed layers (attention, indexer scoring, the multi-program top-k, the atte
 their programs exit: a trigger at their start measured slower (HCA layer at 1M: 35.3 us without it, 39.0 with it; the
 frontier benchmark's 41 compressed layers 1.865 ms against 1.977; the merge releasing after its wait changed nothing).
 Prefetching a matvec's weight rows into L2 before its wait made the small wq_a faster alone (4.07 -> 3.08 us) but the
-large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower (6.43 ms): not used.
+large matrices slower (wo_b 13.6 -> 17.2 us) and the step slower (6.43 ms): not used. Nor a trigger between the two
+(8f064ed's EARLY_RELEASE, removed): the attention's partial pass releasing before its state stores, the indexer after
+its last tile, the fused top-k after its last grid barrier. All three (H100, `ds4x bench frontier --weights q2
+--experts 128 --contexts 1048576`, two rounds): CSA attention 10.4-10.5 -> 10.9-11.0 us, HCA 22.5-22.6 -> 25.3, the
+41 compressed layers as one graph 1.271-1.279 -> 1.339-1.351 ms. The indexer and the top-k alone: the top-k's share
+of a scoring + top-k pair 10.7-10.9 -> 10.3 us, but the 41 layers' graph level (1.262, 1.267 -> 1.261, 1.266 ms) and
+the decode step too (6.74-6.75 -> 6.72-6.75 ms).
 """
 
 from __future__ import annotations

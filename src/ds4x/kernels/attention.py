@@ -82,6 +82,11 @@ MAX_HEADS_PER_PROGRAM = 32
 # 1048576 --variant "s96: ds4x.kernels.attention.WGMMA_CONFIG=(16, 96)"`, two rounds alternating).
 WGMMA = True
 WGMMA_CONFIG = (16, 128)
+# Not kept: longer programs for the calls of 64 splits or more (LONG_CONFIG, 3a0909d, removed), so that an HCA layer
+# at 1M runs 4 + 86 splits of three 32-row blocks (its score product m64n16 a warpgroup instead of m64n8) or 8 + 86
+# of six 16-row blocks, instead of 8 + 103 of five, in two phases (225,280 B of shared memory, no spills). The bf16
+# states' accuracy (GPU test), but HCA at 1M 22.6 -> 24.7 / 24.3 us and the 41 layers 1.234-1.238 -> 1.276-1.277 /
+# 1.266-1.267 ms (H100, 8f064ed, the frontier at 1M, two rounds alternating): fewer programs doing more each
 # Splits of at least 2 or 3 blocks for the short sources (the window's 8 blocks and CSA's 32, one a split now) were
 # slower: us in L2 / from DRAM at 1 / 2 / 3, window 10.9 / 13.1 / 15.1 and 11.3 / 13.6 / 15.8, CSA top-512 at 1M
 # 11.6 / 13.0 / 15.4 and 12.3 / 14.1 / 16.4 (H100, 16317e5 with the row loads' groups loaded a block ahead, not kept).
@@ -148,6 +153,13 @@ TMA_STATE_SPLITS = 64
 # states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
+# Not kept: the bf16 state stored straight from the two phases' accumulator registers (STATE_BF16_DIRECT,
+# e21ad32..a2ac8c5, removed: a second accumulator of the RoPE columns' products in the low parts' layout, each thread
+# storing its column pairs as bf16), instead of the float32 stage in shared memory read back as 16-byte row pieces.
+# The same bits (GPU test, H100), but an HCA call at 1M 22.5-22.6 -> 27.0-27.1 us and the 41 compressed layers
+# 1.234-1.236 -> 1.322-1.323 ms (H100, 8f064ed, `ds4x bench frontier --weights q2 --experts 128 --contexts 1048576
+# --steps 50`, two rounds alternating): a warp's 4-byte stores in the accumulator's layout cover 16 bytes of each of
+# 8 rows, half of each 32-byte sector, 76 store instructions a thread against 16 of 16 bytes
 # A split's output columns spread over programs (`attention_wgmma.partial_kernel` PARTS): in a two-phase launch
 # storing float32 states by global stores, each split runs as up to COLUMN_PARTS programs (a power of two, as many
 # as keep the launch within one program a multiprocessor), each of which decodes and scores all the split's rows
