@@ -102,11 +102,13 @@ def compile_attention(block: int, query: str, two_phase: int = 0, overlap: bool 
               "num_warps": attention_wgmma.WARPS, "PDL": True, "WHOLE": False, "TWO_PHASE": two_phase,
               "OVERLAP": overlap, "TMA_STATE": tma_state, "Q_ASYNC": q_async,
               "SKIP_EMPTY": skip_empty, "STATE_BF16": state_bf16, "PARTS": parts}
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    # the TMA state's descriptor: float32 boxes of 32 columns, or bf16 ones of 64 (a bf16 state by TMA)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16 if state_bf16 else 32, rank=2)
+    box = "bf16[64, 64]" if state_bf16 else "fp32[64, 32]"
     pointers = {"q_ptr": f"*{query}", "rows_a": "*u8", "idx_a": "*i32", "pos_a": "*i64",
                 "rows_b": "*u8", "idx_b": "*i32", "pos_b": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "acc_ptr": "*bf16" if state_bf16 else "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
-                "acc_desc": f"tensordesc<fp32[64, 32],{layout!r}>"}
+                "acc_desc": f"tensordesc<{box},{layout!r}>"}
     return compile_gluon(attention_wgmma.partial_kernel, consts, pointers, {"num_warps": attention_wgmma.WARPS})
 
 
@@ -274,7 +276,7 @@ def main_attention(args: argparse.Namespace) -> bool:
                        for ov in overlaps if two or not ov for tm in sorted({False, bool(args.tma_state)})
                        for qa in sorted({False, bool(args.q_async)}) if two or not qa
                        for sk in sorted({False, bool(args.skip_empty)})
-                       for sb in sorted({False, bool(args.state_bf16)}) if not (sb and tm)
+                       for sb in sorted({False, bool(args.state_bf16)}) if not (sb and tm and not two)
                        for pa in args.parts if pa == 1 or (two and not (tm or sb))],
                       args.dump, "HGMMA")
 

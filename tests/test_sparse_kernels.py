@@ -1178,3 +1178,40 @@ def test_gpu_prefill_default_mode_tracks_reference_mode():
     ref = logits["reference"]
     assert float((logits["default"] - ref).abs().max() / ref.abs().max()) < 2e-2
     assert tokens["default"][:8] == tokens["reference"][:8]
+
+
+@pytest.mark.gpu
+def test_hopper_attention_bf16_state_by_tma_gives_the_same_bits(monkeypatch):
+    """STATE_BF16_TMA (the bf16 state rounded in registers, its RoPE columns from a second accumulator of their
+    products, stored by the TMA unit from a bf16 tile) against the float32 stage read back by the threads: window +
+    8,194 compressed rows (111 splits, bf16 states by default) and window + picks with holes with bf16 states
+    forced, a batch of 3 queries and each alone, 64 and 40 heads, bit for bit; a spy shows the TMA path taken."""
+    from ds4x.kernels import attention as A
+    from ds4x.kernels import attention_wgmma
+    from ds4x.kernels.attention import attention_decode_triton
+
+    q, rows, sinks, pos, picks = _hopper_attention_inputs(43, True, 8400, [1_048_575, 700_000, 5_000], 8194)
+    kernel, launched = attention_wgmma.partial_kernel, []
+
+    class _Spy:  # records each launch's (STATE_BF16, TMA_STATE)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["STATE_BF16"], kw["TMA_STATE"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention_wgmma, "partial_kernel", _Spy())
+    monkeypatch.setattr(A, "STATE_BF16", True)
+    for heads in (64, 40):
+        qh, sh = q[:, :heads].contiguous(), sinks[:heads].contiguous()
+        for sources in _picks_and_hca_sources(rows, pos, picks):
+            monkeypatch.setattr(A, "STATE_BF16_TMA", False)
+            staged = attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True)
+            assert launched[-1] == (True, False)
+            monkeypatch.setattr(A, "STATE_BF16_TMA", True)
+            assert torch.equal(attention_decode_triton(qh, sources, sh, 512**-0.5, 448, True), staged)
+            assert launched[-1] == (True, True)
+            for b in range(3):
+                alone = [(r[b], s[b] if isinstance(s, torch.Tensor) else
+                          A.Slots(s.n, position=pos[b : b + 1], ring=s.ring, ratio=s.ratio)) for r, s in sources]
+                assert torch.equal(attention_decode_triton(qh[b], alone, sh, 512**-0.5, 448, True), staged[b])

@@ -153,6 +153,13 @@ TMA_STATE_SPLITS = 64
 # states at 41242c6) were still slower with bf16 states: HCA at 1M 26.6, 26.7 us, 41 layers 1.341, 1.345 ms.
 STATE_BF16: bool | None = None
 STATE_BF16_SPLITS = 64
+# A bf16 state rounded in the two phases' registers and stored by the TMA unit (`attention_wgmma.
+# _store_state_bf16_tma`): the RoPE columns from a second accumulator of their output products (each element the same
+# products in the same order as the big accumulator's) plus the low parts', all 512 columns rounded to bf16 into a
+# 64 KB swizzled tile and written out in 64-column boxes, instead of the 128 KB float32 stage read back 64 columns at
+# a time and stored by the threads (~6,060 cycles of an HCA call at 1M by the stamps, 4cb9a49). The same bits
+# meant (GPU test). Not yet timed: off.
+STATE_BF16_TMA = False
 # Not kept: the bf16 state stored straight from the two phases' accumulator registers (STATE_BF16_DIRECT,
 # e21ad32..a2ac8c5, removed: a second accumulator of the RoPE columns' products in the low parts' layout, each thread
 # storing its column pairs as bf16), instead of the float32 stage in shared memory read back as 16-byte row pieces.
@@ -338,6 +345,7 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
         tma_state = not (one_pass or state_bf16) and (TMA_STATE if TMA_STATE is not None
                                                       else B == 1 and n_split >= TMA_STATE_SPLITS)
+        tma_state = tma_state or (STATE_BF16_TMA and state_bf16 and two_phase > 0)
         parts = 1
         if two_phase and not (tma_state or state_bf16):
             from ds4x.kernels.indexer import num_sms

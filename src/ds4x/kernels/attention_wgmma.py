@@ -268,7 +268,8 @@ if HAVE_GLUON:
                           D: gl.constexpr, NOPE: gl.constexpr, BLOCK: gl.constexpr, MODE_A: gl.constexpr,
                           MODE_B: gl.constexpr, MAXB: gl.constexpr, L3: gl.constexpr, S_L: gl.constexpr,
                           O_ACC: gl.constexpr, R_ACC: gl.constexpr, num_warps: gl.constexpr,
-                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1):
+                          OVERLAP: gl.constexpr = False, Q_ASYNC: gl.constexpr = False, PARTS: gl.constexpr = 1,
+                          ROPE_COPY: gl.constexpr = False):
         # A program's (at most MAXB) blocks in two phases instead of the online loop, for a bf16 query (its value is
         # its high part: one [64, 512] operand): first every block's rows decoded into a key tile of its own and its
         # scores [64, BLOCK] kept in shared memory, with the running maximum only; then each block's probabilities
@@ -280,8 +281,12 @@ if HAVE_GLUON:
         # (`_copy_query`), waited for before the first score product. PARTS: the key tiles held as that many column
         # parts; every score product runs over all of them, the output products over part ``part`` only (o: [64,
         # 512 / PARTS]); o_r, the RoPE columns' low parts' products, is computed by every part (``part`` is not a
-        # constant) and used by the last
+        # constant) and used by the last. ROPE_COPY: the output products of the RoPE columns run a second time into
+        # an accumulator o_h in o_r's layout ([64, 64]: each element the same products in the same order as o's, so
+        # the same bits), so that o_h + o_r is the state's RoPE columns without a float32 trip through shared memory;
+        # else o_h is o_r (unused). -> (m, l, o, o_r, o_h)
         RD: gl.constexpr = D - NOPE
+        gl.static_assert(not ROPE_COPY or PARTS == 1)
         S1_ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
                                                           instr_shape=[16, BLOCK // (num_warps // 4), 16])
         SH: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -342,6 +347,7 @@ if HAVE_GLUON:
         # async accumulators from the start: the loop carries them across products it does not wait for
         o = warpgroup_mma_init(gl.zeros([HP, D // PARTS], gl.float32, O_ACC))
         o_r = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC))
+        o_h = warpgroup_mma_init(gl.zeros([HP, RD], gl.float32, R_ACC)) if ROPE_COPY else o_r
         for j in range(na + nb):
             p = gl.exp(scores.index(j).load(S_L) - m_safe[:, None])
             l += gl.sum(p, axis=1)
@@ -354,8 +360,16 @@ if HAVE_GLUON:
             o = warpgroup_mma(probs.index(2 * j + 1), keys.index(j * PARTS + part), o, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j), keys_lo.index(j), o_r, is_async=True)
             o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)
-        o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
-        return m, l, o, o_r
+            if ROPE_COPY:
+                rope = keys.index(j).slice(NOPE, RD, dim=1)  # (one part: the whole row)
+                o_h = warpgroup_mma(probs.index(2 * j), rope, o_h, is_async=True)
+                o_h = warpgroup_mma(probs.index(2 * j + 1), rope, o_h, is_async=True)
+        if ROPE_COPY:
+            o, o_r, o_h = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r, o_h))
+        else:
+            o, o_r = warpgroup_mma_wait(num_outstanding=0, deps=(o, o_r))
+            o_h = o_r
+        return m, l, o, o_r, o_h
 
     # the partial state's shared tile: 128-byte swizzled float32 rows, as the TMA descriptor's boxes need them
     _STATE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
@@ -404,6 +418,27 @@ if HAVE_GLUON:
             part = stage.slice(j * 64, 64, dim=1).load(LB)
             gl.store(acc_ptr + h * D + j * 64 + c, part.to(gl.bfloat16))
 
+    # the bf16 state's shared tile: 128-byte swizzled bf16 rows (64 columns), the TMA descriptor's boxes
+    _STATE_BF16_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+    @gluon.jit
+    def _store_state_bf16_tma(o, rope, acc_desc, row, NOPE: gl.constexpr):
+        # the bf16 state rounded in registers (o's columns, then its RoPE columns from ``rope`` = o_h + o_r, the
+        # `_two_phase_blocks` ROPE_COPY sums) into a swizzled bf16 tile (64 KB, against the 128 KB float32 stage
+        # `_store_state_bf16` reads back) and stored by the TMA unit, one box per 64 columns
+        HP: gl.constexpr = o.shape[0]
+        D: gl.constexpr = o.shape[1]
+        BOX: gl.constexpr = acc_desc.block_type.shape[1]
+        stage = gl.allocate_shared_memory(gl.bfloat16, [HP, D], _STATE_BF16_LAYOUT)
+        stage.store(o.to(gl.bfloat16))
+        gl.thread_barrier()  # the RoPE columns written over o's
+        stage.slice(NOPE, D - NOPE, dim=1).store(rope.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        for c in gl.static_range(D // BOX):
+            tma.async_copy_shared_to_global(acc_desc, [row, c * BOX], stage.slice(c * BOX, BOX, dim=1))
+        tma.store_wait(0)
+
     # row and block counts change with the context in a prefill chunk (HCA rows), an explicit index's width with a
     # prompt's length (CSA's top-k of a short context): one compiled variant
     @gluon.jit(do_not_specialize=["n_a", "splits_a", "blocks_a", "n_b", "blocks_b", "n_split", "index_a", "index_b"])
@@ -429,12 +464,16 @@ if HAVE_GLUON:
         TWO_PHASE, global float32 stores): program (split, part, query) computes every score of its split but the
         output product and the state's stores of columns part x 512 / PARTS onwards only (m and l stored by part 0,
         the RoPE columns' low parts added by the last): a split's 128 KB of stores spread over PARTS programs, with
-        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100)."""
+        the same bits (test_hopper_attention_column_parts_give_the_same_bits, H100). STATE_BF16 with TMA_STATE (and
+        TWO_PHASE): the bf16 state rounded in registers, its RoPE columns from a second accumulator of their products
+        (`_two_phase_blocks` ROPE_COPY) plus the low parts', and stored by the TMA unit from a bf16 tile
+        (`_store_state_bf16_tma`; ``acc_desc`` a bf16 descriptor); the same bits as without TMA_STATE."""
         HP: gl.constexpr = 64
         RD: gl.constexpr = D - NOPE
         ROW: gl.constexpr = NOPE + 2 * RD + NOPE // 64  # packed row bytes
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [num_warps, 1, 1], [2, 1, 0])  # [BLOCK, 8, 64]
         gl.static_assert(PARTS == 1 or (TWO_PHASE > 0 and not (WHOLE or TMA_STATE or STATE_BF16)))
+        gl.static_assert(not (STATE_BF16 and TMA_STATE) or TWO_PHASE > 0)
         split = gl.program_id(0)
         if PARTS > 1:
             part = gl.program_id(1)
@@ -505,10 +544,11 @@ if HAVE_GLUON:
         _prefetch_rows(rows_ptr, idx, stride, ROW)
 
         if TWO_PHASE > 0:  # a bf16 query, at most TWO_PHASE blocks a program
-            m, l, o, o_r = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a, idx_a,
-                                             pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b, ring_b, slots,
-                                             scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B, TWO_PHASE, L3, S_L,
-                                             O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC, PARTS)
+            m, l, o, o_r, o_h = _two_phase_blocks(q_in, rows_ptr, stride, idx, na, nb, a0, b0, rows_a, stride_a,
+                                                  idx_a, pos_a, n_a, ring_a, rows_b, stride_b, idx_b, pos_b, n_b,
+                                                  ring_b, slots, scale, part, HP, D, NOPE, BLOCK, MODE_A, MODE_B,
+                                                  TWO_PHASE, L3, S_L, O_ACC, R_ACC, num_warps, OVERLAP, Q_ASYNC,
+                                                  PARTS, STATE_BF16 and TMA_STATE)
         else:
             q2 = gl.allocate_shared_memory(gl.bfloat16, [2 * HP, D], SH)  # [q_hi; q_lo]
             k_tiles = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, D], SH)  # one column part
@@ -572,7 +612,9 @@ if HAVE_GLUON:
             base = b * n_split * HP + split * HP
             gl.store(m_ptr + base + hs, m, mask=part == 0)
             gl.store(l_ptr + base + hs, l, mask=part == 0)
-            if STATE_BF16:
+            if STATE_BF16 and TMA_STATE:
+                _store_state_bf16_tma(o, o_h + o_r, acc_desc, base.to(gl.int32), NOPE)  # noqa: F821 - two phases
+            elif STATE_BF16:
                 _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)
             elif TMA_STATE:
                 _store_state_tma(o, o_r, acc_desc, base.to(gl.int32), NOPE)
@@ -587,8 +629,11 @@ if HAVE_GLUON:
 
 
 def state_descriptor(acc: torch.Tensor) -> TensorDescriptor:
-    """The TMA descriptor of a partial state buffer [..., 64, D] float32 as the partial kernel's TMA_STATE stores it:
-    rows of D, boxes of 64 rows x 32 columns (128 bytes, the swizzle's width) of `_stage_state`'s tile."""
+    """The TMA descriptor of a partial state buffer [..., 64, D] as the partial kernel's TMA_STATE stores it: rows of
+    D, boxes of 64 rows x 128 bytes (the swizzle's width) of `_stage_state`'s float32 tile (32 columns) or
+    `_store_state_bf16_tma`'s bf16 one (64 columns)."""
+    if acc.dtype == torch.bfloat16:
+        return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 64], _STATE_BF16_LAYOUT.value)
     return TensorDescriptor.from_tensor(acc.view(-1, acc.shape[-1]), [HEADS, 32], _STATE_LAYOUT.value)
 
 
