@@ -52,6 +52,8 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
     # a bf16 state (the launches of many splits) has no atomics after it: its stores stamped where they end
     ("                _store_state_bf16(o, o_r, acc_ptr + base * D, NOPE, num_warps)\n",
      "+                _stamp(stamps_ptr, srow, 4, num_warps)\n"),
+    ("                _store_state_bf16_tma(o, o_h + o_r, acc_desc, base.to(gl.int32), NOPE)  # noqa: F821 - two "
+     "phases\n", "+                _stamp(stamps_ptr, srow, 4, num_warps)\n"),
     ("            gl.atomic_add(at, o_r, mask=r_ok, sem=\"relaxed\")\n",
      "+        _stamp(stamps_ptr, srow, 5, num_warps)\n"),
     ("    # row and block counts change",
@@ -74,7 +76,7 @@ STAMPS = (  # (marker in attention_wgmma.py, what to insert after (+) or before 
 # issued (16 + j), the products waited for (7)
 TWO_PHASE_STAMPS = (
     ("    def _two_phase_blocks(", "+stamps_ptr, srow, "),
-    ("            m, l, o, o_r = _two_phase_blocks(", "+stamps_ptr, srow, "),
+    ("            m, l, o, o_r, o_h = _two_phase_blocks(", "+stamps_ptr, srow, "),
     ("        else:\n            q1 = gl.allocate_shared_memory(gl.bfloat16, [HP, D], SH, q_in.to(gl.bfloat16))\n",
      "+        _stamp(stamps_ptr, srow, 2, num_warps)\n"),
     ("            top = gl.maximum(top, s)\n",
@@ -88,7 +90,7 @@ TWO_PHASE_STAMPS = (
      "+        _stamp(stamps_ptr, srow, 6, num_warps)\n"),
     ("            o_r = warpgroup_mma(probs.index(2 * j + 1), keys_lo.index(j), o_r, is_async=True)\n",
      "+            _stamp(stamps_ptr, srow, 16 + j, num_warps)\n"),
-    ("        return m, l, o, o_r\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
+    ("        return m, l, o, o_r, o_h\n", "-        _stamp(stamps_ptr, srow, 7, num_warps)\n"),
 )
 # ``--no-score-products`` (with --two-phase, TWO_PHASE_OVERLAP on): phase 1's score products and their wait left out
 # of the overlapped loop, so that its stamps time the decode alone (timing only: the outputs are wrong)
