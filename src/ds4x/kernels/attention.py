@@ -343,9 +343,11 @@ def attention_decode_triton(q: torch.Tensor, sources: list[tuple[torch.Tensor, S
     if wide:
         two_phase = (TWO_PHASE_BLOCKS if not one_pass and qc.dtype == torch.bfloat16 and block == 16
                      and max(per_split) <= TWO_PHASE_BLOCKS else 0)
-        tma_state = not (one_pass or state_bf16) and (TMA_STATE if TMA_STATE is not None
-                                                      else B == 1 and n_split >= TMA_STATE_SPLITS)
-        tma_state = tma_state or (STATE_BF16_TMA and state_bf16 and two_phase > 0)
+        if state_bf16:  # (the TMA unit stores a bf16 state from registers the two phases round)
+            tma_state = STATE_BF16_TMA and two_phase > 0
+        else:
+            tma_state = not one_pass and (TMA_STATE if TMA_STATE is not None
+                                          else B == 1 and n_split >= TMA_STATE_SPLITS)
         parts = 1
         if two_phase and not (tma_state or state_bf16):
             from ds4x.kernels.indexer import num_sms
